@@ -1,0 +1,31 @@
+# Two commands on a fresh machine with only Python: `make demo` and `make test`.
+# Each creates .venv, installs torch 2.13.0 (CPU) first, then this project with its test extras.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-slow setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gossiptrain demo
+
+# pytest exits 5 when it collected no test: that must fail, not pass silently.
+test: $(STAMP)
+	@$(BIN)/python -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$rc
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

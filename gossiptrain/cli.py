@@ -1,0 +1,207 @@
+"""The `gossiptrain` command: coordinator, peer, demo and config.
+
+Run flags map onto the same dotted fields as a TOML file (``--lr`` is
+``train.lr``; ``--set section.field=value`` reaches any field), so a file and
+flags can be mixed: flags win. Errors a user can fix print one line naming
+the problem and exit with status 2. Ctrl+C or SIGTERM stops a training
+peer gracefully (it leaves, writes its summary, exits 0); during a join or
+the demo, Ctrl+C aborts with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Callable, Sequence
+
+from .config import RunConfig, describe_fields
+from .errors import ConfigError, GossipError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# flag -> dotted config field
+_RUN_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--workload": ("train.workload", str, "digits, logreg, or module:attr of your own"),
+    "--topology": ("gossip.topology", str, "ring, exponential, complete, torus, hypercube"),
+    "--algorithm": ("gossip.algorithm", str, "pairwise"),
+    "--lr": ("train.lr", float, "learning rate"),
+    "--batch-size": ("train.batch_size", int, "mini-batch size"),
+    "--shards": ("train.shards", int, "number of data shards (usually the number of peers)"),
+    "--steps": ("train.max_steps", int, "step budget per peer (0: none)"),
+    "--seconds": ("train.max_seconds", float, "time budget per peer (0: none)"),
+    "--seed": ("train.seed", int, "seed of model init and shards"),
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run configuration (shared by the swarm)")
+    g.add_argument("--config", metavar="FILE", help="TOML file with [train], [gossip], [membership], [limits]")
+    for flag, (field, ftype, help_text) in _RUN_FLAGS.items():
+        g.add_argument(flag, type=ftype, metavar=ftype.__name__.upper(), help=f"{help_text} ({field})")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any field, e.g. gossip.exchange_every_steps=2")
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    config = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    overrides: dict[str, Any] = {}
+    for flag, (field, _, _) in _RUN_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[field] = value
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r} must look like FIELD=VALUE, e.g. train.lr=0.1")
+        overrides[key.strip()] = value.strip()
+    return config.with_overrides(overrides) if overrides else config
+
+
+def _explicit_run_config(args: argparse.Namespace) -> RunConfig | None:
+    """The run a peer expects, only if the user described one."""
+    given = args.config or args.set or any(getattr(args, f.lstrip("-").replace("-", "_")) is not None for f in _RUN_FLAGS)
+    return _run_config(args) if given else None
+
+
+def _setup_logging(verbosity: int, default: int) -> None:
+    level = {0: default, 1: logging.INFO, 2: logging.DEBUG}.get(verbosity, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from .serve import run_coordinator_forever
+
+    _setup_logging(args.verbose, logging.INFO)
+    config = _run_config(args)
+
+    def ready(coord: Any) -> None:
+        host_port = coord.address.removeprefix("tcp://")
+        print(f"coordinator listening on {coord.address} (run {config.fingerprint()})", flush=True)
+        print(f"join with: gossiptrain peer --join {host_port}", flush=True)
+
+    run_coordinator_forever(config, args.bind, ready)
+    return 0
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    import json
+
+    from .trainer import PeerOptions, run_peer
+
+    _setup_logging(args.verbose, logging.WARNING)
+    options = PeerOptions(
+        join=args.join,
+        bind=args.bind,
+        advertise=args.advertise,
+        metrics=args.metrics,
+        expect=_explicit_run_config(args),
+        shard=args.shard,
+        join_attempts=args.join_attempts,
+        threads=args.threads,
+        progress=not args.quiet,
+    )
+    stop = threading.Event()
+    training = threading.Event()
+    _on_stop_signals(lambda: stop.set() if training.is_set() else _interrupt())
+    summary = run_peer(options, stop, on_training=training.set)
+    if args.json:
+        print(json.dumps(summary, separators=(",", ":")), flush=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .demo import DemoOptions, format_table, run_demo, summary_json
+
+    _setup_logging(args.verbose, logging.WARNING)
+    _on_stop_signals(_interrupt)
+    options = DemoOptions(
+        peers=args.peers, target=args.target, timeout=args.timeout, workdir=Path(args.workdir) if args.workdir else None
+    )
+    summary = run_demo(options)
+    print(format_table(summary), flush=True)
+    if args.json:
+        print(summary_json(summary), flush=True)
+    return 0 if summary["reached"] else 1
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(describe_fields(), end="")
+    return 0
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def _on_stop_signals(handler: Callable[[], None]) -> None:
+    """SIGTERM behaves like Ctrl+C: the handler decides between a graceful stop and an interrupt."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: handler())
+
+
+# -- parser ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gossiptrain", description="Asynchronous gossip training for PyTorch: no master, peers average with neighbours."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("coordinator", help="bootstrap a swarm: answer joins with an id, the run config and members")
+    p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="where to listen (default 127.0.0.1:7070)")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("peer", help="join a swarm and train")
+    p.add_argument("--join", required=True, metavar="HOST:PORT", help="the coordinator or any live peer")
+    p.add_argument("--bind", metavar="HOST:PORT", help="where to listen (default: the advertised host, port 0)")
+    p.add_argument("--advertise", metavar="HOST", help="host others reach us at (default: our address on the route to --join)")
+    p.add_argument("--metrics", metavar="FILE", help="append metrics as JSON lines")
+    p.add_argument("--shard", type=int, help="train this shard instead of the least covered one")
+    p.add_argument("--join-attempts", type=int, metavar="N", help="join attempts before giving up (default 5, 2 s each)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this peer (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("demo", help="coordinator + 4 peer processes on 127.0.0.1 training digits to 0.95")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--target", type=float, default=0.95, help="mean test accuracy to reach (default 0.95)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds before giving up (default 180)")
+    p.add_argument("--workdir", metavar="DIR", help="keep metrics and logs here")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("config", help="print every configuration field with its default (TOML)")
+    p.set_defaults(func=cmd_config)
+
+    for name, sp in sub.choices.items():
+        if name != "config":
+            sp.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except GossipError as e:
+        print(f"gossiptrain {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Run configuration: frozen dataclasses, validated on construction.
+
+A swarm shares one ``RunConfig``. The coordinator (or any peer answering a
+join) hands it to newcomers, and its fingerprint travels in every message so
+that peers of different runs never mix. TOML files and CLI flags map onto the
+same dotted field names (``train.lr``, ``gossip.topology``, ...).
+
+Every limit and timing is a named field here; nothing is hard-coded deeper
+down. Timeouts a user would otherwise tune are derived (see
+``MembershipConfig.fail_timeout``) or adapted at run time (exchange timeouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+#: Algorithms the averaging layer offers today (see gossiptrain.averaging).
+ALGORITHMS = ("pairwise",)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {message}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on everything that arrives from the network (wire and transport)."""
+
+    max_header_bytes: int = 1 << 20  # msgpack header frame of one message
+    max_frames: int = 1025  # header + tensor frames in one message
+    max_frame_bytes: int = 64 << 20  # one tensor frame (also ZMQ_MAXMSGSIZE)
+    max_message_bytes: int = 512 << 20  # all frames of one message together
+    max_container_len: int = 65_536  # msgpack array / map length
+    max_str_len: int = 4096  # msgpack string length
+    inbox_messages: int = 256  # received messages waiting for the peer loop
+    send_queue_messages: int = 8  # ZMQ SNDHWM: queued messages per connection
+    averaging_queue: int = 8  # exchange messages waiting for the trainer
+
+    def check(self, section: str = "limits") -> None:
+        for f in fields(self):
+            _require(getattr(self, f.name) > 0, f"{section}.{f.name}", "must be > 0")
+        _require(self.max_frames >= 1, f"{section}.max_frames", "must be >= 1")
+        _require(
+            self.max_message_bytes >= self.max_frame_bytes,
+            f"{section}.max_message_bytes",
+            "must be >= limits.max_frame_bytes",
+        )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What each peer trains and for how long."""
+
+    workload: str = "digits"  # built-in name (digits, logreg), "module:attr", or "external"
+    lr: float = 0.05  # SGD learning rate
+    momentum: float = 0.9  # SGD momentum
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    shards: int = 4  # the data is cut into this many shards; a peer trains one
+    seed: int = 0  # model init and shards are deterministic from it
+    max_steps: int = 2000  # budget: a peer finishes after this many steps (0 = none)
+    max_seconds: float = 0.0  # budget: a peer finishes after this long (0 = none)
+    eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
+
+    def __post_init__(self) -> None:
+        s = "train"
+        _require(bool(self.workload.strip()), f"{s}.workload", "must name a workload")
+        _require(self.lr > 0 and math.isfinite(self.lr), f"{s}.lr", f"must be a positive number, got {self.lr}")
+        _require(0 <= self.momentum < 1, f"{s}.momentum", f"must be in [0, 1), got {self.momentum}")
+        _require(self.weight_decay >= 0, f"{s}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.batch_size >= 1, f"{s}.batch_size", f"must be >= 1, got {self.batch_size}")
+        _require(self.shards >= 1, f"{s}.shards", f"must be >= 1, got {self.shards}")
+        _require(self.max_steps >= 0, f"{s}.max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.max_seconds >= 0, f"{s}.max_seconds", f"must be >= 0, got {self.max_seconds}")
+        _require(self.eval_every_seconds > 0, f"{s}.eval_every_seconds", "must be > 0")
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """How peers pick partners and average."""
+
+    topology: str = "exponential"  # see topologies.names()
+    algorithm: str = "pairwise"  # see ALGORITHMS
+    exchange_every_steps: int = 1  # start at most one exchange per this many local steps
+    exchange_timeout_min: float = 0.5  # adaptive exchange timeout: floor (seconds)
+    exchange_timeout_max: float = 10.0  # adaptive exchange timeout: ceiling (seconds)
+
+    def __post_init__(self) -> None:
+        import topologies  # local: topologies is a sibling package, kept optional at import
+
+        s = "gossip"
+        _require(
+            self.topology in topologies.names(),
+            f"{s}.topology",
+            f"is {self.topology!r}; known topologies: {', '.join(topologies.names())}",
+        )
+        _require(
+            self.algorithm in ALGORITHMS,
+            f"{s}.algorithm",
+            f"is {self.algorithm!r}; known algorithms: {', '.join(ALGORITHMS)}",
+        )
+        _require(self.exchange_every_steps >= 1, f"{s}.exchange_every_steps", "must be >= 1")
+        _require(self.exchange_timeout_min > 0, f"{s}.exchange_timeout_min", "must be > 0")
+        _require(
+            self.exchange_timeout_max >= self.exchange_timeout_min,
+            f"{s}.exchange_timeout_max",
+            "must be >= gossip.exchange_timeout_min",
+        )
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    """Heartbeat gossip and joining."""
+
+    heartbeat_interval: float = 0.5  # seconds between gossip rounds
+    fanout: int = 3  # members sent our view each round
+    suspicion_mult: float = 3.0  # dead after interval * mult * log2(n + 1) silent seconds
+    tombstone_rounds: int = 120  # rounds a dead/left member is remembered (blocks stale resurrection)
+    report_interval: float = 2.0  # seconds between reports to the coordinator
+    join_timeout: float = 2.0  # seconds to wait for an answer to one join attempt
+    join_attempts: int = 5  # attempts before giving up, join_timeout seconds each
+    sample_size: int = 16  # members handed to a newcomer
+
+    def __post_init__(self) -> None:
+        s = "membership"
+        _require(self.heartbeat_interval > 0, f"{s}.heartbeat_interval", "must be > 0")
+        _require(self.fanout >= 1, f"{s}.fanout", "must be >= 1")
+        _require(self.suspicion_mult >= 1, f"{s}.suspicion_mult", "must be >= 1")
+        _require(self.tombstone_rounds >= 1, f"{s}.tombstone_rounds", "must be >= 1")
+        _require(self.report_interval > 0, f"{s}.report_interval", "must be > 0")
+        _require(self.join_timeout > 0, f"{s}.join_timeout", "must be > 0")
+        _require(self.join_attempts >= 1, f"{s}.join_attempts", "must be >= 1")
+        _require(self.sample_size >= 1, f"{s}.sample_size", "must be >= 1")
+
+    def fail_timeout(self, members: int) -> float:
+        """Seconds of silence after which a member is declared dead.
+
+        Gossip needs about log2(n) rounds to spread a heartbeat through n
+        members, so the timeout grows with the view size instead of being a
+        constant that is too short for big swarms and too long for small ones.
+        """
+        return self.heartbeat_interval * self.suspicion_mult * max(1.0, math.log2(members + 1))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a swarm agrees on. Its fingerprint identifies the run."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    limits: Limits = field(default_factory=Limits)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A short hash of the whole configuration; equal runs have equal fingerprints."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def diff(self, other: "RunConfig") -> list[str]:
+        """Dotted names of the fields whose values differ, as 'name: ours vs theirs'."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        out = []
+        for section, values in mine.items():
+            for name, value in values.items():
+                if theirs[section][name] != value:
+                    out.append(f"{section}.{name}: {value!r} vs {theirs[section][name]!r}")
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """Build from nested mappings (TOML, msgpack). Unknown or ill-typed fields raise ConfigError."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("configuration must be a table of sections")
+        sections = {f.name: f.type for f in fields(cls)}
+        unknown = [str(k) for k in data if k not in sections]
+        if unknown:
+            raise ConfigError(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(sections)}")
+        kwargs = {}
+        for f in fields(cls):
+            section_cls = _SECTIONS[f.name]
+            values = data.get(f.name, {})
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"{f.name} must be a table of fields")
+            kwargs[f.name] = _build_section(section_cls, f.name, values)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "RunConfig":
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"configuration file {path} is not valid TOML: {e}") from None
+        return cls.from_dict(data)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
+        """A copy with dotted fields replaced, e.g. {"train.lr": 0.1}. Strings are parsed by field type."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            section, _, name = dotted.partition(".")
+            if section not in data or name not in data[section]:
+                raise ConfigError(f"unknown field {dotted!r}; see `gossiptrain config` for all fields")
+            ftype = type(data[section][name])
+            data[section][name] = _parse_value(dotted, value, ftype) if isinstance(value, str) else value
+        return RunConfig.from_dict(data)
+
+
+_SECTIONS: dict[str, type] = {
+    "train": TrainConfig,
+    "gossip": GossipConfig,
+    "membership": MembershipConfig,
+    "limits": Limits,
+}
+
+
+def _parse_value(name: str, text: str, ftype: type) -> Any:
+    try:
+        if ftype is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return ftype(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be of type {ftype.__name__}, got {text!r}") from None
+
+
+def _build_section(section_cls: type, section: str, values: Mapping[str, Any]) -> Any:
+    known = {f.name: f for f in fields(section_cls)}
+    unknown = [str(k) for k in values if k not in known]
+    if unknown:
+        raise ConfigError(
+            f"unknown field(s) {', '.join(section + '.' + u for u in unknown)}; "
+            f"known in [{section}]: {', '.join(known)}"
+        )
+    defaults = section_cls()
+    kwargs = {}
+    for name, value in values.items():
+        expected = type(getattr(defaults, name))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not expected:
+            raise ConfigError(
+                f"{section}.{name} must be of type {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
+        kwargs[name] = value
+    return section_cls(**kwargs)
+
+
+def describe_fields() -> str:
+    """Every configuration field with its default, for `gossiptrain config` and the README."""
+    lines = []
+    for section, cls in _SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in fields(cls):
+            lines.append(f"{f.name} = {json.dumps(getattr(cls(), f.name))}")
+        lines.append("")
+    return "\n".join(lines)

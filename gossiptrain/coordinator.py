@@ -1,0 +1,147 @@
+"""The coordinator: a bootstrap service and nothing more.
+
+It answers joins (id, shard, run configuration, fingerprint, a sample of live
+members) and learns who is alive only from joins and the peers' periodic
+reports. It holds no training state, so it can be stopped and restarted at
+any time: training goes on, and a restarted coordinator relearns the swarm
+from the next round of reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+from .averaging import ParamSpec
+from .clock import REAL_CLOCK, Clock
+from .config import RunConfig
+from .errors import ProtocolError
+from .joining import JOIN, WELCOME, JoinRequest, answer_join
+from .membership import ALIVE, Member, least_loaded_shard
+from .node import REPORT
+from .service import Service
+from .transport import Transport
+from .wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CoordinatorStats:
+    joins_answered: int = 0
+    joins_refused: int = 0
+    reports: int = 0
+    bad_messages: int = 0
+    wrong_run: int = 0
+    unexpected: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Registry:
+    """Members the coordinator has heard from recently; silent ones expire."""
+
+    def __init__(self, expire_after: float) -> None:
+        self.expire_after = expire_after
+        self._seen: dict[str, tuple[Member, float]] = {}
+
+    def update(self, member: Member, now: float) -> None:
+        if member.state != ALIVE:
+            self._seen.pop(member.id, None)
+            return
+        known = self._seen.get(member.id)
+        if known is None or member.version >= known[0].version:
+            self._seen[member.id] = (member, now)
+
+    def alive(self, now: float) -> list[Member]:
+        for mid, (_, seen) in list(self._seen.items()):
+            if now - seen > self.expire_after:
+                del self._seen[mid]
+        return [m for m, _ in self._seen.values()]
+
+
+class Coordinator(Service):
+    """Bootstraps membership for one run; see the module docstring."""
+
+    def __init__(self, config: RunConfig, transport: Transport, clock: Clock = REAL_CLOCK, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.transport = transport
+        self.clock = clock
+        self.rng = random.Random(seed)
+        self.stats = CoordinatorStats()
+        self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
+        m = config.membership
+        self.registry = Registry(expire_after=3 * m.report_interval + m.fail_timeout(1))
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def members(self) -> list[Member]:
+        return self.registry.alive(self.clock.now())
+
+    async def _start(self) -> None:
+        self.spawn(self._receive_loop(), "receive")
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.transport.recv()
+            try:
+                self._dispatch(decode(frames, self.config.limits))
+            except ProtocolError as e:
+                self.stats.bad_messages += 1
+                log.debug("dropped a bad message: %s", e)
+            except Exception:
+                self.stats.bad_messages += 1
+                log.exception("error while handling a message; dropped it")
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.kind == JOIN:
+            self._answer_join(msg)
+        elif msg.kind == REPORT:
+            if msg.fingerprint != self.fingerprint:
+                self.stats.wrong_run += 1
+                return
+            body = msg.body
+            member = Member.from_wire(body.get("member"))
+            if member.id != msg.sender:
+                raise ProtocolError("a report must be about its sender")
+            self._learn_spec(body.get("spec"))
+            self.registry.update(member, self.clock.now())
+            self.stats.reports += 1
+        else:
+            self.stats.unexpected += 1
+
+    def _learn_spec(self, raw: object) -> None:
+        if raw is not None and self.spec is None:
+            self.spec = ParamSpec.from_wire(raw)
+
+    def _answer_join(self, msg: Message) -> None:
+        request = JoinRequest.from_body(msg.body)
+        now = self.clock.now()
+        alive = self.registry.alive(now)
+        sample = self.rng.sample(alive, min(self.config.membership.sample_size, len(alive)))
+        kind, body = answer_join(
+            request,
+            config=self.config,
+            spec=self.spec,
+            sample=sample,
+            pick_shard=lambda shards: least_loaded_shard((m.shard for m in alive), shards),
+            coordinator=self.transport.address,
+        )
+        if kind == WELCOME:
+            if request.spec is not None:
+                self.spec = self.spec or request.spec
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0, heartbeat=0)
+            self.registry.update(newcomer, now)
+            self.stats.joins_answered += 1
+            log.info("welcomed %s at %s (shard %d, %d members)", newcomer.id, msg.addr, newcomer.shard, len(alive) + 1)
+        else:
+            self.stats.joins_refused += 1
+            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
+        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        self.transport.send(msg.addr, frames)

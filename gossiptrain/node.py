@@ -1,0 +1,255 @@
+"""The network side of one peer: membership gossip, answering joins, routing exchanges.
+
+``PeerNode`` runs in the peer's event loop. It decodes every message (a bad
+one is dropped and counted), drives the membership state machine on a
+heartbeat, answers joins like the coordinator does, reports to the
+coordinator when one is known, and hands exchange messages to the trainer
+through a bounded queue. The trainer consumes that queue at its safe points
+(see ``gossiptrain.peer``); when the queue is full, a request is refused at
+once so that its sender moves on instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import topologies
+
+from . import averaging
+from .averaging import ParamSpec, Received, SendExchange
+from .clock import Clock
+from .config import RunConfig
+from .errors import ProtocolError
+from .joining import JOIN, WELCOME, JoinRequest, answer_join
+from .membership import Digest, Leave, Member, MemberDown, MemberUp, Membership, Send, Tick, members_from_wire
+from .service import Service
+from .transport import Transport
+from .wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+GOSSIP, LEAVE, REPORT = "gossip", "leave", "report"
+_EXCHANGE_KINDS = (averaging.XREQ, averaging.XREP, averaging.XNAK)
+_ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
+
+
+@dataclass
+class NodeStats:
+    bad_messages: int = 0  # failed to decode or validate
+    wrong_run: int = 0  # another run's fingerprint
+    unexpected: int = 0  # a kind this node does not take
+    exchange_queue_full: int = 0  # requests refused because the trainer was behind
+    undeliverable: int = 0  # messages the transport could not queue
+    joins_answered: int = 0
+    members_up: int = 0
+    members_dead: int = 0  # declared dead after missed heartbeats
+    members_left: int = 0  # announced a clean leave
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class PeerNode(Service):
+    """Membership, join answering and exchange routing for one peer."""
+
+    def __init__(
+        self,
+        *,
+        me: Member,
+        config: RunConfig,
+        transport: Transport,
+        clock: Clock,
+        rng: random.Random,
+        spec: ParamSpec | None,
+        coordinator: str = "",
+        seeds: list[Member] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.transport = transport
+        self.clock = clock
+        self.rng = rng
+        self.spec = spec
+        self.coordinator = coordinator
+        self.membership = Membership(me, config.membership, rng)
+        self.topology = topologies.get(config.gossip.topology)
+        self.stats = NodeStats()
+        self.step = 0  # the trainer's step, stamped on outgoing messages (written by the trainer thread)
+        # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.
+        self.exchanges: queue.Queue[Received] = queue.Queue(maxsize=config.limits.averaging_queue)
+        self._view: tuple[str, ...] = (me.id,)
+        self._addr_hints: OrderedDict[str, str] = OrderedDict()
+        if seeds:
+            self._apply(self.membership.handle(Digest(seeds), clock.now()))
+
+    @property
+    def me(self) -> Member:
+        return self.membership.me
+
+    # -- thread-safe reads for the trainer ---------------------------------------------------
+
+    def view(self) -> tuple[str, ...]:
+        """Ids of alive members (us included), sorted; replaced atomically on every change."""
+        return self._view
+
+    def partners(self, round: int) -> list[str]:
+        """Our topology neighbours among the alive members at ``round``."""
+        view = self._view
+        try:
+            i = view.index(self.me.id)
+        except ValueError:
+            return []
+        return [view[j] for j in self.topology.neighbours(len(view), i, round)]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self.spawn(self._receive_loop(), "receive")
+        self.spawn(self._heartbeat_loop(), "heartbeat")
+        if self.coordinator:
+            self.spawn(self._report_loop(), "report")
+
+    async def leave(self) -> None:
+        """Tell everyone we know that we are leaving (best effort, never blocks)."""
+        self._apply(self.membership.handle(Leave(), self.clock.now()))
+        if self.coordinator:
+            self._send(self.coordinator, REPORT, self._report_body())
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, addr: str, kind: str, body: dict[str, Any], tensors: dict[str, Any] | None = None) -> bool:
+        msg = Message(kind, self.me.id, self.me.addr, self.fingerprint, self.step, body, tensors or {})
+        try:
+            frames = encode(msg, self.config.limits)
+        except ProtocolError as e:
+            log.error("cannot send %s to %s: %s", kind, addr, e)
+            return False
+        if not self.transport.send(addr, frames):
+            self.stats.undeliverable += 1
+            return False
+        return True
+
+    def send_exchange(self, action: SendExchange) -> None:
+        """Carry out an averaging action (called in the loop thread via call_soon_threadsafe)."""
+        addr = self._address_of(action.to)
+        ok = addr is not None and self._send(addr, action.kind, {"xid": action.xid}, dict(action.tensors))
+        if not ok and action.kind == averaging.XREQ:
+            # Tell the trainer at once, so the exchange does not wait out its timeout.
+            self._offer(Received(action.to, averaging.XNAK, action.xid))
+
+    def _address_of(self, member_id: str) -> str | None:
+        m = self.membership.get(member_id)
+        if m is not None:
+            return m.addr
+        return self._addr_hints.get(member_id)
+
+    # -- background tasks ------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.membership.heartbeat_interval
+        while True:
+            self._apply(self.membership.handle(Tick(), self.clock.now()))
+            await self.clock.sleep(interval * self.rng.uniform(0.9, 1.1))
+
+    async def _report_loop(self) -> None:
+        while True:
+            self._send(self.coordinator, REPORT, self._report_body())
+            await self.clock.sleep(self.config.membership.report_interval)
+
+    def _report_body(self) -> dict[str, Any]:
+        return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None}
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.transport.recv()
+            try:
+                msg = decode(frames, self.config.limits)
+                self._dispatch(msg)
+            except ProtocolError as e:
+                self.stats.bad_messages += 1
+                log.debug("dropped a bad message: %s", e)
+            except Exception:  # a bug must not let one peer's message kill the receiver
+                self.stats.bad_messages += 1
+                log.exception("error while handling a message; dropped it")
+
+    # -- handling --------------------------------------------------------------------------
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.kind == JOIN:
+            self._answer_join(msg)
+            return
+        if msg.fingerprint != self.fingerprint:
+            self.stats.wrong_run += 1
+            return
+        if msg.kind in (GOSSIP, LEAVE):
+            entries = members_from_wire(msg.body.get("members"), self.config.limits.max_container_len)
+            self._apply(self.membership.handle(Digest(entries), self.clock.now()))
+        elif msg.kind in _EXCHANGE_KINDS:
+            xid = msg.body.get("xid")
+            if type(xid) is not int:
+                raise ProtocolError("exchange message without an int xid")
+            self._remember_addr(msg.sender, msg.addr)
+            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors))
+        else:
+            self.stats.unexpected += 1
+
+    def _offer(self, event: Received) -> None:
+        try:
+            self.exchanges.put_nowait(event)
+        except queue.Full:
+            self.stats.exchange_queue_full += 1
+            if event.kind == averaging.XREQ:
+                addr = self._address_of(event.sender)
+                if addr:
+                    self._send(addr, averaging.XNAK, {"xid": event.xid})
+
+    def _remember_addr(self, member_id: str, addr: str) -> None:
+        self._addr_hints[member_id] = addr
+        self._addr_hints.move_to_end(member_id)
+        while len(self._addr_hints) > _ADDR_HINTS:
+            self._addr_hints.popitem(last=False)
+
+    def _answer_join(self, msg: Message) -> None:
+        request = JoinRequest.from_body(msg.body)
+        kind, body = answer_join(
+            request,
+            config=self.config,
+            spec=self.spec,
+            sample=self.membership.sample(self.config.membership.sample_size),
+            pick_shard=self.membership.free_shard,
+            coordinator=self.coordinator,
+        )
+        if kind == WELCOME:
+            self.stats.joins_answered += 1
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0, heartbeat=0)
+            self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))
+            log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
+        else:
+            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
+        self._send(msg.addr, kind, body)
+
+    def _apply(self, actions: list[Any]) -> None:
+        changed = False
+        for a in actions:
+            if isinstance(a, Send):
+                self._send(a.addr, a.kind, {"members": [m.to_wire() for m in a.entries]})
+            elif isinstance(a, MemberUp):
+                self.stats.members_up += 1
+                changed = True
+                log.info("member %s is up at %s", a.member.id, a.member.addr)
+            elif isinstance(a, MemberDown):
+                if a.reason == "left":
+                    self.stats.members_left += 1
+                else:
+                    self.stats.members_dead += 1
+                changed = True
+                self.transport.forget(a.member.addr)
+                log.info("member %s is down (%s)", a.member.id, a.reason)
+        if changed:
+            self._view = tuple(m.id for m in self.membership.alive())

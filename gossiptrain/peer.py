@@ -1,0 +1,216 @@
+"""``Peer``: join a swarm and gossip-average a model that your own loop trains.
+
+In the spirit of wrapping a model with DDP::
+
+    with gossiptrain.Peer(model, join="127.0.0.1:7070") as peer:
+        for batch in data:
+            loss = ...; opt.zero_grad(); loss.backward(); opt.step()
+            peer.step()
+
+The network side (membership, joins, routing) runs on an event loop in a
+background thread. All reads and writes of the model's parameters happen in
+``step()``, on the training thread, between optimizer steps: that is the only
+safe point, so no lock is needed and no update is ever half-applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import averaging
+from .averaging import PairwiseAveraging, ParamSpec, Rejected, SendExchange
+from .clock import REAL_CLOCK, Clock
+from .config import RunConfig
+from .errors import GossipError, MismatchError
+from .joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_address, tcp_url
+from .loop_thread import LoopThread
+from .membership import Member
+from .node import PeerNode
+from .transport import Transport, listen
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[RunConfig, int], torch.nn.Module]
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class Peer:
+    """One member of a gossip swarm, driven by a synchronous training loop.
+
+    ``model`` is either the module to average, or a factory
+    ``(config, shard) -> module`` called once the swarm's configuration is
+    known (the CLI peer builds its workload's model that way).
+    ``join`` is ``HOST:PORT`` of the coordinator or of any live peer.
+    ``bind`` defaults to the advertised host, port 0; ``advertise`` defaults to
+    the local address of the interface that routes to the join host, so a
+    peer joining a remote host never advertises 127.0.0.1.
+    ``config``, when given, is the run this peer expects: a swarm running
+    anything else refuses it with the differences named.
+    ``join_attempts`` bounds the join (``membership.join_timeout`` seconds
+    each); after the last one ``JoinError`` says who did not answer.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | ModelFactory,
+        join: str,
+        *,
+        bind: str | None = None,
+        advertise: str | None = None,
+        config: RunConfig | None = None,
+        shard: int | None = None,
+        seed: int | None = None,
+        join_attempts: int | None = None,
+        clock: Clock = REAL_CLOCK,
+    ) -> None:
+        self._closed = False
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._step = 0
+        join_host, join_port = parse_hostport(join, "join address")
+        bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
+        if advertise is None:
+            advertise = bind_host if bind_host not in (None, *_WILDCARDS) else route_address(join_host)
+        local = config or RunConfig()
+        self._loop = LoopThread().start()
+        self._transport: Transport | None = None
+        self._node: PeerNode | None = None
+        try:
+            self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits)
+            self._loop.run(self._transport.start(), timeout=10)
+            _, port = parse_hostport(self._transport.address)
+            self.address = tcp_url(advertise, port)
+            module = model if isinstance(model, torch.nn.Module) else None
+            request = JoinRequest(
+                config=config,
+                spec=ParamSpec.of(dict(module.named_parameters())) if module is not None else None,
+                shard=-1 if shard is None else shard,
+            )
+            welcome = self._loop.run(
+                join_swarm(
+                    self._transport,
+                    tcp_url(join_host, join_port),
+                    request,
+                    advertise=self.address,
+                    limits=local.limits,
+                    clock=clock,
+                    attempts=join_attempts or local.membership.join_attempts,
+                    attempt_timeout=local.membership.join_timeout,
+                )
+            )
+            self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
+            self._attach(welcome)
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _attach(self, welcome: Welcome) -> None:
+        params = dict(self.model.named_parameters())
+        spec = ParamSpec.of(params)
+        if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
+            raise MismatchError(f"model differs from the swarm's: {problem}")
+        self.config = welcome.config
+        self.fingerprint = welcome.fingerprint
+        self.id = welcome.member_id
+        self.shard = welcome.shard
+        self.joined_via = welcome.answered_by
+        # A restart under the same id must outrank our old heartbeats: wall-clock microseconds do.
+        me = Member(self.id, self.address, self.shard, incarnation=time.time_ns() // 1000, heartbeat=0)
+        assert self._transport is not None
+        self._node = PeerNode(
+            me=me,
+            config=self.config,
+            transport=self._transport,
+            clock=self._clock,
+            rng=self._rng,
+            spec=spec,
+            coordinator=welcome.coordinator,
+            seeds=welcome.members,
+        )
+        self._loop.run(self._node.start(), timeout=10)
+        self._averaging = PairwiseAveraging(params, self.config.gossip, self._rng)
+        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+
+    # -- the training loop's side ------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        return self.config.train.shards
+
+    @property
+    def steps(self) -> int:
+        return self._step
+
+    @property
+    def members(self) -> int:
+        """Alive members in our view, ourselves included."""
+        return len(self._node.view()) if self._node else 0
+
+    def step(self) -> None:
+        """Call after each optimizer step: apply finished exchanges, answer requests, start one."""
+        node = self._node
+        if node is None or self._closed:
+            raise GossipError("this peer is closed")
+        self._step += 1
+        node.step = self._step
+        now = self._clock.now()
+        actions: list[averaging.Action] = []
+        while True:
+            try:
+                event = node.exchanges.get_nowait()
+            except queue.Empty:
+                break
+            actions += self._averaging.handle(event, now)
+        actions += self._averaging.handle(averaging.Tick(self._step, node.partners(self._step)), now)
+        for action in actions:
+            if isinstance(action, SendExchange):
+                self._loop.call_soon(node.send_exchange, action)
+            elif isinstance(action, Rejected):
+                log.warning("rejected an update from %s: %s", action.sender, action.reason)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this peer: exchanges, bytes, drops, membership."""
+        out: dict[str, Any] = {"steps": self._step, "members": self.members}
+        if self._node is not None:
+            out.update(self._averaging.stats.to_dict())
+            out.update(self._node.stats.to_dict())
+        if self._transport is not None:
+            out.update(self._transport.stats.to_dict())
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Announce the leave to our neighbours and stop. Idempotent; bounded in time."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._node is not None:
+                self._loop.run(self._node.leave(), timeout=2)
+        except Exception as e:  # leaving is best effort: the others will time us out
+            log.warning("could not announce our leave: %r", e)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        try:
+            if self._node is not None:
+                self._loop.run(self._node.close("peer closed"), timeout=3)
+            if self._transport is not None:
+                self._loop.run(self._transport.close("peer closed"), timeout=3)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -1,0 +1,98 @@
+"""The digits workload: scikit-learn's 8x8 handwritten digits and an MLP.
+
+Small enough to train in seconds on a CPU, large enough (about 1.1M
+parameters) that exchanging parameters costs real bandwidth: the reference
+workload for tests, benchmarks and the experiments. The data ships with
+scikit-learn, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gossiptrain.evaluation import EvalResult, evaluate_classifier
+from gossiptrain.workload import WorkloadError, shard_indices
+from peers import init_linears
+
+__all__ = ["DigitsWorkload"]
+
+FEATURES = 64  # 8x8 pixels
+CLASSES = 10
+PIXEL_MAX = 16.0  # load_digits pixels are integers in [0, 16]
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0  # the held-out split never depends on the run seed
+
+
+@dataclass(frozen=True)
+class _Split:
+    train_x: Tensor  # (1437, 64) float32 in [0, 1]
+    train_y: Tensor  # (1437,) int64
+    test_x: Tensor  # (360, 64)
+    test_y: Tensor  # (360,)
+
+
+class DigitsWorkload:
+    """MLP 64 -> hidden (-> hidden) * (depth - 1) -> 10 with ReLU, cross-entropy.
+
+    At the defaults (hidden=1024, depth=2) the model has 1,126,410 parameters.
+    The test split is a fixed stratified 20% (360 of 1797 images).
+    """
+
+    name = "digits"
+    _split: ClassVar[_Split | None] = None  # loaded once per process
+
+    def __init__(self, hidden: int = 1024, depth: int = 2) -> None:
+        if hidden < 1:
+            raise WorkloadError(f"digits: hidden must be >= 1, got {hidden}")
+        if depth < 1:
+            raise WorkloadError(f"digits: depth must be >= 1, got {depth}")
+        self.hidden = hidden
+        self.depth = depth
+        self._data = self._load()
+
+    @classmethod
+    def _load(cls) -> _Split:
+        if cls._split is None:
+            # Imported here: only this workload needs sklearn, and only once.
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+
+            x, y = load_digits(return_X_y=True)
+            train_x, test_x, train_y, test_y = train_test_split(
+                x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED
+            )
+            cls._split = _Split(
+                train_x=torch.as_tensor(train_x / PIXEL_MAX, dtype=torch.float32),
+                train_y=torch.as_tensor(train_y, dtype=torch.int64),
+                test_x=torch.as_tensor(test_x / PIXEL_MAX, dtype=torch.float32),
+                test_y=torch.as_tensor(test_y, dtype=torch.int64),
+            )
+        return cls._split
+
+    def build_model(self, seed: int) -> nn.Module:
+        """The MLP, initialised from ``seed`` without touching the global RNG."""
+        widths = [FEATURES] + [self.hidden] * self.depth
+        layers: list[nn.Module] = []
+        for fan_in, fan_out in zip(widths, widths[1:]):
+            layers += [nn.Linear(fan_in, fan_out, device="meta"), nn.ReLU()]
+        layers.append(nn.Linear(self.hidden, CLASSES, device="meta"))
+        model = nn.Sequential(*layers).to_empty(device="cpu")
+        return init_linears(model, seed)
+
+    def train_shard(self, index: int, count: int, seed: int) -> tuple[Tensor, Tensor]:
+        """Shard ``index`` of ``count``: inputs (n, 64) float32, targets (n,) int64."""
+        chosen = shard_indices(self._data.train_y.shape[0], index, count, seed)  # (n,)
+        return self._data.train_x[chosen], self._data.train_y[chosen]
+
+    def loss(self, model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of the logits (B, 10) against targets (B,)."""
+        return F.cross_entropy(model(inputs), targets)
+
+    def evaluate(self, model: nn.Module) -> EvalResult:
+        """Metrics on the fixed 360-image test split."""
+        return evaluate_classifier(model, self._data.test_x, self._data.test_y, CLASSES)

@@ -1,0 +1,113 @@
+"""Helpers for tests that run real peer processes on loopback.
+
+Every peer gets its own 127.0.0.x address and port 0; every process started
+here is killed at teardown; conditions are polled with a deadline, never
+waited for with a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+from gossiptrain.metrics import read_metrics
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+_hosts = itertools.count(10)
+
+
+def next_host() -> str:
+    """A fresh loopback address per peer (127.0.0.10, .11, ...), to catch addressing bugs."""
+    n = next(_hosts)
+    return f"127.0.{n // 250}.{n % 250 + 2}"
+
+
+def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A gossiptrain CLI process with its output captured to a file."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        self.metrics = workdir / f"{name}.jsonl"
+        self._fh = open(self.log, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "gossiptrain", *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def records(self, event: str | None = None) -> list[dict[str, Any]]:
+        return [r for r in read_metrics(self.metrics) if event is None or r.get("event") == event]
+
+    def latest(self) -> dict[str, Any] | None:
+        recs = [r for r in self.records() if r.get("event") in ("eval", "done")]
+        return recs[-1] if recs else None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout} s; output:\n{self.output()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait()
+        self._fh.close()
+
+
+class Procs:
+    """Owns the processes of one test; ``close`` kills whatever is left."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.all: list[Proc] = []
+
+    def peer(self, join: str, *extra: str, name: str | None = None, host: str | None = None) -> Proc:
+        name = name or f"peer{len(self.all)}"
+        args = ["peer", "--join", join, "--bind", f"{host or next_host()}:0", "--quiet"]
+        proc = Proc([*args, "--metrics", str(self.workdir / f"{name}.jsonl"), *extra], self.workdir, name)
+        self.all.append(proc)
+        return proc
+
+    def start(self, *args: str, name: str) -> Proc:
+        proc = Proc(list(args), self.workdir, name)
+        self.all.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for p in self.all:
+            p.signal(signal.SIGKILL)
+        for p in self.all:
+            p.kill()
+
+    def __iter__(self) -> Iterator[Proc]:
+        return iter(self.all)

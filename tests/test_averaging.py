@@ -1,0 +1,160 @@
+"""Pairwise averaging as a state machine: the math, timeouts and validation, with no network."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossiptrain.averaging import (
+    XNAK,
+    XREP,
+    XREQ,
+    PairwiseAveraging,
+    ParamSpec,
+    Received,
+    Rejected,
+    RttEstimator,
+    SendExchange,
+    Tick,
+)
+from gossiptrain.config import GossipConfig
+
+CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
+
+
+def make(values: list[float], seed: int = 0) -> tuple[PairwiseAveraging, dict[str, torch.Tensor]]:
+    params = {"w": torch.tensor(values[:-1] or [0.0]), "b": torch.tensor([values[-1]])}
+    return PairwiseAveraging(params, CONFIG, random.Random(seed)), params
+
+
+def exchange_once(a: PairwiseAveraging, b: PairwiseAveraging, now: float = 0.0) -> None:
+    (req,) = a.handle(Tick(step=1, partners=["B"]), now)
+    assert isinstance(req, SendExchange) and req.kind == XREQ and req.to == "B"
+    (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors), now)
+    assert isinstance(rep, SendExchange) and rep.kind == XREP and rep.to == "A"
+    assert a.handle(Received("B", XREP, rep.xid, rep.tensors), now + 0.01) == []
+
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(finite, min_size=2, max_size=6), st.lists(finite, min_size=2, max_size=6), st.lists(finite, min_size=2, max_size=6))
+def test_an_exchange_averages_and_keeps_progress_made_in_flight(xa: list[float], xb: list[float], drift: list[float]) -> None:
+    n = min(len(xa), len(xb), len(drift))
+    a, pa = make(xa[:n])
+    b, pb = make(xb[:n], seed=1)
+    start_a = {k: v.clone() for k, v in pa.items()}
+    start_b = {k: v.clone() for k, v in pb.items()}
+    (req,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
+    # A keeps training while its request is in flight.
+    step = {"w": torch.tensor(drift[: n - 1] or [0.0]), "b": torch.tensor([drift[n - 1]])}
+    for k in pa:
+        pa[k].add_(step[k])
+    (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors), 0.0)
+    a.handle(Received("B", XREP, rep.xid, rep.tensors), 0.1)
+    close = {"rtol": 1e-5, "atol": 1e-3}  # float32 rounding at magnitudes up to 1e3
+    for k in pa:
+        mean = (start_a[k] + start_b[k]) / 2
+        torch.testing.assert_close(pb[k], mean, **close)
+        torch.testing.assert_close(pa[k], mean + step[k], **close)  # the in-flight step survives
+        # mass: the sum of the two models moved only by A's own local step
+        torch.testing.assert_close(pa[k] + pb[k], start_a[k] + start_b[k] + step[k], **close)
+    assert a.stats.completed == 1 and b.stats.served == 1
+
+
+def test_many_exchanges_reach_consensus_and_conserve_the_mean() -> None:
+    rng = random.Random(3)
+    peers = {f"P{i}": make([rng.uniform(-5, 5) for _ in range(4)], seed=i) for i in range(6)}
+    mean0 = torch.stack([p["w"] for _, p in peers.values()]).mean(0)
+    names = list(peers)
+    for t in range(300):
+        i, j = rng.sample(names, 2)
+        (req,) = peers[i][0].handle(Tick(step=t, partners=[j]), float(t))
+        (rep,) = peers[j][0].handle(Received(i, XREQ, req.xid, req.tensors), float(t))
+        peers[i][0].handle(Received(j, XREP, rep.xid, rep.tensors), float(t))
+    ws = torch.stack([p["w"] for _, p in peers.values()])
+    torch.testing.assert_close(ws.mean(0), mean0, rtol=1e-5, atol=1e-5)
+    assert float((ws - ws.mean(0)).abs().max()) < 1e-3
+
+
+def test_one_exchange_in_flight_then_timeout_moves_on() -> None:
+    a, _ = make([1.0, 2.0])
+    (req,) = a.handle(Tick(step=1, partners=["B", "C"]), 0.0)
+    assert a.busy
+    assert a.handle(Tick(step=2, partners=["B", "C"]), 0.1) == []  # still waiting
+    timeout = a.rtt.timeout()
+    actions = a.handle(Tick(step=3, partners=["B", "C"]), timeout + 0.01)
+    assert a.stats.timeouts == 1
+    (req2,) = actions
+    assert req2.to != req.to  # the silent partner is avoided for a while
+    # Its late reply is counted and ignored: the model does not move.
+    before = [p.clone() for p in a.params]
+    a.handle(Received(req.to, XREP, req.xid, req.tensors), timeout + 0.2)
+    assert a.stats.late == 1 and all(torch.equal(x, y) for x, y in zip(before, a.params))
+
+
+def test_a_refusal_frees_the_exchange_at_once() -> None:
+    a, _ = make([1.0, 2.0])
+    (req,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
+    a.handle(Received("B", XNAK, req.xid), 0.01)
+    assert not a.busy and a.stats.refused == 1
+
+
+def test_exchange_every_steps_spaces_out_exchanges() -> None:
+    params = {"w": torch.zeros(2)}
+    cfg = GossipConfig(exchange_every_steps=3)
+    a = PairwiseAveraging(params, cfg, random.Random(0))
+    started = []
+    for step in range(1, 10):
+        for act in a.handle(Tick(step=step, partners=["B"]), float(step)):
+            started.append(step)
+            a.handle(Received("B", XNAK, act.xid), float(step))
+    assert started == [1, 4, 7]
+
+
+def test_bad_updates_are_rejected_and_leave_the_model_bit_identical() -> None:
+    b, pb = make([1.0, 2.0, 3.0])
+    before = {k: v.clone() for k, v in pb.items()}
+    bad = [
+        {"w": torch.tensor([1.0, float("nan")]), "b": torch.tensor([0.0])},
+        {"w": torch.tensor([1.0, float("inf")]), "b": torch.tensor([0.0])},
+        {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([0.0])},  # shape
+        {"w": torch.tensor([1, 2]), "b": torch.tensor([0])},  # dtype
+        {"b": torch.tensor([0.0]), "w": torch.tensor([1.0, 2.0])},  # order / names
+        {"w": torch.tensor([1.0, 2.0])},  # missing
+    ]
+    for i, tensors in enumerate(bad):
+        actions = b.handle(Received("A", XREQ, i, tensors), 0.0)
+        assert isinstance(actions[0], Rejected)
+        assert isinstance(actions[1], SendExchange) and actions[1].kind == XNAK
+    assert b.stats.rejected == len(bad)
+    assert all(torch.equal(pb[k], before[k]) for k in pb)
+
+
+def test_no_partner_no_exchange() -> None:
+    a, _ = make([1.0, 2.0])
+    assert a.handle(Tick(step=1, partners=[]), 0.0) == []
+    assert not a.busy
+
+
+def test_rtt_estimator_adapts_within_bounds() -> None:
+    est = RttEstimator(floor=0.2, ceiling=5.0)
+    assert 0.2 <= est.timeout() <= 5.0
+    for _ in range(50):
+        est.observe(0.01)
+    assert est.timeout() == 0.2  # fast links hit the floor, not a guess
+    for _ in range(50):
+        est.observe(3.0)
+    assert 3.0 <= est.timeout() <= 5.0
+
+
+def test_param_spec_names_the_first_difference() -> None:
+    a = ParamSpec.of({"w": torch.zeros(3, 4), "b": torch.zeros(4)})
+    assert a.mismatch(a) is None
+    assert "shape [3, 4] here but [3, 5]" in (a.mismatch(ParamSpec.of({"w": torch.zeros(3, 5), "b": torch.zeros(4)})) or "")
+    assert "'b' exists here" in (a.mismatch(ParamSpec.of({"w": torch.zeros(3, 4)})) or "")
+    assert ParamSpec.from_wire(a.to_wire()) == a

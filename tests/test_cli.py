@@ -1,0 +1,130 @@
+"""The command line as a user meets it: bad input, the demo, and the README's API example."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gossiptrain
+from gossiptrain.errors import MismatchError
+from peers.digits import DigitsWorkload
+
+from .conftest import fast_config
+from .swarm import ROOT, Procs, next_host, wait_for
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "gossiptrain", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--topology", "moebius"], "gossip.topology"),
+        (["--lr", "-1"], "train.lr"),
+        (["--batch-size", "0"], "train.batch_size"),
+        (["--set", "train.lrr=0.1"], "train.lrr"),
+        (["--set", "membership.fanout=many"], "membership.fanout"),
+        (["--algorithm", "allreduce"], "gossip.algorithm"),
+    ],
+)
+def test_invalid_configuration_fails_at_start_naming_the_field(args: list[str], field: str) -> None:
+    result = run_cli("coordinator", "--bind", f"{next_host()}:0", *args)
+    assert result.returncode == 2, result
+    assert field in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_invalid_toml_file_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_text("[train]\nlr = -0.5\n")
+    result = run_cli("coordinator", "--bind", f"{next_host()}:0", "--config", str(bad))
+    assert result.returncode == 2 and "train.lr" in result.stderr, result.stderr
+
+
+def test_unreachable_join_address_gives_up_with_a_clear_message() -> None:
+    host = next_host()
+    with socket.socket() as s:  # bound but not listening: connections are refused, and nobody can take the port
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+        result = run_cli("peer", "--join", f"{host}:{port}", "--join-attempts", "2", "--bind", f"{next_host()}:0", timeout=60)
+    assert result.returncode == 2, result
+    assert f"no answer from tcp://{host}:{port} after 2 attempts" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_join_address_is_rejected() -> None:
+    result = run_cli("peer", "--join", "nowhere")
+    assert result.returncode == 2 and "HOST:PORT" in result.stderr, result.stderr
+
+
+def test_a_different_run_or_model_is_refused_with_the_difference_named(coordinator_factory: Any, procs: Procs) -> None:
+    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60}))
+    join = coord.address.removeprefix("tcp://")
+    other_run = fast_config(**{"train.shards": 2, "train.lr": 0.2})
+    with pytest.raises(MismatchError, match=r"train\.lr: 0\.2 vs 0\.05"):
+        gossiptrain.Peer(torch.nn.Linear(64, 10), join=join, bind=f"{next_host()}:0", config=other_run)
+    # The coordinator learns the swarm's model from the first peer's report, then refuses other shapes.
+    first = procs.peer(join)
+    wait_for(lambda: coord.coordinator.spec is not None, 60, "the coordinator to learn the model")
+    narrower = DigitsWorkload(hidden=512).build_model(seed=0)
+    with pytest.raises(MismatchError, match=r"has shape \[512, 64\] here but \[1024, 64\] in the swarm"):
+        gossiptrain.Peer(narrower, join=join, bind=f"{next_host()}:0")
+    with pytest.raises(MismatchError, match=r"parameter 'weight' exists here but not in the swarm's model"):
+        gossiptrain.Peer(torch.nn.Linear(64, 10), join=join, bind=f"{next_host()}:0")
+    assert first.alive()
+
+
+def test_demo_json_reaches_095() -> None:
+    result = run_cli("demo", "--json", timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["mean_test_acc"] >= 0.95 and summary["reached"]
+    assert summary["seconds"] > 0 and len(summary["peers"]) == 4
+    assert all(p["exchanges"] > 0 for p in summary["peers"])
+
+
+def test_readme_python_api_example_runs(tmp_path: Path, procs: Procs) -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- example: python-api -->\n```python\n(.*?)```", readme, re.S)
+    assert match, "the README lost its Python API example"
+    example = tmp_path / "example.py"
+    example.write_text(match.group(1))
+    host = next_host()
+    coordinator = procs.start("coordinator", "--bind", f"{host}:0", "--workload", "external", "--shards", "2", name="coord")
+    out = wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator")
+    join = out.split("--join ")[1].split()[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = [
+        subprocess.Popen([sys.executable, str(example), join], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for _ in range(2)
+    ]
+    try:
+        outputs = [r.communicate(timeout=120)[0] for r in runs]
+    finally:
+        for r in runs:
+            r.kill()
+    for r, out in zip(runs, outputs):
+        assert r.returncode == 0, out
+        found = re.search(r"accuracy ([0-9.]+), (\d+) exchanges", out)
+        assert found, out
+        assert float(found.group(1)) > 0.8 and int(found.group(2)) > 0, out
+
+
+def test_config_command_lists_every_field() -> None:
+    result = run_cli("config")
+    assert result.returncode == 0
+    for field in ("[train]", "lr = 0.05", "[gossip]", "topology = \"exponential\"", "[membership]", "[limits]"):
+        assert field in result.stdout

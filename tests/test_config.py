@@ -1,0 +1,74 @@
+"""Configuration: validation names the field; TOML, flags and the wire agree; fingerprints identify runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gossiptrain.config import GossipConfig, Limits, MembershipConfig, RunConfig, TrainConfig
+from gossiptrain.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: TrainConfig(lr=-0.1), "train.lr"),
+        (lambda: TrainConfig(lr=float("nan")), "train.lr"),
+        (lambda: TrainConfig(shards=0), "train.shards"),
+        (lambda: TrainConfig(momentum=1.0), "train.momentum"),
+        (lambda: GossipConfig(topology="nope"), "gossip.topology"),
+        (lambda: GossipConfig(algorithm="nope"), "gossip.algorithm"),
+        (lambda: GossipConfig(exchange_timeout_min=2, exchange_timeout_max=1), "gossip.exchange_timeout_max"),
+        (lambda: MembershipConfig(heartbeat_interval=0), "membership.heartbeat_interval"),
+        (lambda: Limits(max_frame_bytes=0), "limits.max_frame_bytes"),
+        (lambda: Limits(max_frame_bytes=10, max_message_bytes=5), "limits.max_message_bytes"),
+    ],
+)
+def test_invalid_values_name_their_field(make: object, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        make()  # type: ignore[operator]
+
+
+def test_dict_round_trip_and_fingerprint() -> None:
+    cfg = RunConfig().with_overrides({"train.lr": "0.1", "gossip.topology": "ring", "membership.fanout": 2})
+    assert cfg.train.lr == 0.1 and cfg.gossip.topology == "ring"
+    again = RunConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.fingerprint() == cfg.fingerprint()
+    assert cfg.fingerprint() != RunConfig().fingerprint()
+    assert cfg.diff(RunConfig()) == [
+        "train.lr: 0.1 vs 0.05",
+        "gossip.topology: 'ring' vs 'exponential'",
+        "membership.fanout: 2 vs 3",
+    ]
+
+
+def test_from_dict_rejects_unknown_and_ill_typed_fields() -> None:
+    with pytest.raises(ConfigError, match="unknown section"):
+        RunConfig.from_dict({"trian": {}})
+    with pytest.raises(ConfigError, match=r"train\.lrr"):
+        RunConfig.from_dict({"train": {"lrr": 1.0}})
+    with pytest.raises(ConfigError, match=r"train\.batch_size must be of type int"):
+        RunConfig.from_dict({"train": {"batch_size": 3.5}})
+    with pytest.raises(ConfigError, match=r"train\.shards must be of type int, got bool"):
+        RunConfig.from_dict({"train": {"shards": True}})
+    assert RunConfig.from_dict({"train": {"lr": 1}}).train.lr == 1.0  # ints are fine where floats are expected
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nworkload = "logreg"\nmax_steps = 10\n[gossip]\ntopology = "complete"\n')
+    cfg = RunConfig.from_toml(path)
+    assert cfg.train.workload == "logreg" and cfg.train.max_steps == 10 and cfg.gossip.topology == "complete"
+    path.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        RunConfig.from_toml(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        RunConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_fail_timeout_grows_with_the_swarm() -> None:
+    m = MembershipConfig(heartbeat_interval=0.5, suspicion_mult=3)
+    assert m.fail_timeout(1) == pytest.approx(1.5)
+    assert m.fail_timeout(3) == pytest.approx(3.0)
+    assert m.fail_timeout(1000) > 4 * m.fail_timeout(3)

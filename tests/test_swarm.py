@@ -1,0 +1,124 @@
+"""End to end on loopback: a coordinator and real peer processes training digits."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from typing import Any, Callable
+
+import zmq
+
+from gossiptrain.joining import parse_hostport
+
+from .conftest import fast_config
+from .swarm import Procs, next_host, wait_for
+
+
+def members_everywhere(peers: list[Any], n: int) -> Callable[[], bool]:
+    return lambda: all((p.latest() or {}).get("members") == n for p in peers)
+
+
+def steps_of(p: Any) -> int:
+    return (p.latest() or {}).get("step", 0)
+
+
+def send_garbage(host_port: str) -> None:
+    """Raw bytes that are not ZMTP, then a valid ZeroMQ message that is not a gossiptrain message."""
+    host, port = parse_hostport(host_port)
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x09\x7fGARBAGE" * 64)
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 1000
+        dealer.connect(f"tcp://{host}:{port}")
+        dealer.send_multipart([b"\x93not a header", b"\x00" * 100])
+        dealer.send_multipart([b"\xc1"])
+        dealer.close()
+    finally:
+        ctx.term()
+
+
+def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 500}))
+    join = coord.address.removeprefix("tcp://")
+    peers = [procs.peer(join) for _ in range(3)]
+    wait_for(lambda: all(p.records("done") for p in peers) or any(not p.alive() for p in peers), 150, "3 peers to finish")
+    for p in peers:
+        assert p.wait(30) == 0, p.output()
+        (done,) = p.records("done")
+        assert done["test_acc"] >= 0.93, done
+        assert done["step"] == 500
+        assert done["exchanges"] > 0
+    assert sorted(p.records("done")[0]["shard"] for p in peers) == [0, 1, 2]
+    assert coord.coordinator.stats.joins_answered == 3
+
+
+def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
+    join = coord.address.removeprefix("tcp://")
+    peers = [procs.peer(join) for _ in range(3)]
+    wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
+
+    # Garbage at the coordinator's and at a peer's port is dropped and counted; nothing stops.
+    send_garbage(join)
+    send_garbage(peers[0].latest()["address"].removeprefix("tcp://"))
+    stats = coord.coordinator.stats
+    wait_for(lambda: stats.bad_messages >= 2, 10, "the coordinator to count the bad messages")
+    wait_for(lambda: coord.coordinator.transport.stats.handshake_failures >= 1, 10, "a failed handshake to be counted")
+    wait_for(lambda: (peers[0].latest() or {}).get("dropped", 0) >= 2, 20, "peer 0 to count the bad messages")
+
+    victim, survivors = peers[2], peers[:2]
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    wait_for(members_everywhere(survivors, 2), 30, "survivors to drop the killed peer")
+    before = [steps_of(p) for p in survivors]
+    wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(survivors, before)), 30, "survivors to keep training")
+    for p in survivors:
+        p.signal(signal.SIGTERM)
+    for p in survivors:
+        assert p.wait(10) == 0, p.output()
+        assert p.records("done"), p.output()
+
+
+def test_training_goes_on_without_the_coordinator_and_peers_join_through_peers(procs: Procs) -> None:
+    host = next_host()
+    coordinator = procs.start(
+        "coordinator", "--bind", f"{host}:0", "--seconds", "120", "--steps", "0",
+        "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="coordinator",
+    )
+    line = wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator to listen")
+    join = line.split("--join ")[1].split()[0]
+    first = [procs.peer(join) for _ in range(2)]
+    wait_for(members_everywhere(first, 2), 60, "two peers to see each other")
+
+    coordinator.signal(signal.SIGKILL)
+    coordinator.wait(10)
+    before = [steps_of(p) for p in first]
+    wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(first, before)), 30, "training to go on")
+
+    via_peer = first[0].latest()["address"].removeprefix("tcp://")
+    late = procs.peer(via_peer, name="late")
+    everyone = [*first, late]
+    wait_for(members_everywhere(everyone, 3), 60, "the late peer to join through a peer")
+    late.signal(signal.SIGTERM)
+    assert late.wait(10) == 0, late.output()
+    assert late.records("done")[0]["exchanges"] > 0
+    wait_for(members_everywhere(first, 2), 30, "the others to see the clean leave")
+
+
+def test_sigterm_leaves_cleanly_and_fast(procs: Procs, coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
+    join = coord.address.removeprefix("tcp://")
+    peers = [procs.peer(join) for _ in range(2)]
+    wait_for(members_everywhere(peers, 2), 60, "two peers to see each other")
+    leaver, stayer = peers
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(5) == 0, leaver.output()
+    # The leave is announced, not discovered by timeout: the other peer sees it well before fail_timeout.
+    wait_for(members_everywhere([stayer], 1), 30, "the leave to be seen")
+    seen = stayer.latest()
+    assert seen["members_left"] == 1 and seen["members_dead"] == 0, seen
+    stayer.signal(signal.SIGINT)  # Ctrl+C
+    assert stayer.wait(5) == 0, stayer.output()
+    assert stayer.records("done")
