@@ -67,10 +67,12 @@ class ParamSpec:
         """A sentence naming the first difference, or None if the specs agree."""
         mine = {n: (d, s) for n, d, s in self.entries}
         theirs = {n: (d, s) for n, d, s in other.entries}
-        for name in mine.keys() - theirs.keys():
-            return f"parameter {name!r} exists here but not in the swarm's model"
-        for name in theirs.keys() - mine.keys():
-            return f"parameter {name!r} exists in the swarm's model but not here"
+        for name in mine:  # in model order, so the same models always give the same sentence
+            if name not in theirs:
+                return f"parameter {name!r} exists here but not in the swarm's model"
+        for name in theirs:
+            if name not in mine:
+                return f"parameter {name!r} exists in the swarm's model but not here"
         for name, (d, s) in mine.items():
             td, ts = theirs[name]
             if s != ts:

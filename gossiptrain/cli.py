@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from .config import RunConfig, describe_fields
-from .errors import ConfigError, GossipError
+from .errors import ConfigError, GossipError, WorkloadError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -66,6 +66,17 @@ def _explicit_run_config(args: argparse.Namespace) -> RunConfig | None:
     return _run_config(args) if given else None
 
 
+def _check_workload(config: RunConfig) -> None:
+    """Fail at start, not in every peer after it joins, if the workload cannot be loaded."""
+    from .workload import EXTERNAL, load_workload
+
+    if config.train.workload != EXTERNAL:
+        try:
+            load_workload(config.train.workload)
+        except WorkloadError as e:
+            raise ConfigError(f"train.workload: {e}") from None
+
+
 def _setup_logging(verbosity: int, default: int) -> None:
     level = {0: default, 1: logging.INFO, 2: logging.DEBUG}.get(verbosity, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -79,6 +90,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _setup_logging(args.verbose, logging.INFO)
     config = _run_config(args)
+    _check_workload(config)
 
     def ready(coord: Any) -> None:
         host_port = coord.address.removeprefix("tcp://")

@@ -76,6 +76,7 @@ class Coordinator(Service):
         self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
         m = config.membership
         self.registry = Registry(expire_after=3 * m.report_interval + m.fail_timeout(1))
+        self._last_count = 0
 
     @property
     def address(self) -> str:
@@ -86,6 +87,19 @@ class Coordinator(Service):
 
     async def _start(self) -> None:
         self.spawn(self._receive_loop(), "receive")
+        self.spawn(self._sweep_loop(), "sweep")
+
+    async def _sweep_loop(self) -> None:
+        """Expire silent members regularly, so the count people see is current."""
+        while True:
+            self._note_count()
+            await self.clock.sleep(self.config.membership.report_interval)
+
+    def _note_count(self) -> None:
+        count = len(self.registry.alive(self.clock.now()))
+        if count != self._last_count:
+            log.info("%d members alive (from joins and reports)", count)
+            self._last_count = count
 
     async def _receive_loop(self) -> None:
         while True:
@@ -113,6 +127,7 @@ class Coordinator(Service):
             self._learn_spec(body.get("spec"))
             self.registry.update(member, self.clock.now())
             self.stats.reports += 1
+            self._note_count()
         else:
             self.stats.unexpected += 1
 
@@ -139,7 +154,8 @@ class Coordinator(Service):
             newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0, heartbeat=0)
             self.registry.update(newcomer, now)
             self.stats.joins_answered += 1
-            log.info("welcomed %s at %s (shard %d, %d members)", newcomer.id, msg.addr, newcomer.shard, len(alive) + 1)
+            log.info("welcomed %s at %s (shard %d)", newcomer.id, msg.addr, newcomer.shard)
+            self._note_count()
         else:
             self.stats.joins_refused += 1
             log.warning("refused a join from %s: %s", msg.addr, body["reason"])

@@ -101,24 +101,40 @@ def _wait_for_target(
             if p.poll() is not None:
                 tail = (workdir / f"peer-{i}.log").read_text(errors="replace")[-2000:]
                 return f"peer {i} exited early with status {p.returncode}:\n{tail}"
-        latest = [_latest_eval(workdir / f"peer-{i}.jsonl") for i in range(len(procs))]
-        accs = [r["test_acc"] for r in latest if r]
-        if accs:
-            mean = sum(accs) / len(accs)
-            steps = sum(r["step"] for r in latest if r)
+        history = [_evals(workdir / f"peer-{i}.jsonl") for i in range(len(procs))]
+        reporting = [h for h in history if h]
+        if reporting:
+            mean = sum(h[-1]["test_acc"] for h in reporting) / len(reporting)
+            steps = sum(h[-1]["step"] for h in reporting)
             progress.update(
-                f"{elapsed:6.1f} s | peers reporting {len(accs)}/{len(procs)} | mean test acc {mean:.3f} "
+                f"{elapsed:6.1f} s | peers reporting {len(reporting)}/{len(procs)} | mean test acc {mean:.3f} "
                 f"(target {options.target}) | total steps {steps}"
             )
-            if len(accs) == len(procs) and mean >= options.target:
+            if len(reporting) == len(procs) and _held(history, options.target):
                 return None
         if elapsed > options.timeout:
             return f"mean test accuracy did not reach {options.target} within {options.timeout:.0f} s"
         time.sleep(0.25)
 
 
+#: The target must hold for the peers' mean over this many consecutive evaluations:
+#: one noisy crossing early in training is not convergence.
+HOLD_EVALS = 3
+
+
+def _held(history: list[list[dict[str, Any]]], target: float) -> bool:
+    """Whether the mean test accuracy over peers reached ``target`` in each of the last HOLD_EVALS evaluations."""
+    if any(len(h) < HOLD_EVALS for h in history):
+        return False
+    return all(sum(h[-k]["test_acc"] for h in history) / len(history) >= target for k in range(1, HOLD_EVALS + 1))
+
+
+def _evals(path: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(path) if r.get("event") in ("eval", "done")]
+
+
 def _latest_eval(path: Path) -> dict[str, Any] | None:
-    records = [r for r in read_metrics(path) if r.get("event") in ("eval", "done")]
+    records = _evals(path)
     return records[-1] if records else None
 
 

@@ -210,7 +210,7 @@ async def join_swarm(
                     return Welcome.from_message(msg, limits)
                 except ProtocolError as e:
                     raise JoinError(f"{target} answered with an invalid welcome: {e}") from None
-        log.info("no answer from %s (attempt %d of %d)", target, attempt, attempts)
+        log.warning("no answer from %s yet (attempt %d of %d)", target, attempt, attempts)
     raise JoinError(
         f"no answer from {target} after {attempts} attempts over {attempts * attempt_timeout:.0f} s. "
         f"Is a gossiptrain coordinator or peer running there, and can it reach this peer back at "

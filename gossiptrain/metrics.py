@@ -50,7 +50,7 @@ class MetricsLog:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All complete records of a JSON-lines file (a line being written is skipped)."""
-    out = []
+    out: list[dict[str, Any]] = []
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

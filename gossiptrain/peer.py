@@ -32,6 +32,7 @@ from .joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_add
 from .loop_thread import LoopThread
 from .membership import Member
 from .node import PeerNode
+from .service import Status
 from .transport import Transport, listen
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ class Peer:
         node = self._node
         if node is None or self._closed:
             raise GossipError("this peer is closed")
+        if node.status is Status.FAILED:
+            raise GossipError(f"the network side of this peer failed: {node.error!r}") from node.error
         self._step += 1
         node.step = self._step
         now = self._clock.now()

@@ -69,6 +69,11 @@ class Service:
             self.status = Status.CLOSING
             await self._shutdown()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error that failed a background task, once the service has failed."""
+        return self._error
+
     async def wait_closed(self) -> None:
         """Wait until the service is closed; re-raise the error that failed it, if any."""
         await self._closed.wait()

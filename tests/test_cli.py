@@ -38,6 +38,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--set", "train.lrr=0.1"], "train.lrr"),
         (["--set", "membership.fanout=many"], "membership.fanout"),
         (["--algorithm", "allreduce"], "gossip.algorithm"),
+        (["--workload", "no_such_module:Workload"], "train.workload"),
     ],
 )
 def test_invalid_configuration_fails_at_start_naming_the_field(args: list[str], field: str) -> None:

@@ -81,7 +81,7 @@ def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator
         assert p.records("done"), p.output()
 
 
-def test_training_goes_on_without_the_coordinator_and_peers_join_through_peers(procs: Procs) -> None:
+def test_training_goes_on_without_the_coordinator_and_it_can_restart(procs: Procs) -> None:
     host = next_host()
     coordinator = procs.start(
         "coordinator", "--bind", f"{host}:0", "--seconds", "120", "--steps", "0",
@@ -101,6 +101,14 @@ def test_training_goes_on_without_the_coordinator_and_peers_join_through_peers(p
     late = procs.peer(via_peer, name="late")
     everyone = [*first, late]
     wait_for(members_everywhere(everyone, 3), 60, "the late peer to join through a peer")
+
+    # A coordinator restarted at the same address relearns the whole swarm from the peers' reports.
+    restarted = procs.start(
+        "coordinator", "--bind", join, "--seconds", "120", "--steps", "0",
+        "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="restarted",
+    )
+    wait_for(lambda: "3 members alive" in restarted.output(), 30, "the restarted coordinator to learn 3 members")
+
     late.signal(signal.SIGTERM)
     assert late.wait(10) == 0, late.output()
     assert late.records("done")[0]["exchanges"] > 0

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 #: it); a frame a little over the limit is instead read and dropped here, counted.
 MAXMSGSIZE_SLACK = 4096
 
+#: On close, queued messages (a leave announcement, say) get this long to go out;
+#: the context's termination waits at most this, so close stays prompt.
+CLOSE_LINGER_MS = 200
+
 #: Seconds a new destination has to connect before its first messages are dropped.
 DEFAULT_CONNECT_TIMEOUT = 2.0
 
@@ -129,15 +133,15 @@ class TcpTransport(Transport):
     async def _close(self) -> None:
         self.inbox.close()
         for address in list(self._destinations):
-            self.forget(address)
+            self._drop(address, linger_ms=CLOSE_LINGER_MS)
         if self._router is not None:
             if self._monitor is not None:
                 self._router.disable_monitor()
                 self._monitor.close(linger=0)
             self._router.close(linger=0)
         if self._ctx is not None:
-            # Every socket is closed with LINGER 0, so this returns at once
-            # even with messages queued to dead peers.
+            # Sockets are closed with LINGER 0 or CLOSE_LINGER_MS, so this
+            # returns promptly even with messages queued to dead peers.
             self._ctx.term()
         self._router = self._monitor = self._ctx = None
 
@@ -168,6 +172,10 @@ class TcpTransport(Transport):
         return ok
 
     def forget(self, address: str) -> None:
+        # LINGER 0: whatever is still queued to a member that left is discarded now.
+        self._drop(address, linger_ms=0)
+
+    def _drop(self, address: str, linger_ms: int) -> None:
         dest = self._destinations.pop(address, None)
         if dest is None:
             return
@@ -176,8 +184,7 @@ class TcpTransport(Transport):
         dest.pending = None
         if dest.connecting is not None:
             dest.connecting.cancel()
-        # LINGER 0: whatever is still queued to this peer is discarded now.
-        dest.socket.close(linger=0)
+        dest.socket.close(linger=linger_ms)
 
     def _connect(self, address: str) -> _Destination | None:
         assert self._ctx is not None
