@@ -20,6 +20,7 @@ returns ``SendExchange`` actions for the driver to put on the wire.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -101,6 +102,7 @@ class Received:
     kind: str
     xid: int
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    step: int = 0  # the sender's local step when it sent this
 
 
 Event = Tick | Received
@@ -138,9 +140,18 @@ class AveragingStats:
     refused: int = 0  # partner answered xnak (busy)
     late: int = 0  # replies that arrived after their timeout
     rejected: int = 0  # updates refused by validation
+    # staleness (our step minus the sender's step, floored at 0) -> applied updates
+    staleness: Counter[int] = field(default_factory=Counter)
 
     def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "staleness"}
+        out["staleness_mean"] = mean_staleness(self.staleness)
+        return out
+
+
+def mean_staleness(histogram: Counter[int]) -> float:
+    total = sum(histogram.values())
+    return sum(s * n for s, n in histogram.items()) / total if total else 0.0
 
 
 @dataclass
@@ -192,6 +203,7 @@ class PairwiseAveraging:
         self._inflight: _InFlight | None = None
         self._next_xid = rng.getrandbits(31)
         self._last_start_step = -(10**9)
+        self._step = 0  # our latest local step, from the last Tick
         self._avoid_until: dict[str, float] = {}
 
     @property
@@ -213,6 +225,7 @@ class PairwiseAveraging:
     # -- initiating ------------------------------------------------------------------------
 
     def _tick(self, tick: Tick, now: float) -> list[Action]:
+        self._step = tick.step
         inflight = self._inflight
         if inflight is not None:
             if now < inflight.deadline:
@@ -253,6 +266,7 @@ class PairwiseAveraging:
             # x <- x + (x_remote - x_snapshot) / 2, i.e. the average, since x == snapshot now
             torch._foreach_add_(self.params, torch._foreach_sub(remote, snapshot), alpha=0.5)
         self.stats.served += 1
+        self.stats.staleness[max(0, self._step - msg.step)] += 1
         return [SendExchange(msg.sender, XREP, msg.xid, dict(zip(self.names, snapshot)))]
 
     def _complete(self, msg: Received, now: float) -> list[Action]:
@@ -269,6 +283,7 @@ class PairwiseAveraging:
             torch._foreach_add_(self.params, torch._foreach_sub(remote, inflight.snapshot), alpha=0.5)
         self.rtt.observe(now - inflight.sent_at)
         self.stats.completed += 1
+        self.stats.staleness[max(0, self._step - msg.step)] += 1
         return []
 
     def _refused(self, msg: Received, now: float) -> list[Action]:

@@ -26,7 +26,7 @@ EXIT_INTERRUPTED = 130
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--workload": ("train.workload", str, "digits, logreg, or module:attr of your own"),
-    "--topology": ("gossip.topology", str, "ring, exponential, complete, torus, hypercube"),
+    "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise"),
     "--lr": ("train.lr", float, "learning rate"),
     "--batch-size": ("train.batch_size", int, "mini-batch size"),
@@ -115,6 +115,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         expect=_explicit_run_config(args),
         shard=args.shard,
         join_attempts=args.join_attempts,
+        slowdown=args.slowdown,
         threads=args.threads,
         progress=not args.quiet,
     )
@@ -142,6 +143,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(summary_json(summary), flush=True)
     return 0 if summary["reached"] else 1
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.cli import run_simulate
+
+    _setup_logging(args.verbose, logging.WARNING)
+    run = _run_config(args)
+    if not args.config:
+        # Simulated peers default to one shard each and to the simulation's duration as their budget.
+        defaults: dict[str, Any] = {}
+        if args.shards is None:
+            defaults["train.shards"] = args.peers
+        if args.steps is None:
+            defaults["train.max_steps"] = 0
+        run = run.with_overrides(defaults) if defaults else run
+    if not args.membership_only:
+        _check_workload(run)
+    return run_simulate(args, run)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -180,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE", help="append metrics as JSON lines")
     p.add_argument("--shard", type=int, help="train this shard instead of the least covered one")
     p.add_argument("--join-attempts", type=int, metavar="N", help="join attempts before giving up (default 5, 2 s each)")
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="FACTOR",
+                   help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this peer (default 1)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
@@ -194,11 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.set_defaults(func=cmd_demo)
 
+    from .sim.cli import add_parser as add_simulate_parser
+    from .topology_cli import add_parser as add_topology_parser
+
+    add_simulate_parser(sub, _add_run_flags).set_defaults(func=cmd_simulate)
+    add_topology_parser(sub)
+
     p = sub.add_parser("config", help="print every configuration field with its default (TOML)")
     p.set_defaults(func=cmd_config)
 
     for name, sp in sub.choices.items():
-        if name != "config":
+        if name not in ("config", "topology"):
             sp.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     return parser
 

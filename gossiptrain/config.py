@@ -92,7 +92,7 @@ class TrainConfig:
 class GossipConfig:
     """How peers pick partners and average."""
 
-    topology: str = "exponential"  # see topologies.names()
+    topology: str = "exponential"  # a name or spec, e.g. "ring", "random-regular:degree=4" (topologies.parse)
     algorithm: str = "pairwise"  # see ALGORITHMS
     exchange_every_steps: int = 1  # start at most one exchange per this many local steps
     exchange_timeout_min: float = 0.5  # adaptive exchange timeout: floor (seconds)
@@ -102,11 +102,10 @@ class GossipConfig:
         import topologies  # local: topologies is a sibling package, kept optional at import
 
         s = "gossip"
-        _require(
-            self.topology in topologies.names(),
-            f"{s}.topology",
-            f"is {self.topology!r}; known topologies: {', '.join(topologies.names())}",
-        )
+        try:
+            topologies.parse(self.topology)
+        except ValueError as e:
+            raise ConfigError(f"{s}.topology {self.topology!r}: {e}") from None
         _require(
             self.algorithm in ALGORITHMS,
             f"{s}.algorithm",
@@ -129,6 +128,7 @@ class MembershipConfig:
     fanout: int = 3  # members sent our view each round
     suspicion_mult: float = 3.0  # dead after interval * mult * log2(n + 1) silent seconds
     tombstone_rounds: int = 120  # rounds a dead/left member is remembered (blocks stale resurrection)
+    probe_dead_every: int = 4  # every this many rounds, send our view to one member we think dead
     report_interval: float = 2.0  # seconds between reports to the coordinator
     join_timeout: float = 2.0  # seconds to wait for an answer to one join attempt
     join_attempts: int = 5  # attempts before giving up, join_timeout seconds each
@@ -140,6 +140,7 @@ class MembershipConfig:
         _require(self.fanout >= 1, f"{s}.fanout", "must be >= 1")
         _require(self.suspicion_mult >= 1, f"{s}.suspicion_mult", "must be >= 1")
         _require(self.tombstone_rounds >= 1, f"{s}.tombstone_rounds", "must be >= 1")
+        _require(self.probe_dead_every >= 1, f"{s}.probe_dead_every", "must be >= 1")
         _require(self.report_interval > 0, f"{s}.report_interval", "must be > 0")
         _require(self.join_timeout > 0, f"{s}.join_timeout", "must be > 0")
         _require(self.join_attempts >= 1, f"{s}.join_attempts", "must be >= 1")

@@ -147,6 +147,7 @@ class Coordinator(Service):
             sample=sample,
             pick_shard=lambda shards: least_loaded_shard((m.shard for m in alive), shards),
             coordinator=self.transport.address,
+            rng=self.rng,
         )
         if kind == WELCOME:
             if request.spec is not None:

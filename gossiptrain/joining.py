@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import random
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -30,9 +30,13 @@ log = logging.getLogger(__name__)
 JOIN, WELCOME, REFUSE = "join", "welcome", "refuse"
 
 
-def new_member_id() -> str:
-    """Random ids need no coordination: any member can hand one out."""
-    return "p" + secrets.token_hex(5)
+def new_member_id(rng: random.Random) -> str:
+    """Random ids need no coordination: any member can hand one out.
+
+    Drawn from the answerer's generator: seeded from the OS in a real run,
+    from the simulation's seed in a simulated one (so runs repeat exactly).
+    """
+    return f"p{rng.getrandbits(40):010x}"
 
 
 # -- the request -------------------------------------------------------------------------
@@ -115,6 +119,7 @@ def answer_join(
     sample: Sequence[Member],
     pick_shard: Callable[[int], int],
     coordinator: str,
+    rng: random.Random,
 ) -> tuple[str, dict[str, Any]]:
     """Decide on a join: ("welcome", body) or ("refuse", {"reason": ...}). Pure: no I/O."""
     if request.config is not None and request.config.fingerprint() != config.fingerprint():
@@ -128,7 +133,7 @@ def answer_join(
     shards = config.train.shards
     shard = request.shard if 0 <= request.shard < shards else pick_shard(shards)
     return WELCOME, {
-        "id": new_member_id(),
+        "id": new_member_id(rng),
         "shard": shard,
         "config": config.to_dict(),
         "fingerprint": config.fingerprint(),

@@ -6,7 +6,8 @@ random members. A member whose heartbeat has not advanced for
 ``MembershipConfig.fail_timeout(n)`` seconds is declared dead locally; a
 higher heartbeat later re-admits it (a paused process that resumes, or a
 partition that heals). Dead members are remembered as tombstones for a while
-so that stale gossip about them cannot bring them back.
+so that stale gossip about them cannot bring them back, and are sent our
+view now and then, so that two sides of a healed partition find each other.
 
 The machine never touches a socket or a clock: ``handle(event, now)`` returns
 actions for its driver (the asyncio peer node, or the simulator) to carry out.
@@ -139,6 +140,7 @@ class Membership:
         self.config = config
         self._rng = rng
         self._records: dict[str, _Record] = {}
+        self._rounds = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -194,11 +196,17 @@ class Membership:
                 actions.append(MemberDown(rec.member, "dead"))
             elif rec.member.state != ALIVE and silent > forget_after:
                 del self._records[mid]
+        self._rounds += 1
         targets = [m for m in self.alive() if m.id != self.me.id]
-        if targets:
+        dead = [r.member for r in self._records.values() if r.member.state == DEAD]
+        if targets or dead:
             digest = self._digest()
             for m in self._rng.sample(targets, min(self.config.fanout, len(targets))):
                 actions.append(Send(m.addr, "gossip", digest))
+            if dead and self._rounds % self.config.probe_dead_every == 0:
+                # A member we think dead may be alive behind a healed partition: tell it we
+                # are here, and its side learns of ours (memberlist's gossip to the dead).
+                actions.append(Send(self._rng.choice(dead).addr, "gossip", digest))
         return actions
 
     def _digest(self) -> tuple[Member, ...]:

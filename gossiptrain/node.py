@@ -78,12 +78,14 @@ class PeerNode(Service):
         self.spec = spec
         self.coordinator = coordinator
         self.membership = Membership(me, config.membership, rng)
-        self.topology = topologies.get(config.gossip.topology)
+        self.topology = topologies.parse(config.gossip.topology)
+        self._fallback = topologies.get("complete")
         self.stats = NodeStats()
         self.step = 0  # the trainer's step, stamped on outgoing messages (written by the trainer thread)
         # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.
         self.exchanges: queue.Queue[Received] = queue.Queue(maxsize=config.limits.averaging_queue)
         self._view: tuple[str, ...] = (me.id,)
+        self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
@@ -105,7 +107,16 @@ class PeerNode(Service):
             i = view.index(self.me.id)
         except ValueError:
             return []
-        return [view[j] for j in self.topology.neighbours(len(view), i, round)]
+        try:
+            chosen = self.topology.neighbours(len(view), i, round)
+        except ValueError as e:
+            # The topology does not exist at this size (a degree above the live count under churn,
+            # an edge-list file of another size): gossip with everyone rather than with no one.
+            if not self._warned_fallback:
+                log.warning("topology %s: %s; using the complete graph at %d members", self.topology.spec, e, len(view))
+                self._warned_fallback = True
+            chosen = self._fallback.neighbours(len(view), i, round)
+        return [view[j] for j in chosen]
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -195,7 +206,7 @@ class PeerNode(Service):
             if type(xid) is not int:
                 raise ProtocolError("exchange message without an int xid")
             self._remember_addr(msg.sender, msg.addr)
-            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors))
+            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step))
         else:
             self.stats.unexpected += 1
 
@@ -224,6 +235,7 @@ class PeerNode(Service):
             sample=self.membership.sample(self.config.membership.sample_size),
             pick_shard=self.membership.free_shard,
             coordinator=self.coordinator,
+            rng=self.rng,
         )
         if kind == WELCOME:
             self.stats.joins_answered += 1

@@ -16,15 +16,13 @@ safe point, so no lock is needed and no update is ever half-applied.
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import averaging
-from .averaging import PairwiseAveraging, ParamSpec, Rejected, SendExchange
+from .averaging import PairwiseAveraging, ParamSpec
 from .clock import REAL_CLOCK, Clock
 from .config import RunConfig
 from .errors import GossipError, MismatchError
@@ -32,6 +30,7 @@ from .joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_add
 from .loop_thread import LoopThread
 from .membership import Member
 from .node import PeerNode
+from .safepoint import SafePoint
 from .service import Status
 from .transport import Transport, listen
 
@@ -136,6 +135,8 @@ class Peer:
         )
         self._loop.run(self._node.start(), timeout=10)
         self._averaging = PairwiseAveraging(params, self.config.gossip, self._rng)
+        node = self._node
+        self._safepoint = SafePoint(node, self._averaging, self._clock, lambda a: self._loop.call_soon(node.send_exchange, a))
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     # -- the training loop's side ------------------------------------------------------------
@@ -153,6 +154,22 @@ class Peer:
         """Alive members in our view, ourselves included."""
         return len(self._node.view()) if self._node else 0
 
+    def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
+        """Block until at least ``count`` members (us included) are alive in our view.
+
+        A rendezvous for loops that should not start alone, e.g.
+        ``peer.wait_for_peers(peer.num_shards)``. Returns the member count;
+        raises TimeoutError after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (n := self.members) < count:
+            if self._closed:
+                raise GossipError("this peer is closed")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"only {n} of {count} members after {timeout} s")
+            time.sleep(0.02)
+        return n
+
     def step(self) -> None:
         """Call after each optimizer step: apply finished exchanges, answer requests, start one."""
         node = self._node
@@ -161,21 +178,7 @@ class Peer:
         if node.status is Status.FAILED:
             raise GossipError(f"the network side of this peer failed: {node.error!r}") from node.error
         self._step += 1
-        node.step = self._step
-        now = self._clock.now()
-        actions: list[averaging.Action] = []
-        while True:
-            try:
-                event = node.exchanges.get_nowait()
-            except queue.Empty:
-                break
-            actions += self._averaging.handle(event, now)
-        actions += self._averaging.handle(averaging.Tick(self._step, node.partners(self._step)), now)
-        for action in actions:
-            if isinstance(action, SendExchange):
-                self._loop.call_soon(node.send_exchange, action)
-            elif isinstance(action, Rejected):
-                log.warning("rejected an update from %s: %s", action.sender, action.reason)
+        self._safepoint(self._step)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this peer: exchanges, bytes, drops, membership."""

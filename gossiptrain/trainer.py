@@ -19,10 +19,12 @@ from typing import Any, Callable
 import torch
 
 from .config import RunConfig
+from .errors import ConfigError
 from .metrics import MetricsLog
 from .peer import Peer
 from .progress import Progress
-from .workload import Workload, batches, load_workload
+from .local_training import LocalTrainer, budget_spent
+from .workload import Workload, load_workload
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,15 @@ class PeerOptions:
     expect: RunConfig | None = None  # refuse to join a swarm running anything else
     shard: int | None = None  # ask for this shard instead of the least trained one
     join_attempts: int | None = None  # default: membership.join_attempts
+    slowdown: float = 1.0  # >1 makes this peer a straggler: it idles (slowdown-1) x each step's compute time
     threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.slowdown >= 1:
+            raise ConfigError(f"--slowdown is a slowdown factor and must be >= 1, got {self.slowdown}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
 
 
 class _Rate:
@@ -81,25 +90,23 @@ def run_peer(
         workload = workloads["w"]
         if on_training:
             on_training()
-        return _train(peer, workload, metrics, progress, stop)
+        return _train(peer, workload, metrics, progress, stop, options.slowdown)
 
 
-def _train(peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event) -> dict[str, Any]:
+def _train(
+    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, options_slowdown: float
+) -> dict[str, Any]:
     cfg = peer.config.train
-    model = peer.model
-    inputs, targets = workload.train_shard(peer.shard, cfg.shards, cfg.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    data = batches(inputs, targets, cfg.batch_size, seed=cfg.seed * 1000 + peer.shard)
+    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard)
     base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
-    metrics.write({"event": "start", "time": time.time(), **base, "samples": len(targets), "fingerprint": peer.fingerprint})
+    metrics.write({"event": "start", "time": time.time(), **base, "samples": trainer.samples, "fingerprint": peer.fingerprint})
     started = time.monotonic()
     next_eval = started + cfg.eval_every_seconds
     rate = _Rate()
-    loss_avg = float("nan")
 
     def record(event: str) -> dict[str, Any]:
         now = time.monotonic()
-        result = workload.evaluate(model)
+        result = trainer.evaluate()
         stats = peer.stats()
         exchanges = stats["completed"] + stats["served"]
         rec = {
@@ -108,7 +115,7 @@ def _train(peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progre
             "elapsed": round(now - started, 3),
             **base,
             "step": peer.steps,
-            "loss": loss_avg,
+            "loss": trainer.loss_avg,
             "test_loss": result.loss,
             "test_acc": result.accuracy,
             "precision": result.precision,
@@ -118,6 +125,7 @@ def _train(peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progre
             "exchanges": exchanges,
             "exchanges_per_s": round(rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
+            "staleness_mean": round(stats["staleness_mean"], 3),
             "bytes_sent": stats["bytes_sent"],
             "bytes_received": stats["bytes_received"],
             "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],
@@ -127,22 +135,17 @@ def _train(peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progre
         }
         metrics.write(rec)
         progress.update(
-            f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {loss_avg:.3f} | "
+            f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {trainer.loss_avg:.3f} | "
             f"acc {result.accuracy:.3f} | peers {stats['members']} | {rec['exchanges_per_s']:.1f} ex/s"
         )
         return rec
 
-    model.train()
-    for x, y in data:  # (B, ...) inputs, (B,) targets
-        if stop.is_set() or _budget_spent(cfg.max_steps, cfg.max_seconds, peer.steps, time.monotonic() - started):
-            break
-        loss = workload.loss(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    while not stop.is_set() and not budget_spent(cfg, peer.steps, time.monotonic() - started):
+        computed = time.perf_counter()
+        trainer.step()
+        if options_slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
+            time.sleep((options_slowdown - 1) * (time.perf_counter() - computed))
         peer.step()
-        value = loss.item()
-        loss_avg = value if loss_avg != loss_avg else 0.9 * loss_avg + 0.1 * value
         if time.monotonic() >= next_eval:
             record("eval")
             next_eval = time.monotonic() + cfg.eval_every_seconds
@@ -152,7 +155,3 @@ def _train(peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progre
         f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"
     )
     return summary
-
-
-def _budget_spent(max_steps: int, max_seconds: float, steps: int, elapsed: float) -> bool:
-    return (max_steps > 0 and steps >= max_steps) or (max_seconds > 0 and elapsed >= max_seconds)

@@ -98,6 +98,26 @@ def test_crashed_member_is_dropped_everywhere_then_readmitted(n: int, seed: int)
     assert all(view == set(c.nodes) for view in c.views().values())
 
 
+def test_a_partition_splits_the_views_and_they_merge_after_the_heal() -> None:
+    c = Cluster(8, seed=4)
+    c.rounds(16)
+    side_a = {f"m{i:03d}" for i in range(4)}
+    side_b = set(c.nodes) - side_a
+    deliver = c.deliver
+
+    def partitioned(src: str, actions: list) -> None:
+        crossing = lambda a: isinstance(a, Send) and (src in side_a) != (a.addr.removeprefix("sim://") in side_a)
+        deliver(src, [a for a in actions if not crossing(a)])
+
+    c.deliver = partitioned  # type: ignore[method-assign]
+    c.rounds(int(CONFIG.fail_timeout(8)) + 10)
+    views = c.views()
+    assert all(views[m] == side_a for m in side_a) and all(views[m] == side_b for m in side_b)
+    c.deliver = deliver  # type: ignore[method-assign]
+    c.rounds(4 * CONFIG.probe_dead_every + 10)
+    assert all(view == set(c.nodes) for view in c.views().values())
+
+
 def test_clean_leave_is_immediate_and_final() -> None:
     c = Cluster(6, seed=1)
     c.rounds(12)

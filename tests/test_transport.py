@@ -2,7 +2,8 @@
 
 A backend is added by putting a ``Backend`` builder in ``BACKENDS``; the
 checks below then hold it to the same contract as tcp://. Checks that need a
-real socket (garbage bytes, IPv6, bind errors) are at the end, tcp only.
+real socket (garbage bytes, IPv6, bind errors) are at the end, tcp only; the
+sim:// network model has its own tests in test_sim_network.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import gossiptrain.transport as transport
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError, TransportClosed
 from gossiptrain.transport import TcpTransport, Transport, listen
+from gossiptrain.transport.sim import SimNetwork, SimTransport
 
 try:
     import uvloop
@@ -63,7 +65,21 @@ def _tcp_backend() -> Backend:
     return Backend("tcp", make, unreachable)
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {"tcp": _tcp_backend}
+def _sim_backend() -> Backend:
+    # A fresh network per test, passed explicitly: nothing is shared between tests.
+    network = SimNetwork()
+    names = itertools.count()
+
+    def make(limits: Limits | None = None) -> Transport:
+        return SimTransport(f"sim://node{next(names)}:0", limits or Limits(), network=network)
+
+    def unreachable() -> str:
+        return f"sim://nobody{next(names)}"
+
+    return Backend("sim", make, unreachable)
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {"tcp": _tcp_backend, "sim": _sim_backend}
 LOOPS: dict[str, Runner] = {"asyncio": asyncio.run}
 if uvloop is not None:
     LOOPS["uvloop"] = uvloop.run
@@ -300,9 +316,13 @@ def test_close_is_prompt_with_messages_queued_to_dead_and_slow_peers(backend: Ba
 
 
 def test_listen_picks_backend_by_scheme() -> None:
-    assert "tcp" in transport.schemes()
+    assert {"tcp", "sim"} <= set(transport.schemes())
     t = listen("tcp://127.0.0.2:0", Limits())
     assert isinstance(t, TcpTransport) and t.address == "tcp://127.0.0.2:0"
+    network = SimNetwork()
+    with network.activate():
+        s = listen("sim://p1:0", Limits())
+    assert isinstance(s, SimTransport) and s.network is network and s.address == "sim://p1:0"
 
 
 @pytest.mark.parametrize(
@@ -315,6 +335,10 @@ def test_listen_picks_backend_by_scheme() -> None:
         "tcp://127.0.0.2:70000",
         "tcp://:0",
         "tcp://127.0.0.2:0/path",
+        "sim://",
+        "sim://:0",
+        "sim://a/b",
+        "sim://a b",
     ],
 )
 def test_listen_rejects_bad_urls_naming_them(url: str) -> None:
@@ -329,7 +353,7 @@ def test_register_adds_a_scheme_and_value_errors_become_config_errors(monkeypatc
         raise ValueError("no such node")
 
     transport.register("fake", refuse)
-    assert transport.schemes() == ("fake", "tcp")
+    assert transport.schemes() == ("fake", "sim", "tcp")
     with pytest.raises(ConfigError, match="fake://x.*no such node"):
         listen("fake://x", Limits())
     with pytest.raises(ValueError):

@@ -1,8 +1,8 @@
-"""The built-in topology generators and the name registry the runtime looks them up in.
+"""The deterministic topology generators: rings, tori, cubes, exponential and base-(k+1) graphs.
 
 Every generator is defined for every n >= 1, not only for the sizes the graph
 is famous for (powers of two, perfect squares), because churn makes the member
-count arbitrary.
+count arbitrary. Seeded random graphs live in random_graphs.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,14 @@ from topologies.base import Topology
 def _ceil_log2(n: int) -> int:
     """ceil(log2 n) for n >= 1, exactly (no float rounding at large powers of two)."""
     return (n - 1).bit_length()
+
+
+def _ceil_log(n: int, base: int) -> int:
+    """Digits needed to write 0..n-1 in `base`: the smallest L with base^L >= n, exactly."""
+    digits, reach = 0, 1
+    while reach < n:
+        digits, reach = digits + 1, reach * base
+    return digits
 
 
 @dataclass(frozen=True)
@@ -94,21 +102,71 @@ class Complete(Topology):
         return range(n)
 
 
-_REGISTRY: dict[str, Topology] = {
-    t.name: t for t in (Ring(), Torus(), Hypercube(), Exponential(), Complete())
-}
+@dataclass(frozen=True)
+class Star(Topology):
+    """Member 0 is the hub; everyone else talks only to it.
+
+    Diameter 2 and the fewest edges of any connected graph, but the hub carries
+    all traffic: a baseline that shows what a central server costs.
+    """
+
+    name = "star"
+
+    def _out(self, n: int, i: int, round: int) -> Iterable[int]:
+        return range(1, n) if i == 0 else (0,)
 
 
-def names() -> tuple[str, ...]:
-    """Names accepted by `get`, for config validation and experiment sweeps."""
-    return tuple(_REGISTRY)
+@dataclass(frozen=True)
+class OnePeerExponential(Topology):
+    """One-peer exponential graph (Ying et al. 2021): at round r, i -> i + 2^(r mod tau) mod n.
+
+    tau = ceil(log2 n) is the period. One message per member per round, yet
+    for n a power of two, averaging with weight 1/2 over one period gives the
+    exact average; for other n the union over a period is the static
+    exponential graph, so it still mixes.
+    """
+
+    name = "one-peer-exponential"
+    directed = True
+    time_varying = True
+
+    def _period(self, n: int) -> int:
+        return max(1, _ceil_log2(n))
+
+    def _out(self, n: int, i: int, round: int) -> Iterable[int]:
+        return ((i + (1 << (round % self._period(n)))) % n,)
 
 
-def get(name: str) -> Topology:
-    """The topology registered under `name`; ValueError lists the known names."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown topology {name!r}; known topologies: {', '.join(names())}"
-        ) from None
+@dataclass(frozen=True)
+class BaseK(Topology):
+    """Base-(k+1) graph (Takezawa et al. 2023), at most k neighbours per round.
+
+    Members are written in base b = k + 1 with L = ceil(log_b n) digits. In
+    round r, i talks to the members that differ from it only in digit r mod L.
+    For n = b^L those are cliques of b members, and averaging uniformly within
+    them for L rounds gives the exact average: this is the paper's "simple
+    Base-(k+1) graph". For other n we keep the same rule on the members that
+    exist (the paper's exact construction for such n needs non-uniform
+    weights), so a member may have fewer than k neighbours, or none, in some
+    rounds. The union over a period stays connected: setting one digit of i
+    to 0 gives a smaller index, hence a member, so every member reaches 0.
+    """
+
+    name = "base-k"
+    time_varying = True
+
+    k: int = 1  # maximum degree; the graph is base-(k + 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.k < 1:
+            raise ValueError(f"topology 'base-k': k must be at least 1, got {self.k}")
+
+    def _period(self, n: int) -> int:
+        return max(1, _ceil_log(n, self.k + 1))
+
+    def _out(self, n: int, i: int, round: int) -> Iterable[int]:
+        b = self.k + 1
+        place = b ** (round % self._period(n))
+        first = i - (i // place) % b * place  # i with digit r set to 0
+        return (j for v in range(b) if (j := first + v * place) < n)

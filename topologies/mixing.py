@@ -3,7 +3,8 @@
 Metropolis-Hastings weights (Xiao & Boyd 2004) need only each member's and
 its neighbour's degree, so a peer can compute its own row locally; that makes
 them the default for neighbour averaging. The spectral gap and diameter let
-experiments compare topologies before running them.
+experiments compare topologies before running them; `describe` gathers them,
+over a whole period for time-varying topologies.
 """
 
 from __future__ import annotations
@@ -104,3 +105,64 @@ def diameter(adjacency: np.ndarray) -> int:
 def mixing_matrix(topology: Topology, n: int, round: int = 0) -> np.ndarray:
     """Metropolis-Hastings weights for `topology` on n members in `round`."""
     return metropolis_hastings(topology.adjacency(n, round))
+
+
+def gossip_weights(topology: Topology, n: int, round: int) -> np.ndarray:
+    """The weights gossip would use on `topology` in one round, chosen by direction.
+
+    Undirected: Metropolis-Hastings (symmetric, doubly stochastic). Directed:
+    uniform over each member and its out-neighbours. Its transpose is the
+    column-stochastic matrix push-sum (SGP) mixes with, and a matrix and its
+    transpose share their singular values, so the spectral gap is the same.
+    """
+    a = topology.adjacency(n, round)  # (n, n)
+    return uniform_weights(a) if topology.directed else metropolis_hastings(a)
+
+
+def spectral_gap_over_period(topology: Topology, n: int, round: int = 0) -> float:
+    """Spectral gap of the product of one period's mixing matrices, from `round` on.
+
+    For a static topology this is the one-round gap. For a time-varying one it
+    is what a whole cycle achieves: 1.0 for the one-peer exponential graph with
+    n a power of two (exact averaging), though each of its rounds alone mixes
+    poorly. Directed graphs whose weights are not doubly stochastic (random
+    out-neighbours) converge to a weighted average instead, and their gap by
+    this formula can be low or negative.
+    """
+    product = np.eye(n)  # (n, n)
+    for r in range(round, round + topology.period(n)):
+        # U_0 U_1 ... is the transpose of push-sum's P_last ... P_0: same norm.
+        product = product @ gossip_weights(topology, n, r)  # (n, n)
+    return spectral_gap(product)
+
+
+def describe(topology: Topology, n: int, round: int = 0) -> dict[str, object]:
+    """The numbers that predict how a topology gossips on n members, JSON-ready.
+
+    Degrees are out-degrees over the period starting at `round`: "degree" is
+    their mean (messages a member sends per round), "max_degree" the largest.
+    "diameter" is that of the symmetrized union of the period's graphs, None
+    when it is disconnected.
+    """
+    period = topology.period(n)
+    graphs = [topology.adjacency(n, r) for r in range(round, round + period)]  # period x (n, n)
+    out_degree = np.array([a.sum(axis=1) for a in graphs])  # (period, n)
+    union = np.logical_or.reduce(graphs)  # (n, n)
+    try:
+        hops: int | None = diameter(union)
+    except ValueError:
+        hops = None
+    return {
+        "name": topology.name,
+        "spec": topology.spec,
+        "peers": n,
+        "round": round,
+        "degree": float(out_degree.mean()),
+        "max_degree": int(out_degree.max()),
+        "diameter": hops,
+        "spectral_gap": spectral_gap_over_period(topology, n, round),
+        "weights": "uniform" if topology.directed else "metropolis-hastings",
+        "directed": topology.directed,
+        "time_varying": topology.time_varying,
+        "period": period,
+    }

@@ -12,9 +12,10 @@ from typing import Callable
 from ..config import Limits
 from ..errors import ConfigError
 from .base import Transport, TransportStats
+from .sim import SimNetwork, SimTransport
 from .tcp import TcpTransport
 
-__all__ = ["Transport", "TransportStats", "TcpTransport", "listen", "register", "schemes"]
+__all__ = ["Transport", "TransportStats", "TcpTransport", "SimNetwork", "SimTransport", "listen", "register", "schemes"]
 
 #: Builds an unstarted transport bound (once started) at a URL of its scheme.
 Factory = Callable[[str, Limits], Transport]
@@ -55,3 +56,4 @@ def _known() -> str:
 
 
 register("tcp", TcpTransport)
+register("sim", SimTransport)  # needs an active SimNetwork (gossiptrain.sim sets one up)

@@ -1,0 +1,57 @@
+"""The trainer's safe point: where averaging reads and writes the model.
+
+Between two optimizer steps nothing else touches the parameters, so that is
+where exchange messages the network side queued are applied, requests are
+answered, and the next exchange is started. Both drivers call this once per
+local step: ``Peer`` (a real process, network on another thread) and the
+simulator (everything on one virtual-time loop); they differ only in how an
+outgoing message reaches the node (``submit``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import Callable
+
+from . import averaging
+from .averaging import PairwiseAveraging, Rejected, SendExchange
+from .clock import Clock
+from .node import PeerNode
+
+log = logging.getLogger(__name__)
+
+
+class SafePoint:
+    """Feeds one peer's averaging state machine at each local step."""
+
+    def __init__(
+        self,
+        node: PeerNode,
+        averaging: PairwiseAveraging,
+        clock: Clock,
+        submit: Callable[[SendExchange], None],
+    ) -> None:
+        self.node = node
+        self.averaging = averaging
+        self.clock = clock
+        self.submit = submit
+
+    def __call__(self, step: int) -> None:
+        """Run the safe point after local step ``step``."""
+        node = self.node
+        node.step = step
+        now = self.clock.now()
+        actions: list[averaging.Action] = []
+        while True:
+            try:
+                event = node.exchanges.get_nowait()
+            except queue.Empty:
+                break
+            actions += self.averaging.handle(event, now)
+        actions += self.averaging.handle(averaging.Tick(step, node.partners(step)), now)
+        for action in actions:
+            if isinstance(action, SendExchange):
+                self.submit(action)
+            elif isinstance(action, Rejected):
+                log.warning("rejected an update from %s: %s", action.sender, action.reason)

@@ -1,0 +1,33 @@
+"""Simulated clusters: many peers in one process, in virtual time, with faults on a schedule.
+
+``simulate(SimConfig(...))`` runs one simulation and returns a ``SimResult``
+(rows of per-peer samples, and a summary). The names are imported on first
+use, so that the CLI can describe its flags without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cluster import Cluster, SimConfig, SimResult, simulate
+    from .faults import ChurnEvent, PartitionSpec
+
+_LAZY = {
+    "Cluster": "gossiptrain.sim.cluster",
+    "SimConfig": "gossiptrain.sim.cluster",
+    "SimResult": "gossiptrain.sim.cluster",
+    "simulate": "gossiptrain.sim.cluster",
+    "ChurnEvent": "gossiptrain.sim.faults",
+    "PartitionSpec": "gossiptrain.sim.faults",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gossiptrain.sim' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -1,0 +1,295 @@
+"""A simulated cluster: a coordinator and many peers in one process, in virtual time.
+
+``simulate(SimConfig)`` builds the simulated network, starts the
+coordinator and the peers (each the real protocol stack, see
+``gossiptrain.sim.peer``), applies the fault schedule (stragglers, link
+profile, loss, partitions, churn), samples every peer every ``sample_every``
+virtual seconds, and returns the time series and a summary. Everything
+random comes from ``SimConfig.seed``; with an explicit ``step_time`` two runs
+of the same configuration give identical results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import RunConfig
+from ..coordinator import Coordinator
+from ..errors import ConfigError
+from ..local_training import LocalTrainer
+from ..transport.sim import LinkProfile, SimNetwork, SimTransport
+from ..workload import Workload, load_workload
+from .faults import ChurnEvent, PartitionSpec, churn_schedule
+from .peer import SimPeer, SimPeerSpec
+from .vtime import LoopClock, run_virtual
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "sim://coordinator"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``run`` is the swarm's configuration, as a coordinator would hold it."""
+
+    peers: int = 8
+    run: RunConfig = field(default_factory=RunConfig)
+    duration: float = 60.0  # virtual seconds
+    seed: int = 0
+    step_time: float | None = None  # virtual seconds per local step at speed 1; None: measure it here
+    speeds: tuple[float, ...] = ()  # per-peer slowdown factors (overrides stragglers/slowdown)
+    stragglers: float = 0.0  # fraction of peers that are slow
+    slowdown: float = 4.0  # how much slower a straggler computes
+    link: LinkProfile = field(default_factory=LinkProfile)
+    partitions: tuple[PartitionSpec, ...] = ()
+    churn_rate: float = 0.0  # crashes per virtual second across the cluster (Poisson)
+    churn_downtime: float = 5.0  # virtual seconds a crashed peer stays down before it rejoins
+    churn_trace: tuple[ChurnEvent, ...] = ()  # explicit crash/join events (added to the Poisson ones)
+    sample_every: float = 1.0  # virtual seconds between samples of every peer
+    membership_only: bool = False  # no model, no training: just the membership protocol
+    target_accuracy: float = 0.0  # stop early once the live peers' mean test accuracy reaches it (0: never)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"sim.{name} {msg}")
+
+        need(self.peers >= 1, "peers", f"must be >= 1, got {self.peers}")
+        need(self.duration > 0, "duration", "must be > 0")
+        need(self.step_time is None or self.step_time > 0, "step_time", "must be > 0")
+        need(all(s >= 1 for s in self.speeds), "speeds", "are slowdown factors and must be >= 1")
+        need(not self.speeds or len(self.speeds) == self.peers, "speeds", f"needs one factor per peer ({self.peers})")
+        need(0 <= self.stragglers <= 1, "stragglers", "is a fraction in [0, 1]")
+        need(self.slowdown >= 1, "slowdown", "must be >= 1")
+        need(self.churn_rate >= 0, "churn_rate", "must be >= 0")
+        need(self.churn_downtime >= 0, "churn_downtime", "must be >= 0")
+        need(self.sample_every > 0, "sample_every", "must be > 0")
+        need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
+        for e in self.churn_trace:
+            need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
+
+    def peer_speeds(self) -> list[float]:
+        """Slowdown of each peer: explicit ``speeds``, or the first ``stragglers`` fraction slowed."""
+        if self.speeds:
+            return list(self.speeds)
+        slow = round(self.stragglers * self.peers)
+        return [self.slowdown if i < slow else 1.0 for i in range(self.peers)]
+
+
+@dataclass
+class SimResult:
+    rows: list[dict[str, Any]]  # one per live peer per sample
+    summary: dict[str, Any]
+
+
+def measure_step_time(workload: Workload, model: torch.nn.Module, run: RunConfig, steps: int = 20) -> float:
+    """Median wall seconds of one local step of this workload on this machine (one thread)."""
+    trainer = LocalTrainer(workload, copy.deepcopy(model), run.train, shard=0)
+    for _ in range(3):
+        trainer.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Cluster:
+    """Owns the simulated world of one run; ``run()`` drives it to the end."""
+
+    def __init__(self, config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> None:
+        self.config = config
+        self.on_sample = on_sample
+        run = config.run
+        self.workload: Workload | None = None
+        self.base_model: torch.nn.Module | None = None
+        if not config.membership_only:
+            self.workload = load_workload(run.train.workload)
+            torch.manual_seed(run.train.seed)
+            self.base_model = self.workload.build_model(run.train.seed)
+        self.step_time = config.step_time or (
+            measure_step_time(self.workload, self.base_model, run) if self.workload and self.base_model else 0.01
+        )
+        self.speeds = config.peer_speeds()
+        self.rng = random.Random(config.seed)
+        self.network = SimNetwork(config.link, seed=self.rng.getrandbits(32))
+        self.peers: dict[int, SimPeer] = {}  # slot -> current incarnation
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.generations = [0] * config.peers
+        self.rows: list[dict[str, Any]] = []
+        self.crashes = 0
+        self.time_to_target: float | None = None
+
+    # -- peers -----------------------------------------------------------------------------
+
+    def _make_model(self) -> torch.nn.Module:
+        assert self.base_model is not None
+        return copy.deepcopy(self.base_model)  # every peer starts from the same point
+
+    def _start(self, slot: int) -> None:
+        spec = SimPeerSpec(slot, self.generations[slot], self.speeds[slot], self.step_time)
+        peer = SimPeer(
+            spec,
+            network=self.network,
+            join=COORDINATOR,
+            local=self.config.run,
+            workload=self.workload,
+            make_model=None if self.config.membership_only else self._make_model,
+            seed=self.rng.getrandbits(32),
+        )
+        self.peers[slot] = peer
+        self.tasks[slot] = asyncio.get_running_loop().create_task(peer.run(), name=spec.name)
+
+    async def _crash(self, slot: int) -> None:
+        task = self.tasks.pop(slot, None)
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.peers.pop(slot, None)
+        self.crashes += 1
+
+    async def _rejoin(self, slot: int) -> None:
+        if slot in self.tasks:
+            return
+        self.generations[slot] += 1
+        self._start(slot)
+
+    # -- schedules -------------------------------------------------------------------------
+
+    async def _churn(self) -> None:
+        events = sorted(
+            [*self.config.churn_trace, *churn_schedule(self.config, random.Random(self.rng.getrandbits(32)))],
+            key=lambda e: (e.time, e.peer),
+        )
+        loop = asyncio.get_running_loop()
+        for event in events:
+            await asyncio.sleep(max(0.0, event.time - loop.time()))
+            if event.kind == "crash":
+                await self._crash(event.peer)
+            else:
+                await self._rejoin(event.peer)
+
+    async def _partitions(self, spec: PartitionSpec) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, spec.start - loop.time()))
+        cut = max(1, min(self.config.peers - 1, round(spec.fraction * self.config.peers)))
+        side_a = [p.transport.address for s, p in self.peers.items() if s < cut and p.transport]
+        side_b = [p.transport.address for s, p in self.peers.items() if s >= cut and p.transport]
+        # The coordinator stays on side A: a partition cuts peers, the bootstrap service is one of them.
+        self.network.partition([[*side_a, COORDINATOR], side_b])
+        await asyncio.sleep(spec.heal - spec.start)
+        self.network.heal()
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def _sample(self, now: float) -> list[dict[str, Any]]:
+        live = {s: p for s, p in self.peers.items() if p.node is not None}
+        rows = []
+        flat: dict[int, torch.Tensor] = {}
+        for slot, peer in live.items():
+            model = peer.model
+            if model is not None:
+                flat[slot] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (P,)
+        center = torch.stack(list(flat.values())).mean(0) if flat else None  # (P,)
+        for slot, peer in sorted(live.items()):
+            row: dict[str, Any] = {"time": round(now, 6), "peer": slot, "id": peer.node.me.id if peer.node else ""}
+            row["generation"] = peer.spec.generation
+            row.update(peer.stats())
+            if peer.trainer is not None:
+                result = peer.trainer.evaluate()
+                row.update(step=peer.trainer.steps, loss=peer.trainer.loss_avg, test_acc=result.accuracy, test_loss=result.loss)
+                assert center is not None
+                row["consensus_distance"] = float(torch.linalg.vector_norm(flat[slot] - center))
+            rows.append(row)
+        return rows
+
+    async def _sampler(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.sample_every)
+            now = loop.time()
+            rows = self._sample(now)
+            self.rows.extend(rows)
+            if self.on_sample:
+                self.on_sample(now, rows)
+            accs = [r["test_acc"] for r in rows if "test_acc" in r]
+            target = self.config.target_accuracy
+            if target and accs and self.time_to_target is None and sum(accs) / len(accs) >= target:
+                self.time_to_target = now
+                stop.set()
+
+    # -- the run ---------------------------------------------------------------------------
+
+    async def run(self) -> SimResult:
+        wall = time.perf_counter()
+        stop = asyncio.Event()
+        with self.network.activate():
+            transport = SimTransport(COORDINATOR, self.config.run.limits, network=self.network)
+            async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
+                for slot in range(self.config.peers):
+                    self._start(slot)
+                background = [asyncio.create_task(self._sampler(stop), name="sampler"), asyncio.create_task(self._churn(), name="churn")]
+                background += [asyncio.create_task(self._partitions(p)) for p in self.config.partitions]
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.config.duration)
+                except TimeoutError:
+                    pass
+                virtual = asyncio.get_running_loop().time()
+                for task in [*background, *self.tasks.values()]:
+                    task.cancel()
+                results = await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                        raise r
+        return SimResult(self.rows, self._summary(virtual, time.perf_counter() - wall))
+
+    def _summary(self, virtual: float, wall: float) -> dict[str, Any]:
+        last_time = self.rows[-1]["time"] if self.rows else 0.0
+        last = [r for r in self.rows if r["time"] == last_time]
+        def mean(key: str) -> float | None:
+            values = [r[key] for r in last if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
+            return sum(values) / len(values) if values else None
+
+        summary: dict[str, Any] = {
+            "peers": self.config.peers,
+            "seed": self.config.seed,
+            "virtual_seconds": round(virtual, 3),
+            "wall_seconds": round(wall, 3),
+            "step_time": self.step_time,
+            "live_peers": len(last),
+            "crashes": self.crashes,
+            "mean_members": mean("members"),
+            "network": self.network.stats.to_dict() if hasattr(self.network.stats, "to_dict") else dict(vars(self.network.stats)),
+        }
+        if not self.config.membership_only:
+            summary.update(
+                mean_test_acc=mean("test_acc"),
+                mean_step=mean("step"),
+                consensus_distance=mean("consensus_distance"),
+                exchanges_per_peer=mean("exchanges"),
+                bytes_sent_per_peer=mean("bytes_sent"),
+                time_to_target=self.time_to_target,
+            )
+        return summary
+
+
+def simulate(config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> SimResult:
+    """Run one simulation to its end (``duration`` or the target accuracy) in virtual time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one simulated peer computes at a time; one thread keeps runs bit-identical
+    try:
+        return run_virtual(Cluster(config, on_sample).run())
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,136 @@
+"""One simulated peer: the real protocol stack, driven in virtual time.
+
+A ``SimPeer`` joins through the real join protocol, runs the real
+``PeerNode`` (membership, join answering, exchange routing), the real
+averaging state machine behind the same ``SafePoint``, and real torch steps
+on its shard. Only two things differ from a peer process: its transport is
+``sim://`` and the time a local step takes is charged to the virtual clock
+(``step_time * speed``) instead of being spent.
+
+A crash is the cancellation of its task: no leave is announced, its
+transport disappears from the simulated network, and messages in flight to
+it are lost, as with a killed process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..averaging import PairwiseAveraging, ParamSpec
+from ..config import RunConfig
+from ..joining import JoinRequest, join_swarm
+from ..local_training import LocalTrainer, budget_spent
+from ..membership import Member
+from ..node import PeerNode
+from ..safepoint import SafePoint
+from ..transport.sim import SimNetwork, SimTransport
+from ..workload import Workload
+from .vtime import LoopClock
+
+
+@dataclass(frozen=True)
+class SimPeerSpec:
+    """Who a simulated peer is and how fast it computes."""
+
+    index: int  # its slot in the cluster (0..peers-1); a rejoin keeps the slot
+    generation: int  # 0 for the first start, then one more for each rejoin
+    speed: float  # slowdown factor: a step takes step_time * speed virtual seconds
+    step_time: float  # virtual seconds per local step at speed 1
+
+    @property
+    def name(self) -> str:
+        return f"peer{self.index}" if self.generation == 0 else f"peer{self.index}.{self.generation}"
+
+
+class SimPeer:
+    """Runs until cancelled (a crash, or the end of the simulation)."""
+
+    def __init__(
+        self,
+        spec: SimPeerSpec,
+        *,
+        network: SimNetwork,
+        join: str,
+        local: RunConfig,
+        workload: Workload | None,
+        make_model: Callable[[], torch.nn.Module] | None,
+        seed: int,
+    ) -> None:
+        self.spec = spec
+        self.network = network
+        self.join = join
+        self.local = local
+        self.workload = workload
+        self.make_model = make_model
+        self.rng = random.Random(seed)
+        self.clock = LoopClock()
+        self.node: PeerNode | None = None
+        self.trainer: LocalTrainer | None = None
+        self.averaging: PairwiseAveraging | None = None
+        self.transport: SimTransport | None = None
+        self.joined_at: float | None = None
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self.trainer.model if self.trainer else None
+
+    async def run(self) -> None:
+        limits = self.local.limits
+        transport = self.transport = SimTransport(f"sim://{self.spec.name}:0", limits, network=self.network)
+        async with transport:
+            welcome = await join_swarm(
+                transport,
+                self.join,
+                JoinRequest(),
+                advertise=transport.address,
+                limits=limits,
+                clock=self.clock,
+                attempts=self.local.membership.join_attempts,
+                attempt_timeout=self.local.membership.join_timeout,
+            )
+            config = welcome.config
+            model = self.make_model() if self.make_model else None
+            params = dict(model.named_parameters()) if model is not None else {}
+            # A restart must outrank the old heartbeats: virtual microseconds do, as wall ones do for Peer.
+            me = Member(welcome.member_id, transport.address, welcome.shard, int(self.clock.now() * 1e6) + 1, 0)
+            node = self.node = PeerNode(
+                me=me,
+                config=config,
+                transport=transport,
+                clock=self.clock,
+                rng=self.rng,
+                spec=ParamSpec.of(params) if model is not None else None,
+                coordinator=welcome.coordinator,
+                seeds=welcome.members,
+            )
+            async with node:
+                self.joined_at = self.clock.now()
+                if model is None or self.workload is None:
+                    await asyncio.Event().wait()  # membership only: the node's own tasks do the work
+                    return
+                self.averaging = PairwiseAveraging(params, config.gossip, self.rng)
+                safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
+                trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard)
+                started = self.clock.now()
+                while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
+                    trainer.step()  # real computation, no virtual time
+                    await asyncio.sleep(self.spec.step_time * self.spec.speed)  # the virtual time it costs
+                    safepoint(trainer.steps)
+                await node.leave()
+                await asyncio.Event().wait()  # finished: stay reachable until the simulation ends
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the time series (zeros before the peer has joined)."""
+        out: dict[str, float] = {"members": len(self.node.view()) if self.node else 0}
+        if self.transport is not None:
+            out["bytes_sent"] = self.transport.stats.bytes_sent
+            out["bytes_received"] = self.transport.stats.bytes_received
+        if self.averaging is not None:
+            s = self.averaging.stats
+            out.update(exchanges=s.completed + s.served, timeouts=s.timeouts, staleness_mean=s.to_dict()["staleness_mean"])
+        return out

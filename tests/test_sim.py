@@ -1,0 +1,113 @@
+"""The simulator: the real peer logic in virtual time, reproducible, with faults on a schedule."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gossiptrain.config import RunConfig
+from gossiptrain.errors import ConfigError
+from gossiptrain.sim.cluster import Cluster, SimConfig, simulate
+from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
+from gossiptrain.sim.vtime import run_virtual
+
+from .test_cli import run_cli
+
+
+def logreg(**overrides: Any) -> RunConfig:
+    return RunConfig().with_overrides({"train.workload": "logreg", "train.max_steps": 0, **overrides})
+
+
+def members_only(**overrides: Any) -> RunConfig:
+    return RunConfig().with_overrides({"train.workload": "external", **overrides})
+
+
+def test_same_seed_same_run_other_seed_other_run() -> None:
+    config = SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=6, step_time=0.01, seed=7)
+    first, second = simulate(config), simulate(config)
+    assert first.rows and first.rows == second.rows
+    other = simulate(SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=6, step_time=0.01, seed=8))
+    assert other.rows != first.rows
+    assert first.summary["mean_test_acc"] > 0.8  # real learning happened, in virtual time
+
+
+def steps_by_peer(rows: list[dict[str, Any]]) -> dict[int, int]:
+    last = max(r["time"] for r in rows)
+    return {r["peer"]: r["step"] for r in rows if r["time"] == last}
+
+
+def test_a_straggler_slows_only_itself_under_pairwise_averaging() -> None:
+    base = dict(peers=6, run=logreg(**{"train.shards": 6}), duration=10, step_time=0.01, seed=1)
+    even = steps_by_peer(simulate(SimConfig(**base)).rows)
+    uneven = steps_by_peer(simulate(SimConfig(**base, speeds=(4.0, 1, 1, 1, 1, 1))).rows)
+    fast = [uneven[p] for p in range(1, 6)]
+    assert min(fast) >= 0.9 * min(even[p] for p in range(1, 6))  # the others are not held back
+    assert uneven[0] <= 0.3 * min(fast)  # the straggler is about 4x slower
+
+
+def test_a_partition_splits_membership_and_it_re_merges_after_the_heal() -> None:
+    run = members_only(**{"membership.heartbeat_interval": 0.5})
+    config = SimConfig(peers=8, run=run, duration=60, membership_only=True, partitions=(PartitionSpec(10, 30),))
+    result = simulate(config)
+    timeout = run.membership.fail_timeout(8)
+    during = [r for r in result.rows if 10 + timeout + 3 <= r["time"] < 30]
+    after = [r for r in result.rows if r["time"] == max(r["time"] for r in result.rows)]
+    assert during and all(r["members"] == 4 for r in during)  # each side sees only itself
+    assert after and len(after) == 8 and all(r["members"] == 8 for r in after)
+
+
+def test_a_crashed_peer_is_removed_from_every_view_and_readmitted_after_rejoining() -> None:
+    run = members_only(**{"membership.heartbeat_interval": 0.5})
+    trace = (ChurnEvent(5.0, 2, "crash"), ChurnEvent(20.0, 2, "join"))
+    config = SimConfig(peers=6, run=run, duration=35, membership_only=True, churn_trace=trace)
+    cluster = Cluster(config)
+    seen: dict[float, dict[int, tuple[str, ...]]] = {}
+    crashed_id: list[str] = []
+
+    def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
+        seen[now] = {s: p.node.view() for s, p in cluster.peers.items() if p.node is not None}
+        if now == 4.0:
+            crashed_id.append(cluster.peers[2].node.me.id)
+
+    cluster.on_sample = on_sample
+    run_virtual(cluster.run())
+    gone = crashed_id[0]
+    bound = 5.0 + run.membership.fail_timeout(6) + 2 * run.membership.heartbeat_interval
+    for now, views in seen.items():
+        if bound <= now < 20:
+            assert 2 not in views and all(gone not in v for v in views.values()), (now, views)
+    final = seen[max(seen)]
+    assert len(final) == 6 and all(len(v) == 6 for v in final.values())
+    rejoined = cluster.peers[2].node.me.id
+    assert rejoined != gone and all(rejoined in v for v in final.values())
+
+
+def test_churn_from_a_rate_is_reproducible_and_training_goes_on() -> None:
+    config = SimConfig(peers=6, run=logreg(**{"train.shards": 6}), duration=20, step_time=0.01, churn_rate=0.3, churn_downtime=3)
+    a, b = simulate(config), simulate(config)
+    assert a.summary["crashes"] > 0 and a.rows == b.rows
+    assert a.summary["mean_test_acc"] > 0.8
+
+
+def test_invalid_simulation_settings_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="sim.speeds"):
+        SimConfig(peers=3, speeds=(1.0, 2.0))
+    with pytest.raises(ConfigError, match="partition"):
+        PartitionSpec.parse("10")
+    with pytest.raises(ConfigError, match="sim.churn_trace"):
+        SimConfig(peers=2, churn_trace=(ChurnEvent(1.0, 5, "crash"),))
+
+
+def test_simulate_command_prints_a_json_summary(tmp_path: Any) -> None:
+    out = tmp_path / "series.csv"
+    result = run_cli(
+        "simulate", "--peers", "4", "--workload", "logreg", "--duration", "5", "--step-time", "0.01",
+        "--stragglers", "0.25:4", "--out", str(out), "--json", timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["peers"] == 4 and summary["virtual_seconds"] == pytest.approx(5.0)
+    header = out.read_text().splitlines()[0].split(",")
+    assert {"time", "peer", "step", "test_acc", "consensus_distance", "bytes_sent", "staleness_mean"} <= set(header)
