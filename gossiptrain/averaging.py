@@ -263,8 +263,8 @@ class PairwiseAveraging:
             return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]
         snapshot = self._snapshot()
         with torch.no_grad():
-            # x <- x + (x_remote - x_snapshot) / 2, i.e. the average, since x == snapshot now
-            torch._foreach_add_(self.params, torch._foreach_sub(remote, snapshot), alpha=0.5)
+            # x <- (x + x_remote) / 2, in place (x == snapshot now, so this is x + (x_remote - snapshot) / 2)
+            torch._foreach_lerp_(self.params, remote, 0.5)
         self.stats.served += 1
         self.stats.staleness[max(0, self._step - msg.step)] += 1
         return [SendExchange(msg.sender, XREP, msg.xid, dict(zip(self.names, snapshot)))]
@@ -279,8 +279,9 @@ class PairwiseAveraging:
         if isinstance(remote, Rejected):
             return [remote]
         with torch.no_grad():
-            # keep local progress made in flight: x <- x + (x_remote - x_sent) / 2
-            torch._foreach_add_(self.params, torch._foreach_sub(remote, inflight.snapshot), alpha=0.5)
+            # keep local progress made in flight: x <- x + (x_remote - x_sent) / 2, without temporaries
+            torch._foreach_add_(self.params, remote, alpha=0.5)
+            torch._foreach_add_(self.params, inflight.snapshot, alpha=-0.5)
         self.rtt.observe(now - inflight.sent_at)
         self.stats.completed += 1
         self.stats.staleness[max(0, self._step - msg.step)] += 1
@@ -315,7 +316,7 @@ class PairwiseAveraging:
                 self.stats.rejected += 1
                 return Rejected(msg.sender, f"{name}: got {t.dtype} {list(t.shape)}, want {p.dtype} {list(p.shape)}")
             out.append(t)
-        if not all(bool(torch.isfinite(t).all()) for t in out):
+        if not all(bool(torch.isfinite(t).all()) for t in out):  # one pass; rejected before any write
             self.stats.rejected += 1
             return Rejected(msg.sender, "non-finite values")
         return out

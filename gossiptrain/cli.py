@@ -34,6 +34,9 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--steps": ("train.max_steps", int, "step budget per peer (0: none)"),
     "--seconds": ("train.max_seconds", float, "time budget per peer (0: none)"),
     "--seed": ("train.seed", int, "seed of model init and shards"),
+    "--partition": ("train.partition", str, "how data is split over shards: iid, dirichlet, classes-per-peer"),
+    "--partition-alpha": ("train.partition_alpha", float, "Dirichlet concentration (smaller: more label skew)"),
+    "--partition-classes": ("train.partition_classes", int, "classes per shard for classes-per-peer"),
 }
 
 

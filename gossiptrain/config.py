@@ -74,6 +74,9 @@ class TrainConfig:
     max_steps: int = 2000  # budget: a peer finishes after this many steps (0 = none)
     max_seconds: float = 0.0  # budget: a peer finishes after this long (0 = none)
     eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
+    partition: str = "iid"  # how shards split the data: iid, dirichlet, classes-per-peer (gossiptrain.partition)
+    partition_alpha: float = 0.5  # dirichlet concentration: small = few classes per shard, large = near iid
+    partition_classes: int = 2  # classes-per-peer: classes each shard holds (shards * this >= classes)
 
     def __post_init__(self) -> None:
         s = "train"
@@ -86,6 +89,19 @@ class TrainConfig:
         _require(self.max_steps >= 0, f"{s}.max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.max_seconds >= 0, f"{s}.max_seconds", f"must be >= 0, got {self.max_seconds}")
         _require(self.eval_every_seconds > 0, f"{s}.eval_every_seconds", "must be > 0")
+        # gossiptrain.partition.SCHEMES, spelled out: importing it would pull torch into config.
+        schemes = ("iid", "dirichlet", "classes-per-peer")
+        _require(
+            self.partition in schemes,
+            f"{s}.partition",
+            f"is {self.partition!r}; known schemes: {', '.join(schemes)}",
+        )
+        _require(
+            self.partition_alpha > 0 and math.isfinite(self.partition_alpha),
+            f"{s}.partition_alpha",
+            f"must be a positive number, got {self.partition_alpha}",
+        )
+        _require(self.partition_classes >= 1, f"{s}.partition_classes", f"must be >= 1, got {self.partition_classes}")
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,24 @@ Both the CLI peer (real time) and the simulator (virtual time) step a
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 
 import torch
+from torch import Tensor
 
 from .config import TrainConfig
+from .errors import WorkloadError
 from .evaluation import EvalResult
+from .partition import class_histogram, describe
 from .workload import Workload, batches
+
+log = logging.getLogger(__name__)
+
+# Keywords a partition-aware train_shard takes (see the Workload protocol).
+_PARTITION_KEYWORDS = ("partition", "alpha", "classes_per_peer")
+_LOGGED_CLASSES = 20  # histogram bins shown in the start-up log line
 
 
 class LocalTrainer:
@@ -21,8 +32,11 @@ class LocalTrainer:
     def __init__(self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int) -> None:
         self.workload = workload
         self.model = model
-        inputs, targets = workload.train_shard(shard, config.shards, config.seed)
+        inputs, targets = _load_shard(workload, config, shard)
         self.samples = len(targets)
+        # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
+        self.class_histogram: list[int] = _histogram(workload, targets)
+        _log_shard(config, shard, self.samples, self.class_histogram)
         self.opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
         # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
         self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard)
@@ -44,6 +58,64 @@ class LocalTrainer:
 
     def evaluate(self) -> EvalResult:
         return self.workload.evaluate(self.model)
+
+
+def _load_shard(workload: Workload, config: TrainConfig, shard: int) -> tuple[Tensor, Tensor]:
+    if config.partition == "iid":
+        # The three-argument call: workloads written before partitions keep working.
+        return workload.train_shard(shard, config.shards, config.seed)
+    if not _accepts_partition(workload):
+        raise WorkloadError(
+            f"workload {workload.name!r}: train.partition is {config.partition!r}, but its train_shard "
+            f"does not take the keywords {', '.join(_PARTITION_KEYWORDS)}; use train.partition = 'iid' "
+            "or add them (see the Workload protocol)"
+        )
+    return workload.train_shard(  # type: ignore[call-arg]
+        shard,
+        config.shards,
+        config.seed,
+        partition=config.partition,
+        alpha=config.partition_alpha,
+        classes_per_peer=config.partition_classes,
+    )
+
+
+def _accepts_partition(workload: Workload) -> bool:
+    # Checked up front rather than by catching TypeError, which would also
+    # swallow a TypeError raised inside a workload that does take them.
+    try:
+        params = inspect.signature(workload.train_shard).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(
+        name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+        for name in _PARTITION_KEYWORDS
+    )
+
+
+def _histogram(workload: Workload, targets: Tensor) -> list[int]:
+    # Only integer class targets have a histogram; regression workloads get [].
+    if targets.ndim != 1 or targets.numel() == 0 or targets.dtype.is_floating_point or targets.dtype.is_complex:
+        return []
+    if targets.dtype == torch.bool or int(targets.min()) < 0:
+        return []
+    classes = getattr(workload, "num_classes", None)
+    if not isinstance(classes, int) or classes <= int(targets.max()):
+        classes = int(targets.max()) + 1
+    return class_histogram(targets, None, classes)
+
+
+def _log_shard(config: TrainConfig, shard: int, samples: int, histogram: list[int]) -> None:
+    # A peer's data is the first thing to check when its accuracy lags under non-IID shards.
+    scheme = describe(config.partition, config.partition_alpha, config.partition_classes)
+    classes = ""
+    if histogram:
+        # Long label sets (hundreds of classes) would flood the log: show the first few.
+        more = ", ..." if len(histogram) > _LOGGED_CLASSES else ""
+        classes = f", classes [{', '.join(map(str, histogram[:_LOGGED_CLASSES]))}{more}]"
+    log.info("shard %d/%d (%s): %d samples%s", shard, config.shards, scheme, samples, classes)
 
 
 def budget_spent(config: TrainConfig, steps: int, elapsed: float) -> bool:

@@ -19,15 +19,20 @@ from torch import Tensor
 
 from gossiptrain.errors import WorkloadError
 from gossiptrain.evaluation import EvalResult
+from gossiptrain.partition import SCHEMES as PARTITIONS
+from gossiptrain.partition import class_histogram, partition_indices
 
 __all__ = [
     "EXTERNAL",
+    "PARTITIONS",
     "EvalResult",
     "Workload",
     "WorkloadError",
     "batches",
     "builtin_workloads",
+    "class_histogram",
     "load_workload",
+    "partition_indices",
     "shard_indices",
 ]
 
@@ -53,6 +58,10 @@ class Workload(Protocol):
     Every peer of a run must get the same model from the same seed and
     disjoint shards from the same (index, count, seed); that is what makes
     averaging parameters across peers meaningful.
+
+    Optional: a ``num_classes: int`` attribute (for classifiers), used for
+    the class histogram a trainer logs at start; without it the histogram
+    has ``targets.max() + 1`` bins.
     """
 
     name: str
@@ -66,6 +75,12 @@ class Workload(Protocol):
 
         Deterministic from ``seed``; the ``count`` shards of one seed are
         disjoint, cover the training split, and differ in size by at most one.
+
+        Workloads that can split by label (the built-ins do) also take the
+        keywords ``partition: str = "iid"``, ``alpha: float = 0.5`` and
+        ``classes_per_peer: int = 2`` (see ``shard_indices``); non-iid shards
+        may differ in size. The trainer passes them only for a non-iid
+        ``train.partition``, so this three-argument form is enough for iid.
         """
         ...
 
@@ -120,19 +135,30 @@ def load_workload(name: str) -> Workload:
     return _instantiate(name, target)
 
 
-def shard_indices(total: int, index: int, count: int, seed: int) -> Tensor:
-    """Indices (n,) into a split of ``total`` samples for shard ``index`` of ``count``.
+def shard_indices(
+    labels: Tensor | int,
+    index: int,
+    count: int,
+    seed: int,
+    *,
+    partition: str = "iid",
+    alpha: float = 0.5,
+    classes_per_peer: int = 2,
+) -> Tensor:
+    """Indices (n,) into the training split for shard ``index`` of ``count``.
 
-    One permutation from ``seed``, cut into ``count`` contiguous parts whose
-    sizes differ by at most one: peers sharing a seed get disjoint shards.
+    ``labels`` is the split's targets (N,), or just its size N for iid (the
+    only scheme that ignores labels). iid: one permutation from ``seed`` cut
+    into ``count`` contiguous parts whose sizes differ by at most one.
+    dirichlet / classes-per-peer: label-skewed shards, see
+    ``gossiptrain.partition.partition_indices``. Either way peers sharing a
+    seed get disjoint shards that together cover the split.
     """
-    if count < 1 or not 0 <= index < count:
-        raise WorkloadError(f"shard index {index} of {count}: need 0 <= index < count")
-    if count > total:
-        raise WorkloadError(f"cannot cut {total} training samples into {count} non-empty shards")
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(total, generator=generator)  # (total,)
-    return torch.tensor_split(order, count)[index].clone()  # (n,)
+    if isinstance(labels, int):
+        if partition != "iid":
+            raise WorkloadError(f"partition {partition!r} needs the labels, not just the sample count")
+        labels = torch.empty(labels, dtype=torch.int64)  # (N,) placeholder: iid only reads the length
+    return partition_indices(labels, index, count, seed, partition, alpha, classes_per_peer)
 
 
 def batches(

@@ -44,6 +44,7 @@ class DigitsWorkload:
     """
 
     name = "digits"
+    num_classes = CLASSES
     _split: ClassVar[_Split | None] = None  # loaded once per process
 
     def __init__(self, hidden: int = 1024, depth: int = 2) -> None:
@@ -84,10 +85,26 @@ class DigitsWorkload:
         model = nn.Sequential(*layers).to_empty(device="cpu")
         return init_linears(model, seed)
 
-    def train_shard(self, index: int, count: int, seed: int) -> tuple[Tensor, Tensor]:
-        """Shard ``index`` of ``count``: inputs (n, 64) float32, targets (n,) int64."""
-        chosen = shard_indices(self._data.train_y.shape[0], index, count, seed)  # (n,)
-        return self._data.train_x[chosen], self._data.train_y[chosen]
+    def train_shard(
+        self,
+        index: int,
+        count: int,
+        seed: int,
+        *,
+        partition: str = "iid",
+        alpha: float = 0.5,
+        classes_per_peer: int = 2,
+    ) -> tuple[Tensor, Tensor]:
+        """Shard ``index`` of ``count``: inputs (n, 64) float32, targets (n,) int64.
+
+        ``partition`` and its parameters pick how labels spread over shards
+        (``gossiptrain.workload.shard_indices``).
+        """
+        x, y = self._data.train_x, self._data.train_y
+        chosen = shard_indices(
+            y, index, count, seed, partition=partition, alpha=alpha, classes_per_peer=classes_per_peer
+        )  # (n,)
+        return x[chosen], y[chosen]
 
     def loss(self, model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of the logits (B, 10) against targets (B,)."""

@@ -66,6 +66,7 @@ class LogRegWorkload:
                 raise WorkloadError(f"logreg: {field} must be >= {least}, got {value}")
         self.dim = dim
         self.classes = classes
+        self.num_classes = classes  # the Workload protocol's optional name for it
         self._train = _sample(dim, classes, train_samples, stream=1)
         self._test = _sample(dim, classes, test_samples, stream=2)
 
@@ -74,10 +75,25 @@ class LogRegWorkload:
         model = nn.Linear(self.dim, self.classes, device="meta").to_empty(device="cpu")
         return init_linears(model, seed)
 
-    def train_shard(self, index: int, count: int, seed: int) -> tuple[Tensor, Tensor]:
-        """Shard ``index`` of ``count``: inputs (n, dim) float32, targets (n,) int64."""
+    def train_shard(
+        self,
+        index: int,
+        count: int,
+        seed: int,
+        *,
+        partition: str = "iid",
+        alpha: float = 0.5,
+        classes_per_peer: int = 2,
+    ) -> tuple[Tensor, Tensor]:
+        """Shard ``index`` of ``count``: inputs (n, dim) float32, targets (n,) int64.
+
+        ``partition`` and its parameters pick how labels spread over shards
+        (``gossiptrain.workload.shard_indices``).
+        """
         x, y = self._train
-        chosen = shard_indices(y.shape[0], index, count, seed)  # (n,)
+        chosen = shard_indices(
+            y, index, count, seed, partition=partition, alpha=alpha, classes_per_peer=classes_per_peer
+        )  # (n,)
         return x[chosen], y[chosen]
 
     def loss(self, model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:

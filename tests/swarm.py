@@ -29,16 +29,28 @@ def next_host() -> str:
     return f"127.0.{n // 250}.{n % 250 + 2}"
 
 
-def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+def wait_for(
+    condition: Callable[[], T], timeout: float, what: str, interval: float = 0.1, state: Callable[[], str] | None = None
+) -> T:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` (and ``state()``) after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            detail = f"\n{state()}" if state else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
         time.sleep(interval)
+
+
+def describe(procs: "list[Proc]") -> str:
+    """Each process's latest metrics record and the end of its output, for failure messages."""
+    parts = []
+    for p in procs:
+        status = "running" if p.alive() else f"exited {p.popen.returncode}"
+        parts.append(f"--- {p.name} ({status}) latest: {p.latest()}\n{p.output()[-1500:]}")
+    return "\n".join(parts)
 
 
 class Proc:
@@ -102,6 +114,10 @@ class Procs:
         proc = Proc(list(args), self.workdir, name)
         self.all.append(proc)
         return proc
+
+    def wait_for(self, condition: Callable[[], T], timeout: float, what: str) -> T:
+        """``wait_for`` that shows every process's state if it times out."""
+        return wait_for(condition, timeout, what, state=lambda: describe(self.all))
 
     def close(self) -> None:
         for p in self.all:

@@ -11,7 +11,7 @@ import zmq
 from gossiptrain.joining import parse_hostport
 
 from .conftest import fast_config
-from .swarm import Procs, next_host, wait_for
+from .swarm import Procs, next_host
 
 
 def members_everywhere(peers: list[Any], n: int) -> Callable[[], bool]:
@@ -43,7 +43,7 @@ def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any)
     coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 500}))
     join = coord.address.removeprefix("tcp://")
     peers = [procs.peer(join) for _ in range(3)]
-    wait_for(lambda: all(p.records("done") for p in peers) or any(not p.alive() for p in peers), 150, "3 peers to finish")
+    procs.wait_for(lambda: all(p.records("done") for p in peers) or any(not p.alive() for p in peers), 150, "3 peers to finish")
     for p in peers:
         assert p.wait(30) == 0, p.output()
         (done,) = p.records("done")
@@ -58,22 +58,22 @@ def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator
     coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
     join = coord.address.removeprefix("tcp://")
     peers = [procs.peer(join) for _ in range(3)]
-    wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
+    procs.wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
 
     # Garbage at the coordinator's and at a peer's port is dropped and counted; nothing stops.
     send_garbage(join)
     send_garbage(peers[0].latest()["address"].removeprefix("tcp://"))
     stats = coord.coordinator.stats
-    wait_for(lambda: stats.bad_messages >= 2, 10, "the coordinator to count the bad messages")
-    wait_for(lambda: coord.coordinator.transport.stats.handshake_failures >= 1, 10, "a failed handshake to be counted")
-    wait_for(lambda: (peers[0].latest() or {}).get("dropped", 0) >= 2, 20, "peer 0 to count the bad messages")
+    procs.wait_for(lambda: stats.bad_messages >= 2, 10, "the coordinator to count the bad messages")
+    procs.wait_for(lambda: coord.coordinator.transport.stats.handshake_failures >= 1, 10, "a failed handshake to be counted")
+    procs.wait_for(lambda: (peers[0].latest() or {}).get("dropped", 0) >= 2, 20, "peer 0 to count the bad messages")
 
     victim, survivors = peers[2], peers[:2]
     victim.signal(signal.SIGKILL)
     victim.wait(10)
-    wait_for(members_everywhere(survivors, 2), 30, "survivors to drop the killed peer")
+    procs.wait_for(members_everywhere(survivors, 2), 30, "survivors to drop the killed peer")
     before = [steps_of(p) for p in survivors]
-    wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(survivors, before)), 30, "survivors to keep training")
+    procs.wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(survivors, before)), 30, "survivors to keep training")
     for p in survivors:
         p.signal(signal.SIGTERM)
     for p in survivors:
@@ -87,44 +87,44 @@ def test_training_goes_on_without_the_coordinator_and_it_can_restart(procs: Proc
         "coordinator", "--bind", f"{host}:0", "--seconds", "120", "--steps", "0",
         "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="coordinator",
     )
-    line = wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator to listen")
+    line = procs.wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator to listen")
     join = line.split("--join ")[1].split()[0]
     first = [procs.peer(join) for _ in range(2)]
-    wait_for(members_everywhere(first, 2), 60, "two peers to see each other")
+    procs.wait_for(members_everywhere(first, 2), 60, "two peers to see each other")
 
     coordinator.signal(signal.SIGKILL)
     coordinator.wait(10)
     before = [steps_of(p) for p in first]
-    wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(first, before)), 30, "training to go on")
+    procs.wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(first, before)), 30, "training to go on")
 
     via_peer = first[0].latest()["address"].removeprefix("tcp://")
     late = procs.peer(via_peer, name="late")
     everyone = [*first, late]
-    wait_for(members_everywhere(everyone, 3), 60, "the late peer to join through a peer")
+    procs.wait_for(members_everywhere(everyone, 3), 60, "the late peer to join through a peer")
 
     # A coordinator restarted at the same address relearns the whole swarm from the peers' reports.
     restarted = procs.start(
         "coordinator", "--bind", join, "--seconds", "120", "--steps", "0",
         "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="restarted",
     )
-    wait_for(lambda: "3 members alive" in restarted.output(), 30, "the restarted coordinator to learn 3 members")
+    procs.wait_for(lambda: "3 members alive" in restarted.output(), 30, "the restarted coordinator to learn 3 members")
 
     late.signal(signal.SIGTERM)
     assert late.wait(10) == 0, late.output()
     assert late.records("done")[0]["exchanges"] > 0
-    wait_for(members_everywhere(first, 2), 30, "the others to see the clean leave")
+    procs.wait_for(members_everywhere(first, 2), 30, "the others to see the clean leave")
 
 
 def test_sigterm_leaves_cleanly_and_fast(procs: Procs, coordinator_factory: Any) -> None:
     coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
     join = coord.address.removeprefix("tcp://")
     peers = [procs.peer(join) for _ in range(2)]
-    wait_for(members_everywhere(peers, 2), 60, "two peers to see each other")
+    procs.wait_for(members_everywhere(peers, 2), 60, "two peers to see each other")
     leaver, stayer = peers
     leaver.signal(signal.SIGTERM)
     assert leaver.wait(5) == 0, leaver.output()
     # The leave is announced, not discovered by timeout: the other peer sees it well before fail_timeout.
-    wait_for(members_everywhere([stayer], 1), 30, "the leave to be seen")
+    procs.wait_for(members_everywhere([stayer], 1), 30, "the leave to be seen")
     seen = stayer.latest()
     assert seen["members_left"] == 1 and seen["members_dead"] == 0, seen
     stayer.signal(signal.SIGINT)  # Ctrl+C

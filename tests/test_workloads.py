@@ -90,6 +90,23 @@ def test_shards_are_disjoint_covering_balanced_and_deterministic(
         assert torch.equal(x, again_x) and torch.equal(y, again_y)
 
 
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+@pytest.mark.parametrize("partition", ["dirichlet", "classes-per-peer"])
+def test_non_iid_shards_are_disjoint_and_covering(workload: Workload, partition: str) -> None:
+    # Label-skewed shards differ in size, but still split the training records exactly.
+    kwargs = {"partition": partition, "alpha": 0.1, "classes_per_peer": 2}
+    shards = [workload.train_shard(i, 5, 3, **kwargs) for i in range(5)]  # type: ignore[call-arg]
+    full_x, full_y = workload.train_shard(0, 1, 3)
+    rows = torch.cat([torch.cat([x, y[:, None].float()], dim=1) for x, y in shards])
+    full = torch.cat([full_x, full_y[:, None].float()], dim=1)
+    got, got_counts = np.unique(rows.numpy(), axis=0, return_counts=True)
+    want, want_counts = np.unique(full.numpy(), axis=0, return_counts=True)
+    assert np.array_equal(got, want) and np.array_equal(got_counts, want_counts)
+    assert all(len(y) >= 1 for _, y in shards)
+    if partition == "classes-per-peer":
+        assert all(y.unique().numel() <= 2 for _, y in shards)
+
+
 def test_shards_depend_on_seed_but_split_does_not() -> None:
     workload = DigitsWorkload(hidden=16)
     a, _ = workload.train_shard(0, 4, seed=1)

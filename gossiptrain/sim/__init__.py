@@ -30,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gossiptrain.sim' has no attribute {name!r}")
 
 
-__all__ = sorted(_LAZY)
+__all__ = ["ChurnEvent", "Cluster", "PartitionSpec", "SimConfig", "SimResult", "simulate"]

@@ -25,11 +25,15 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--peers", type=int, default=8, help="number of peers (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="virtual seconds to simulate (default 60)")
     p.add_argument("--step-time", type=float, metavar="SECONDS", help="virtual seconds per local step (default: measured here)")
+    p.add_argument("--exchange-time", type=float, default=0.0, metavar="SECONDS",
+                   help="computation charged per exchange operation (snapshot or merge); default 0")
+    p.add_argument("--cores", type=float, default=0.0, help="cores the peers share (default 0: one each)")
     p.add_argument("--stragglers", metavar="FRACTION[:SLOWDOWN]", default="0", help="e.g. 0.25:4 slows a quarter of the peers 4x")
     p.add_argument("--latency", type=float, default=LinkProfile.latency, help="one-way link latency, seconds")
     p.add_argument("--bandwidth", type=float, default=LinkProfile.bandwidth, help="link bandwidth, bytes per second")
     p.add_argument("--loss", type=float, default=0.0, help="probability a message is lost")
-    p.add_argument("--partition", action="append", default=[], metavar="START:HEAL[:FRACTION]", help="cut the swarm in two for a while")
+    p.add_argument("--split", action="append", default=[], metavar="START:HEAL[:FRACTION]",
+                   help="a network partition: cut the swarm in two from START to HEAL (virtual seconds)")
     p.add_argument("--churn", type=float, default=0.0, metavar="RATE", help="crashes per virtual second across the swarm (Poisson)")
     p.add_argument("--churn-downtime", type=float, default=5.0, metavar="SECONDS", help="how long a crashed peer stays down")
     p.add_argument("--churn-trace", metavar="CSV", help="crash/join events: lines 'time,peer,event'")
@@ -57,10 +61,12 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         duration=args.duration,
         seed=args.sim_seed,
         step_time=args.step_time,
+        exchange_time=args.exchange_time,
+        cores=args.cores,
         stragglers=stragglers,
         slowdown=factor,
         link=LinkProfile(latency=args.latency, bandwidth=args.bandwidth, loss=args.loss),
-        partitions=tuple(PartitionSpec.parse(p) for p in args.partition),
+        partitions=tuple(PartitionSpec.parse(p) for p in args.split),
         churn_rate=args.churn,
         churn_downtime=args.churn_downtime,
         churn_trace=load_trace(args.churn_trace) if args.churn_trace else (),

@@ -55,6 +55,8 @@ class SimConfig:
     churn_rate: float = 0.0  # crashes per virtual second across the cluster (Poisson)
     churn_downtime: float = 5.0  # virtual seconds a crashed peer stays down before it rejoins
     churn_trace: tuple[ChurnEvent, ...] = ()  # explicit crash/join events (added to the Poisson ones)
+    exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (0: free)
+    cores: float = 0.0  # cores the peers share (0: one each); fewer cores than busy peers slow everyone
     sample_every: float = 1.0  # virtual seconds between samples of every peer
     membership_only: bool = False  # no model, no training: just the membership protocol
     target_accuracy: float = 0.0  # stop early once the live peers' mean test accuracy reaches it (0: never)
@@ -74,9 +76,21 @@ class SimConfig:
         need(self.churn_rate >= 0, "churn_rate", "must be >= 0")
         need(self.churn_downtime >= 0, "churn_downtime", "must be >= 0")
         need(self.sample_every > 0, "sample_every", "must be > 0")
+        need(self.exchange_time >= 0, "exchange_time", "must be >= 0")
+        need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         for e in self.churn_trace:
             need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
+
+    def contention(self) -> float:
+        """How much slower computation runs because peers share ``cores``.
+
+        A peer with slowdown s computes 1/s of the time (a straggler idles the
+        rest), so the busy peers number sum(1/s); past ``cores`` they share.
+        """
+        if self.cores <= 0:
+            return 1.0
+        return max(1.0, sum(1.0 / s for s in self.peer_speeds()) / self.cores)
 
     def peer_speeds(self) -> list[float]:
         """Slowdown of each peer: explicit ``speeds``, or the first ``stragglers`` fraction slowed."""
@@ -119,9 +133,10 @@ class Cluster:
             torch.manual_seed(run.train.seed)
             self.base_model = self.workload.build_model(run.train.seed)
         self.step_time = config.step_time or (
-            measure_step_time(self.workload, self.base_model, run) if self.workload and self.base_model else 0.01
+            measure_step_time(self.workload, self.base_model, run) if self.workload and self.base_model else 0.0
         )
         self.speeds = config.peer_speeds()
+        self.contention = config.contention()
         self.rng = random.Random(config.seed)
         self.network = SimNetwork(config.link, seed=self.rng.getrandbits(32))
         self.peers: dict[int, SimPeer] = {}  # slot -> current incarnation
@@ -138,7 +153,9 @@ class Cluster:
         return copy.deepcopy(self.base_model)  # every peer starts from the same point
 
     def _start(self, slot: int) -> None:
-        spec = SimPeerSpec(slot, self.generations[slot], self.speeds[slot], self.step_time)
+        spec = SimPeerSpec(
+            slot, self.generations[slot], self.speeds[slot], self.step_time, self.config.exchange_time, self.contention
+        )
         peer = SimPeer(
             spec,
             network=self.network,
@@ -268,6 +285,7 @@ class Cluster:
             "virtual_seconds": round(virtual, 3),
             "wall_seconds": round(wall, 3),
             "step_time": self.step_time,
+            "contention": self.contention,
             "live_peers": len(last),
             "crashes": self.crashes,
             "mean_members": mean("members"),

@@ -39,8 +39,10 @@ class SimPeerSpec:
 
     index: int  # its slot in the cluster (0..peers-1); a rejoin keeps the slot
     generation: int  # 0 for the first start, then one more for each rejoin
-    speed: float  # slowdown factor: a step takes step_time * speed virtual seconds
-    step_time: float  # virtual seconds per local step at speed 1
+    speed: float  # slowdown factor: a step takes step_time * speed * contention virtual seconds
+    step_time: float  # virtual seconds per local step at speed 1, alone on a core
+    exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (snapshot or merge)
+    contention: float = 1.0  # peers per core: computation is slowed by this when cores are shared
 
     @property
     def name(self) -> str:
@@ -117,12 +119,21 @@ class SimPeer:
                 safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard)
                 started = self.clock.now()
+                spec = self.spec
                 while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
                     trainer.step()  # real computation, no virtual time
-                    await asyncio.sleep(self.spec.step_time * self.spec.speed)  # the virtual time it costs
+                    await asyncio.sleep(spec.step_time * spec.speed * spec.contention)  # the virtual time it costs
+                    before = self._exchange_ops()
                     safepoint(trainer.steps)
+                    if spec.exchange_time > 0 and (ops := self._exchange_ops() - before):
+                        await asyncio.sleep(ops * spec.exchange_time * spec.contention)
                 await node.leave()
                 await asyncio.Event().wait()  # finished: stay reachable until the simulation ends
+
+    def _exchange_ops(self) -> int:
+        """Exchange operations so far that cost computation: snapshots sent and merges applied."""
+        s = self.averaging.stats if self.averaging else None
+        return s.started + s.served + s.completed if s else 0
 
     def stats(self) -> dict[str, float]:
         """Counters for the time series (zeros before the peer has joined)."""

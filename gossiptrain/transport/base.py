@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,6 +21,8 @@ from typing import Sequence
 from ..config import Limits
 from ..errors import TransportClosed
 from ..service import Service, Status
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class TransportStats:
@@ -137,7 +140,6 @@ class Transport(Service, abc.ABC):
         self.stats = TransportStats()
         self.inbox = Inbox(limits.inbox_messages)
 
-    @abc.abstractmethod
     def send(self, address: str, frames: Sequence[bytes | memoryview]) -> bool:
         """Queue one message for the transport listening at ``address``; never blocks.
 
@@ -150,6 +152,23 @@ class Transport(Service, abc.ABC):
         transport is closed. Frames are not copied: do not modify a buffer
         after passing it here.
         """
+        self._check_open()
+        message = list(frames)
+        if not message:
+            raise ValueError("a message needs at least one frame")
+        sizes = [frame_nbytes(f) for f in message]
+        if oversize(self.limits, sizes):
+            self.stats.oversize_dropped += 1
+            log.debug("not sending to %s: %d frames, %d bytes break the limits", address, len(sizes), sum(sizes))
+            return False
+        if not self._send(address, message, sum(sizes)):
+            self.stats.send_dropped += 1
+            return False
+        return True
+
+    @abc.abstractmethod
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        """Hand over a message that passed the checks; False if it was dropped (``send`` counts it)."""
 
     @abc.abstractmethod
     def forget(self, address: str) -> None:

@@ -48,7 +48,7 @@ from typing import Collection, Iterator, Literal, Mapping, Sequence
 
 from ..config import Limits
 from ..errors import ConfigError
-from .base import Transport, frame_nbytes, oversize
+from .base import Transport, oversize
 
 log = logging.getLogger(__name__)
 
@@ -331,19 +331,8 @@ class SimTransport(Transport):
         self.network._unregister(self)
         self.inbox.close()
 
-    def send(self, address: str, frames: Sequence[bytes | memoryview]) -> bool:
-        self._check_open()
-        message = list(frames)
-        if not message:
-            raise ValueError("a message needs at least one frame")
-        sizes = [frame_nbytes(f) for f in message]
-        if oversize(self.limits, sizes):
-            self.stats.oversize_dropped += 1
-            log.debug("not sending to %s: %d frames, %d bytes break the limits", address, len(sizes), sum(sizes))
-            return False
-        nbytes = sum(sizes)
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
         if not self.network.deliver(self.address, address, message, nbytes):
-            self.stats.send_dropped += 1
             return False
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes

@@ -15,7 +15,6 @@ import ipaddress
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -24,7 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..config import Limits
 from ..errors import ConfigError
-from .base import Transport, frame_nbytes, oversize
+from .base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -147,29 +146,17 @@ class TcpTransport(Transport):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, address: str, frames: Sequence[bytes | memoryview]) -> bool:
-        self._check_open()
-        message = list(frames)
-        if not message:
-            raise ValueError("a message needs at least one frame")
-        sizes = [frame_nbytes(f) for f in message]
-        if oversize(self.limits, sizes):
-            self.stats.oversize_dropped += 1
-            log.debug("not sending to %s: %d frames, %d bytes break the limits", address, len(sizes), sum(sizes))
-            return False
-        item = (message, sum(sizes))
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        item = (message, nbytes)
         dest = self._destinations.get(address) or self._connect(address)
         if dest is None:
-            ok = False
-        elif dest.pending is not None:
-            ok = len(dest.pending) < self.limits.send_queue_messages
-            if ok:
-                dest.pending.append(item)
-        else:
-            ok = self._push(dest.socket, item)
-        if not ok:
-            self.stats.send_dropped += 1
-        return ok
+            return False
+        if dest.pending is not None:
+            if len(dest.pending) >= self.limits.send_queue_messages:
+                return False
+            dest.pending.append(item)
+            return True
+        return self._push(dest.socket, item)
 
     def forget(self, address: str) -> None:
         # LINGER 0: whatever is still queued to a member that left is discarded now.
