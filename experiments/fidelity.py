@@ -180,6 +180,7 @@ def sim_run(
         cores=cores,
         speeds=tuple([slowdown] + [1.0] * (peers - 1)),
         link=LOOPBACK,
+        join_spread=0.0,  # time to target counts from when all peers train, as in the real run
         sample_every=EVAL_EVERY,
         target_accuracy=target,
     )

@@ -140,6 +140,7 @@ class AveragingStats:
     refused: int = 0  # partner answered xnak (busy)
     late: int = 0  # replies that arrived after their timeout
     rejected: int = 0  # updates refused by validation
+    rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
 
@@ -283,6 +284,7 @@ class PairwiseAveraging:
             torch._foreach_add_(self.params, remote, alpha=0.5)
             torch._foreach_add_(self.params, inflight.snapshot, alpha=-0.5)
         self.rtt.observe(now - inflight.sent_at)
+        self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
         self.stats.completed += 1
         self.stats.staleness[max(0, self._step - msg.step)] += 1
         return []

@@ -184,16 +184,19 @@ async def join_swarm(
     clock: Clock,
     attempts: int,
     attempt_timeout: float,
+    rng: random.Random,
 ) -> Welcome:
     """Ask the member at ``target`` to admit us; retry a bounded number of times.
 
     A send that cannot be queued yet (the connection is still being set up)
     is retried every 50 ms within the attempt, so a reachable member answers
-    in milliseconds rather than after a whole attempt timeout.
+    in milliseconds rather than after a whole attempt timeout. Each attempt
+    waits a little longer at random, so that newcomers refused together (a
+    full queue at the answerer) do not all come back at the same instant.
     """
     frames = encode(Message(JOIN, sender="", addr=advertise, fingerprint="", body=request.to_body()), limits)
     for attempt in range(1, attempts + 1):
-        deadline = clock.now() + attempt_timeout
+        deadline = clock.now() + attempt_timeout * rng.uniform(1.0, 1.5)
         sent = transport.send(target, frames)
         while clock.now() < deadline:
             wait = 0.05 if not sent else deadline - clock.now()
@@ -217,7 +220,7 @@ async def join_swarm(
                     raise JoinError(f"{target} answered with an invalid welcome: {e}") from None
         log.warning("no answer from %s yet (attempt %d of %d)", target, attempt, attempts)
     raise JoinError(
-        f"no answer from {target} after {attempts} attempts over {attempts * attempt_timeout:.0f} s. "
+        f"no answer from {target} after {attempts} attempts of {attempt_timeout:g}+ s each. "
         f"Is a gossiptrain coordinator or peer running there, and can it reach this peer back at "
         f"{advertise}? (set --advertise to an address it can reach)"
     )

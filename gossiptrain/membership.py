@@ -66,10 +66,6 @@ class Member:
         return cls(mid, addr, shard, inc, hb, state)
 
 
-def valid_member_id(mid: str) -> bool:
-    return bool(_ID_RE.match(mid))
-
-
 def members_from_wire(raw: Any, limit: int) -> list[Member]:
     if not isinstance(raw, list):
         raise ProtocolError("members must be a list")
@@ -231,7 +227,7 @@ class Membership:
                 continue
             was = rec.member.state
             state = e.state if e.state != DEAD else was
-            rec.member = dataclasses.replace(e, state=state)
+            rec.member = e if state == e.state else dataclasses.replace(e, state=state)
             rec.changed_at = now
             if state == ALIVE and was != ALIVE:
                 actions.append(MemberUp(rec.member))

@@ -102,6 +102,7 @@ class Peer:
                     clock=clock,
                     attempts=join_attempts or local.membership.join_attempts,
                     attempt_timeout=local.membership.join_timeout,
+                    rng=self._rng,
                 )
             )
             self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]

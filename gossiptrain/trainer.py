@@ -126,6 +126,7 @@ def _train(
             "exchanges_per_s": round(rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
             "staleness_mean": round(stats["staleness_mean"], 3),
+            "rtt_ms": round(stats["rtt_ms"], 2),
             "bytes_sent": stats["bytes_sent"],
             "bytes_received": stats["bytes_received"],
             "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],

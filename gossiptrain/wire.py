@@ -274,7 +274,16 @@ def _check_value(x: Any, depth: int, limits: Limits, lengths: bool) -> None:
             _check_value(value, depth + 1, limits, lengths)
     else:
         for value in x:
-            _check_value(value, depth + 1, limits, lengths)
+            # Scalars inline: member lists hold thousands of them, and a call each is most of the cost.
+            kind = type(value)
+            if kind is str:
+                if lengths:
+                    _check_str(value, "body string", limits)
+            elif kind is int:
+                if not _INT_MIN <= value <= _UINT_MAX:
+                    raise ProtocolError(f"body int {value} is outside msgpack's range")
+            elif not (value is None or kind is bool or kind is float):
+                _check_value(value, depth + 1, limits, lengths)
 
 
 def _check_entry(entry: Any, limits: Limits, lengths: bool) -> str:
@@ -301,11 +310,14 @@ def _check_entry(entry: Any, limits: Limits, lengths: bool) -> str:
 
 
 def _check_str(s: str, what: str, limits: Limits) -> None:
-    # msgpack bounds strings by their UTF-8 length, so this does too.
-    try:
-        n = len(s.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ProtocolError(f"{what} is not encodable as UTF-8") from None
+    # msgpack bounds strings by their UTF-8 length, so this does too (ASCII: one byte a character).
+    if s.isascii():
+        n = len(s)
+    else:
+        try:
+            n = len(s.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ProtocolError(f"{what} is not encodable as UTF-8") from None
     if n > limits.max_str_len:
         raise ProtocolError(f"{what} has {n} UTF-8 bytes, over limits.max_str_len={limits.max_str_len}")
 

@@ -40,7 +40,7 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
     p.add_argument("--target", type=float, default=0.0, help="stop once the mean test accuracy reaches this")
     p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
-    p.add_argument("--sim-seed", type=int, default=0, help="seed of the simulated world (faults, network, ids)")
+    p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
     p.add_argument("--out", metavar="FILE", help="write the time series: .csv or .jsonl")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     add_run_flags(p)
@@ -59,7 +59,7 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         peers=args.peers,
         run=run,
         duration=args.duration,
-        seed=args.sim_seed,
+        seed=run.train.seed if args.sim_seed is None else args.sim_seed,
         step_time=args.step_time,
         exchange_time=args.exchange_time,
         cores=args.cores,

@@ -57,6 +57,7 @@ class SimConfig:
     churn_trace: tuple[ChurnEvent, ...] = ()  # explicit crash/join events (added to the Poisson ones)
     exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (0: free)
     cores: float = 0.0  # cores the peers share (0: one each); fewer cores than busy peers slow everyone
+    join_spread: float = 1.0  # virtual seconds over which the initial peers start (evenly spaced)
     sample_every: float = 1.0  # virtual seconds between samples of every peer
     membership_only: bool = False  # no model, no training: just the membership protocol
     target_accuracy: float = 0.0  # stop early once the live peers' mean test accuracy reaches it (0: never)
@@ -77,6 +78,7 @@ class SimConfig:
         need(self.churn_downtime >= 0, "churn_downtime", "must be >= 0")
         need(self.sample_every > 0, "sample_every", "must be > 0")
         need(self.exchange_time >= 0, "exchange_time", "must be >= 0")
+        need(self.join_spread >= 0, "join_spread", "must be >= 0")
         need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         for e in self.churn_trace:
@@ -255,12 +257,17 @@ class Cluster:
         with self.network.activate():
             transport = SimTransport(COORDINATOR, self.config.run.limits, network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
+                # Peers start evenly over join_spread, as machines do: not all in the same instant.
+                gap = self.config.join_spread / self.config.peers
                 for slot in range(self.config.peers):
                     self._start(slot)
+                    if gap:
+                        await asyncio.sleep(gap)
                 background = [asyncio.create_task(self._sampler(stop), name="sampler"), asyncio.create_task(self._churn(), name="churn")]
                 background += [asyncio.create_task(self._partitions(p)) for p in self.config.partitions]
                 try:
-                    await asyncio.wait_for(stop.wait(), timeout=self.config.duration)
+                    left = self.config.duration - asyncio.get_running_loop().time()
+                    await asyncio.wait_for(stop.wait(), timeout=max(0.0, left))
                 except TimeoutError:
                     pass
                 virtual = asyncio.get_running_loop().time()

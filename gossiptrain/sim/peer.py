@@ -94,6 +94,7 @@ class SimPeer:
                 clock=self.clock,
                 attempts=self.local.membership.join_attempts,
                 attempt_timeout=self.local.membership.join_timeout,
+                rng=self.rng,
             )
             config = welcome.config
             model = self.make_model() if self.make_model else None
@@ -143,5 +144,10 @@ class SimPeer:
             out["bytes_received"] = self.transport.stats.bytes_received
         if self.averaging is not None:
             s = self.averaging.stats
-            out.update(exchanges=s.completed + s.served, timeouts=s.timeouts, staleness_mean=s.to_dict()["staleness_mean"])
+            out.update(
+                exchanges=s.completed + s.served,
+                timeouts=s.timeouts,
+                staleness_mean=s.to_dict()["staleness_mean"],
+                rtt_ms=s.rtt_ms,
+            )
         return out
