@@ -160,6 +160,7 @@ def reached(per_peer: list[list[dict[str, Any]]], target: float) -> dict[str, An
                     "time_to_target": t - t0,
                     "exchanges_per_peer": sum(x["exchanges"] for x in latest.values()) / len(latest),
                     "steps_per_peer": sum(x["step"] for x in latest.values()) / len(latest),
+                    "rtt_ms": statistics.median(x["rtt_ms"] for x in latest.values()),
                 }
     return None
 
@@ -193,6 +194,7 @@ def sim_run(
         "time_to_target": ttt,
         "exchanges_per_peer": sum(r["exchanges"] for r in at) / len(at),
         "steps_per_peer": sum(r["step"] for r in at) / len(at),
+        "rtt_ms": statistics.median(r["rtt_ms"] for r in at),
         "wall_seconds": result.summary["wall_seconds"],
         "contention": result.summary["contention"],
     }
@@ -238,6 +240,8 @@ def main() -> None:
             "exchanges_error": round(abs(sim["exchanges_per_peer"] - real["exchanges_per_peer"]) / max(1.0, real["exchanges_per_peer"]), 4),
             "real_steps": round(real["steps_per_peer"], 1),
             "sim_steps": round(sim["steps_per_peer"], 1),
+            "real_rtt_ms": round(real["rtt_ms"], 2),
+            "sim_rtt_ms": round(sim["rtt_ms"], 2),
             "sim_wall_seconds": sim["wall_seconds"],
         }
         rows.append(row)

@@ -282,8 +282,10 @@ class Cluster:
     def _summary(self, virtual: float, wall: float) -> dict[str, Any]:
         last_time = self.rows[-1]["time"] if self.rows else 0.0
         last = [r for r in self.rows if r["time"] == last_time]
+
         def mean(key: str) -> float | None:
-            values = [r[key] for r in last if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
+            """Mean of ``key`` over the peers' last samples, skipping missing and NaN values."""
+            values = [r[key] for r in last if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
             return sum(values) / len(values) if values else None
 
         summary: dict[str, Any] = {
@@ -296,7 +298,7 @@ class Cluster:
             "live_peers": len(last),
             "crashes": self.crashes,
             "mean_members": mean("members"),
-            "network": self.network.stats.to_dict() if hasattr(self.network.stats, "to_dict") else dict(vars(self.network.stats)),
+            "network": self.network.stats.to_dict(),
         }
         if not self.config.membership_only:
             summary.update(
