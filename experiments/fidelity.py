@@ -71,7 +71,7 @@ def run_config(peers: int, topology: str, budget: float) -> RunConfig:
 # -- calibration -------------------------------------------------------------------------
 
 
-def measure_exchange_time(run: RunConfig, repeats: int = 20) -> float:
+def measure_exchange_time(run: RunConfig, repeats: int = 60) -> float:
     """Seconds of computation per exchange operation (snapshot+encode, or decode+merge), alone."""
     workload = load_workload(run.train.workload)
     model = workload.build_model(run.train.seed)
@@ -83,12 +83,12 @@ def measure_exchange_time(run: RunConfig, repeats: int = 20) -> float:
         return decode([bytes(f) for f in encode(Message("xreq", "p", "sim://p", "fp", 0, {}, tensors), limits)], limits).tensors
 
     samples = []
-    for i in range(repeats + 3):
+    for i in range(repeats + 5):
         t0 = time.perf_counter()
         (req,) = a.handle(Tick(step=i + 1, partners=["B"]), float(i))
         (rep,) = b.handle(Received("A", XREQ, req.xid, wire(req.tensors)), float(i))
         a.handle(Received("B", XREP, rep.xid, wire(rep.tensors)), float(i))
-        if i >= 3:
+        if i >= 5:  # after the allocator has warmed up
             samples.append((time.perf_counter() - t0) / 3)  # three operations: start, serve, complete
     return statistics.median(samples)
 

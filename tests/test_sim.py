@@ -111,3 +111,17 @@ def test_simulate_command_prints_a_json_summary(tmp_path: Any) -> None:
     assert summary["peers"] == 4 and summary["virtual_seconds"] == pytest.approx(5.0)
     header = out.read_text().splitlines()[0].split(",")
     assert {"time", "peer", "step", "test_acc", "consensus_distance", "bytes_sent", "staleness_mean"} <= set(header)
+
+
+def test_a_very_slow_peer_refuses_what_it_cannot_take_and_blocks_no_one() -> None:
+    # A queue of one exchange message: the slow peer's safe point comes every 0.8 s, so requests pile up.
+    run = logreg(**{"train.shards": 6, "gossip.topology": "complete", "limits.averaging_queue": 1})
+    config = SimConfig(peers=6, run=run, duration=8, step_time=0.01, speeds=(80.0, 1, 1, 1, 1, 1), seed=3)
+    cluster = Cluster(config)
+    run_virtual(cluster.run())
+    slow = cluster.peers[0]
+    fast = [cluster.peers[s] for s in range(1, 6)]
+    assert slow.node is not None and slow.node.stats.exchange_queue_full > 0  # its queue filled, the rest were refused
+    assert sum(p.averaging.stats.refused for p in fast if p.averaging) > 0  # ...and the senders were told at once
+    steps = [p.trainer.steps for p in fast if p.trainer]
+    assert min(steps) >= 0.9 * (8 - config.join_spread) / 0.01 * 0.5  # the fast peers kept stepping
