@@ -139,6 +139,7 @@ class AveragingStats:
     timeouts: int = 0
     refused: int = 0  # partner answered xnak (busy)
     late: int = 0  # replies that arrived after their timeout
+    crossed: int = 0  # requests refused because we had asked the same partner at the same time
     rejected: int = 0  # updates refused by validation
     rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
@@ -193,7 +194,10 @@ class RttEstimator:
 class PairwiseAveraging:
     """AD-PSGD pairwise averaging over the live ``params`` (mutated in place at safe points)."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random) -> None:
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
+    ) -> None:
+        self.me = me  # our member id: breaks the tie when two peers start an exchange with each other
         self.names = list(params)
         self.params = [p for p in params.values()]
         self.spec = ParamSpec.of(params)
@@ -259,6 +263,13 @@ class PairwiseAveraging:
     # -- answering -------------------------------------------------------------------------
 
     def _serve(self, msg: Received) -> list[Action]:
+        inflight = self._inflight
+        if inflight is not None and inflight.partner == msg.sender and self.me > msg.sender:
+            # We asked each other at the same time. Serving both requests would not average the
+            # two models but swap them (each side adds the other's difference twice). The smaller
+            # id serves; we refuse, and our own request will be answered.
+            self.stats.crossed += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         remote = self._validated(msg)
         if isinstance(remote, Rejected):
             return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]
@@ -290,11 +301,12 @@ class PairwiseAveraging:
         return []
 
     def _refused(self, msg: Received, now: float) -> list[Action]:
+        # A refusal costs no waiting (the partner was busy, or we crossed), so unlike a timeout
+        # it does not make us avoid the partner.
         inflight = self._inflight
         if inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender:
             self._inflight = None
             self.stats.refused += 1
-            self._avoid(msg.sender, now)
         return []
 
     # -- helpers ---------------------------------------------------------------------------

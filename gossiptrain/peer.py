@@ -135,7 +135,7 @@ class Peer:
             seeds=welcome.members,
         )
         self._loop.run(self._node.start(), timeout=10)
-        self._averaging = PairwiseAveraging(params, self.config.gossip, self._rng)
+        self._averaging = PairwiseAveraging(params, self.config.gossip, self._rng, me=self.id)
         node = self._node
         self._safepoint = SafePoint(node, self._averaging, self._clock, lambda a: self._loop.call_soon(node.send_exchange, a))
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)

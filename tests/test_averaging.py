@@ -97,6 +97,24 @@ def test_one_exchange_in_flight_then_timeout_moves_on() -> None:
     assert a.stats.late == 1 and all(torch.equal(x, y) for x, y in zip(before, a.params))
 
 
+def test_crossing_requests_average_once_instead_of_swapping() -> None:
+    pa = {"w": torch.tensor([0.0, 0.0])}
+    pb = {"w": torch.tensor([4.0, 8.0])}
+    a = PairwiseAveraging(pa, CONFIG, random.Random(0), me="A")
+    b = PairwiseAveraging(pb, CONFIG, random.Random(1), me="B")
+    (req_a,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
+    (req_b,) = b.handle(Tick(step=1, partners=["A"]), 0.0)
+    # Both requests are in flight at once; each side now receives the other's.
+    (from_a,) = a.handle(Received("B", XREQ, req_b.xid, req_b.tensors), 0.01)
+    (from_b,) = b.handle(Received("A", XREQ, req_a.xid, req_a.tensors), 0.01)
+    assert from_a.kind == XREP and from_b.kind == XNAK  # the smaller id serves, the larger refuses
+    a.handle(Received("B", XNAK, from_b.xid), 0.02)
+    b.handle(Received("A", XREP, from_a.xid, from_a.tensors), 0.02)
+    torch.testing.assert_close(pa["w"], torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(pb["w"], torch.tensor([2.0, 4.0]))  # averaged, not swapped
+    assert b.stats.crossed == 1 and not a.busy and not b.busy
+
+
 def test_a_refusal_frees_the_exchange_at_once() -> None:
     a, _ = make([1.0, 2.0])
     (req,) = a.handle(Tick(step=1, partners=["B"]), 0.0)

@@ -61,6 +61,7 @@ class SimConfig:
     sample_every: float = 1.0  # virtual seconds between samples of every peer
     membership_only: bool = False  # no model, no training: just the membership protocol
     target_accuracy: float = 0.0  # stop early once the live peers' mean test accuracy reaches it (0: never)
+    target_hold: int = 1  # ...and holds it for this many consecutive samples (one noisy crossing is not enough)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -81,6 +82,7 @@ class SimConfig:
         need(self.join_spread >= 0, "join_spread", "must be >= 0")
         need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
+        need(self.target_hold >= 1, "target_hold", "must be >= 1")
         for e in self.churn_trace:
             need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
 
@@ -236,6 +238,7 @@ class Cluster:
 
     async def _sampler(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
+        streak: list[float] = []  # sample times of the current run of samples at or above the target
         while True:
             await asyncio.sleep(self.config.sample_every)
             now = loop.time()
@@ -245,9 +248,13 @@ class Cluster:
                 self.on_sample(now, rows)
             accs = [r["test_acc"] for r in rows if "test_acc" in r]
             target = self.config.target_accuracy
-            if target and accs and self.time_to_target is None and sum(accs) / len(accs) >= target:
-                self.time_to_target = now
-                stop.set()
+            if target and accs and sum(accs) / len(accs) >= target:
+                streak.append(now)
+                if len(streak) >= self.config.target_hold:
+                    self.time_to_target = streak[0]  # when it was first reached, of the run that held
+                    stop.set()
+            else:
+                streak.clear()
 
     # -- the run ---------------------------------------------------------------------------
 

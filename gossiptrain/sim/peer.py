@@ -116,7 +116,7 @@ class SimPeer:
                 if model is None or self.workload is None:
                     await asyncio.Event().wait()  # membership only: the node's own tasks do the work
                     return
-                self.averaging = PairwiseAveraging(params, config.gossip, self.rng)
+                self.averaging = PairwiseAveraging(params, config.gossip, self.rng, me=node.me.id)
                 safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard)
                 started = self.clock.now()
