@@ -94,7 +94,7 @@ def run_peer(
 
 
 def _train(
-    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, options_slowdown: float
+    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float
 ) -> dict[str, Any]:
     cfg = peer.config.train
     trainer = LocalTrainer(workload, peer.model, cfg, peer.shard)
@@ -144,8 +144,8 @@ def _train(
     while not stop.is_set() and not budget_spent(cfg, peer.steps, time.monotonic() - started):
         computed = time.perf_counter()
         trainer.step()
-        if options_slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
-            time.sleep((options_slowdown - 1) * (time.perf_counter() - computed))
+        if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
+            time.sleep((slowdown - 1) * (time.perf_counter() - computed))
         peer.step()
         if time.monotonic() >= next_eval:
             record("eval")
