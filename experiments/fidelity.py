@@ -6,14 +6,19 @@ the peers' mean test accuracy reaches the target:
 - real: a coordinator and N `gossiptrain peer` processes on 127.0.0.1, the
   straggler started with `--slowdown S`;
 - simulated: `gossiptrain.sim` with the same run configuration, the
-  straggler's speed S, and a compute model calibrated here beforehand, alone:
-  the time of one local step, and the CPU time of one exchange operation
-  including its ZeroMQ transfer on loopback, both slowed by how many busy
-  peers share this machine's cores.
+  straggler's speed S, and a machine model calibrated here beforehand:
+  alone, the time of one local step and the CPU time of one exchange
+  operation including its ZeroMQ transfer on loopback, both slowed by how
+  many busy peers share this machine's cores; and, from a separate short
+  calibration swarm of the same size (another seed, target 0.9), the delay
+  a message waits on a loaded machine before its peer handles it (the
+  network thread waiting for a core and for the GIL behind the trainer):
+  half the difference between that swarm's exchange round trip and the
+  simulator's without the delay.
 
 It reports the time to the target and the exchanges per peer at that time,
-both measured and predicted, and the relative errors. Nothing from the real
-run is fed to the simulator. Output: experiments/results/fidelity/
+both measured and predicted, and the relative errors. Nothing from the
+measured runs is fed to the simulator. Output: experiments/results/fidelity/
 (results.csv, summary.md); the last line printed is a JSON object with
 `time_error` and `exchanges_error` (the worst over the topologies).
 
@@ -201,6 +206,7 @@ def sim_run(
     exchange_time: float,
     cores: float,
     seed: int,
+    delay: float = 0.0,
 ) -> dict[str, Any]:
     config = SimConfig(
         peers=peers,
@@ -211,7 +217,7 @@ def sim_run(
         exchange_time=exchange_time,
         cores=cores,
         speeds=tuple([slowdown] + [1.0] * (peers - 1)),
-        link=LOOPBACK,
+        link=LinkProfile(latency=LOOPBACK.latency + delay, bandwidth=LOOPBACK.bandwidth),
         join_spread=0.0,  # time to target counts from when all peers train, as in the real run
         sample_every=EVAL_EVERY,
         target_accuracy=target,
@@ -230,6 +236,26 @@ def sim_run(
         "wall_seconds": result.summary["wall_seconds"],
         "contention": result.summary["contention"],
     }
+
+
+def calibrate_message_delay(args: argparse.Namespace, step_time: float, exchange_time: float) -> float:
+    """Seconds a message waits on this loaded machine before its peer handles it, beyond what the model has.
+
+    A short real swarm of the same size and straggler (seed 1000, never
+    reported; target 0.9) gives the exchange round trip under this load; the
+    simulator without a delay gives its own; each round trip is two messages.
+    """
+    topology = args.topologies[-1]
+    run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": 1000})
+    real = real_run(run, args.peers, args.slowdown, 0.9, args.timeout, args.out / "calibration")
+    sim = sim_run(run, args.peers, args.slowdown, 0.9, args.timeout, step_time, exchange_time, args.cores, 1000)
+    delay = max(0.0, (real["rtt_ms"] - sim["rtt_ms"]) / 2 / 1000)
+    print(
+        f"calibration swarm ({topology}, seed 1000): exchange round trip real {real['rtt_ms']:.0f} ms, "
+        f"simulated {sim['rtt_ms']:.0f} ms: message delay {delay * 1e3:.1f} ms",
+        flush=True,
+    )
+    return delay
 
 
 # -- main --------------------------------------------------------------------------------
@@ -257,13 +283,16 @@ def main() -> None:
     print(f"calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms; "
           f"{args.cores:g} cores", flush=True)
 
+    delay = calibrate_message_delay(args, step_time, exchange_time)
     rows = []
     for topology in args.topologies:
         real, sim = [], []
         for seed in range(args.seeds):  # medians over seeds: one run's threshold crossing is noisy
             run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
             real.append(real_run(run, args.peers, args.slowdown, args.target, args.timeout, args.out / f"real-{topology}-{seed}"))
-            sim.append(sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, args.cores, seed))
+            sim.append(
+                sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, args.cores, seed, delay)
+            )
 
         def med(runs: list[dict[str, Any]], key: str) -> float:
             return statistics.median(r[key] for r in runs)
@@ -293,7 +322,7 @@ def main() -> None:
             f"(medians of {args.seeds} seeds)",
             flush=True,
         )
-    write_results(args.out, rows, args, step_time, exchange_time)
+    write_results(args.out, rows, args, step_time, exchange_time, delay)
     print(json.dumps({
         "time_error": max(r["time_error"] for r in rows),
         "exchanges_error": max(r["exchanges_error"] for r in rows),
@@ -301,11 +330,14 @@ def main() -> None:
         "target": args.target,
         "step_time_ms": round(step_time * 1e3, 3),
         "exchange_time_ms": round(exchange_time * 1e3, 3),
+        "message_delay_ms": round(delay * 1e3, 3),
         "topologies": {r["topology"]: {k: r[k] for k in ("real_time", "sim_time", "real_exchanges", "sim_exchanges")} for r in rows},
     }))
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, step_time: float, exchange_time: float) -> None:
+def write_results(
+    out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, step_time: float, exchange_time: float, delay: float
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -316,7 +348,8 @@ def write_results(out: Path, rows: list[dict[str, Any]], args: argparse.Namespac
         "",
         f"{args.peers} peers, digits, one peer {args.slowdown:g}x slower, target mean test accuracy {args.target}; "
         f"compute model calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms, "
-        f"{args.cores:g} cores shared; medians of {args.seeds} seeds; the target must hold for {HOLD} evaluations.",
+        f"{args.cores:g} cores shared; message delay under load {delay * 1e3:.1f} ms (from a separate calibration swarm); "
+        f"medians of {args.seeds} seeds; the target must hold for {HOLD} evaluations.",
         "",
         "| topology | real time (s) | simulated (s) | error | real exchanges/peer | simulated | error | real RTT (ms) | simulated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

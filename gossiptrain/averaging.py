@@ -1,4 +1,9 @@
-"""Asynchronous pairwise averaging (AD-PSGD) as a sans-IO state machine.
+"""The averaging layer's vocabulary, and asynchronous pairwise averaging (AD-PSGD).
+
+Every algorithm (see ``gossiptrain.algorithms``) is a sans-IO state machine
+with ``handle(event, now) -> actions``; this module defines the events,
+actions, statistics and the shared base (validation, compression, staleness),
+and the default algorithm, pairwise averaging:
 
 One exchange: the initiator snapshots its parameters ``s_a`` and sends them
 to a partner; the partner replies with its own snapshot ``s_b`` and moves to
@@ -19,16 +24,36 @@ returns ``SendExchange`` actions for the driver to put on the wire.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from .compression import get_codec
 from .config import GossipConfig
+from .errors import ProtocolError
+from .robust import NormClip, norms
+from .staleness import StalenessPolicy
+
+log = logging.getLogger(__name__)
 
 XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
+XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
+EXCHANGE_KINDS = (XREQ, XREP, XNAK, XPUSH)
+
+#: Scalars an exchange message may carry besides its xid, and their allowed ranges (checked by
+#: the node before an event reaches an algorithm): push-sum weight, pairwise mixing weight,
+#: sender's out-degree (Metropolis-Hastings weights), sender's model version, edge sequence number.
+META_RANGES: dict[str, tuple[type, float, float]] = {
+    "w": (float, 0.0, float(1 << 24)),
+    "a": (float, 0.0, 0.5),
+    "deg": (int, 0, 1 << 24),
+    "ver": (int, 0, (1 << 63) - 1),
+    "seq": (int, 0, (1 << 63) - 1),  # top-k neighbour averaging: message number on its edge (0: dense reset)
+}
 
 
 @dataclass(frozen=True)
@@ -46,8 +71,6 @@ class ParamSpec:
 
     @classmethod
     def from_wire(cls, raw: object) -> "ParamSpec":
-        from .errors import ProtocolError
-
         if not isinstance(raw, list):
             raise ProtocolError("parameter spec must be a list")
         out = []
@@ -103,6 +126,7 @@ class Received:
     xid: int
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     step: int = 0  # the sender's local step when it sent this
+    meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
 
 
 Event = Tick | Received
@@ -118,6 +142,7 @@ class SendExchange:
     kind: str
     xid: int
     tensors: Mapping[str, torch.Tensor]
+    meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
 
 
 @dataclass(frozen=True)
@@ -140,20 +165,37 @@ class AveragingStats:
     refused: int = 0  # partner answered xnak (busy)
     late: int = 0  # replies that arrived after their timeout
     crossed: int = 0  # requests refused because we had asked the same partner at the same time
+    busy: int = 0  # requests refused because we had already served one while ours was in flight
     rejected: int = 0  # updates refused by validation
+    stale_dropped: int = 0  # updates refused for being beyond the staleness bound
+    unsendable: int = 0  # times our own model could not be sent (non-finite values)
+    clipped: int = 0  # robust: updates whose difference was scaled down (likely poisoned, or far behind)
+    lost: int = 0  # push-sum: pushes that could not be delivered (their mass was taken back)
     rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
 
-    def to_dict(self) -> dict[str, int]:
-        out = {k: v for k, v in self.__dict__.items() if k != "staleness"}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "staleness"}
         out["staleness_mean"] = mean_staleness(self.staleness)
+        out["staleness_hist"] = staleness_buckets(self.staleness)
         return out
 
 
 def mean_staleness(histogram: Counter[int]) -> float:
     total = sum(histogram.values())
     return sum(s * n for s, n in histogram.items()) / total if total else 0.0
+
+
+def staleness_buckets(histogram: Counter[int]) -> dict[str, int]:
+    """The histogram in power-of-two buckets ("0", "1", "2-3", "4-7", ...): small enough for every metrics line."""
+    out: dict[str, int] = {}
+    for s, n in sorted(histogram.items()):
+        lo = 0 if s == 0 else 1 << (s.bit_length() - 1)
+        hi = 0 if s == 0 else (lo << 1) - 1
+        key = str(lo) if lo == hi else f"{lo}-{hi}"
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 @dataclass
@@ -163,6 +205,7 @@ class _InFlight:
     snapshot: list[torch.Tensor]
     sent_at: float
     deadline: float
+    served_meanwhile: int = 0  # requests we served while this one was in flight (at most one: see _serve)
 
 
 class RttEstimator:
@@ -191,24 +234,128 @@ class RttEstimator:
         self.srtt = min(self.ceiling, (self.srtt or self.floor) * 2)
 
 
-class PairwiseAveraging:
-    """AD-PSGD pairwise averaging over the live ``params`` (mutated in place at safe points)."""
+class Averaging:
+    """What every algorithm shares: the live parameters, validation, compression and staleness.
+
+    Subclasses implement ``handle``. ``busy`` says an exchange is in flight;
+    ``version`` counts merges applied to the local model (sent with pushes so a
+    receiver can drop an older model from a sender it already has a newer one of).
+    """
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
     ) -> None:
-        self.me = me  # our member id: breaks the tie when two peers start an exchange with each other
+        self.me = me  # our member id (breaks ties between peers)
         self.names = list(params)
         self.params = [p for p in params.values()]
         self.spec = ParamSpec.of(params)
         self.config = config
         self.rng = rng
         self.stats = AveragingStats()
+        self.codec = get_codec(config.compression, "gossip.compression")
+        self.lossless = self.codec.name == "none"
+        self.staleness = StalenessPolicy(config.staleness_weighting, config.staleness_exponent, config.staleness_bound)
+        self.clip = NormClip(config.robust_clip) if config.robust else None
+        # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
+        # scales what it sends by this factor. 1.0, honest, everywhere else.
+        self.poison = 1.0
+        self.version = 0
+        self._next_xid = rng.getrandbits(31)
+        self._step = 0  # our latest local step, from the last Tick
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    # -- helpers for subclasses --------------------------------------------------------------
+
+    def _like(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.params))
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def _encode(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Wire tensors for ``values``, and what a receiver will decode from them."""
+        if self.poison != 1.0:  # a rogue member: valid tensors, scaled; it keeps its own model sane
+            return self.codec.encode({n: v * self.poison for n, v in zip(self.names, values)}), list(values)
+        wire = self.codec.encode(dict(zip(self.names, values)))
+        if self.lossless:
+            return wire, list(values)
+        decoded = self.codec.decode(wire, like=self._like())
+        return wire, [decoded[n] for n in self.names]
+
+    def _encode_own(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
+        """``_encode``, or None if our own model cannot be sent (non-finite: training diverged)."""
+        try:
+            return self._encode(values)
+        except ProtocolError as e:
+            self.stats.unsendable += 1
+            if self.stats.unsendable & (self.stats.unsendable - 1) == 0:  # 1st, 2nd, 4th, ...: not every step
+                log.error("not sending our model (%d times so far): %s; has training diverged?", self.stats.unsendable, e)
+            return None
+
+    def _new_xid(self) -> int:
+        self._next_xid = (self._next_xid + 1) % (1 << 31)
+        return self._next_xid
+
+    def _validated(self, msg: Received) -> list[torch.Tensor] | Rejected:
+        """The remote tensors in parameter order, decoded and checked, or why they cannot touch the model.
+
+        The codec's decode checks names, dtypes, shapes and finiteness against
+        our own parameters before anything is written.
+        """
+        try:
+            decoded = self.codec.decode(msg.tensors, like=self._like())
+        except ProtocolError as e:
+            self.stats.rejected += 1
+            return Rejected(msg.sender, str(e))
+        return [decoded[n] for n in self.names]
+
+    def _staleness_weight(self, msg: Received, symmetric: bool = False) -> float | None:
+        """The policy's factor for ``msg`` (None: drop it); counts the drop."""
+        s = abs(self._step - msg.step) if symmetric else self._step - msg.step
+        weight = self.staleness.weight(s)
+        if weight is None:
+            self.stats.stale_dropped += 1
+        return weight
+
+    def _clip_factor(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> float | None:
+        """Robust mode: the scale (0, 1] for moving by ``remote - own``, None to refuse it; 1 when robust is off."""
+        if self.clip is None:
+            return 1.0
+        factor = self.clip.factor(*norms(remote, own))
+        if factor is None:
+            self.stats.rejected += 1
+        elif factor < 1.0:
+            self.stats.clipped += 1
+        return factor
+
+    def _record_staleness(self, msg: Received) -> None:
+        self.stats.staleness[max(0, self._step - msg.step)] += 1
+
+
+class PairwiseAveraging(Averaging):
+    """AD-PSGD pairwise averaging over the live ``params`` (mutated in place at safe points).
+
+    Both ends of an exchange move by the same mixing weight ``a`` toward each
+    other (0.5 without staleness weighting): the server picks it from the
+    step difference and sends it with its reply, so the two changes still
+    sum to zero. With a lossy codec each end moves toward what the other
+    decoded, ``x += a * (D(C(x_remote)) - D(C(x_own)))``, which keeps the
+    sum zero too.
+    """
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
+    ) -> None:
+        super().__init__(params, config, rng, me)
         self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
         self._inflight: _InFlight | None = None
-        self._next_xid = rng.getrandbits(31)
         self._last_start_step = -(10**9)
-        self._step = 0  # our latest local step, from the last Tick
         self._avoid_until: dict[str, float] = {}
 
     @property
@@ -225,6 +372,7 @@ class PairwiseAveraging:
                 return self._complete(event, now)
             if event.kind == XNAK:
                 return self._refused(event, now)
+            return []  # another algorithm's message (a misconfigured sender): ignore
         raise TypeError(f"unknown event {event!r}")
 
     # -- initiating ------------------------------------------------------------------------
@@ -244,12 +392,15 @@ class PairwiseAveraging:
         partner = self._pick(tick.partners, now)
         if partner is None:
             return []
-        snapshot = self._snapshot()
+        encoded = self._encode_own(self._snapshot())
+        if encoded is None:
+            return []
+        wire, sent = encoded
         xid = self._new_xid()
-        self._inflight = _InFlight(xid, partner, snapshot, now, now + self.rtt.timeout())
+        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout())
         self._last_start_step = tick.step
         self.stats.started += 1
-        return [SendExchange(partner, XREQ, xid, dict(zip(self.names, snapshot)))]
+        return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
 
     def _pick(self, partners: Sequence[str], now: float) -> str | None:
         if not partners:
@@ -270,16 +421,38 @@ class PairwiseAveraging:
             # id serves; we refuse, and our own request will be answered.
             self.stats.crossed += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        if inflight is not None and inflight.served_meanwhile >= 1:
+            # Our reply will add (s_partner - s_sent) * a, taking back a share a of what we sent. After
+            # one merge (weight <= 1/2) our model still holds >= 1/2 of it; after two it may not, and the
+            # result would leave the convex hull of the models (and can overshoot). So one at a time.
+            self.stats.busy += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         remote = self._validated(msg)
         if isinstance(remote, Rejected):
             return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]
-        snapshot = self._snapshot()
+        weight = self._staleness_weight(msg, symmetric=True)  # both ends must agree: |step difference|
+        if weight is None:
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        encoded = self._encode_own(self._snapshot())
+        if encoded is None:
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        wire, sent = encoded
+        clip = self._clip_factor(remote, sent)
+        if clip is None:
+            return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
+        a = 0.5 * weight * clip
         with torch.no_grad():
-            # x <- (x + x_remote) / 2, in place (x == snapshot now, so this is x + (x_remote - snapshot) / 2)
-            torch._foreach_lerp_(self.params, remote, 0.5)
+            if self.lossless:  # sent == x here: x <- x + a * (x_remote - x), in place
+                torch._foreach_lerp_(self.params, remote, a)
+            else:
+                torch._foreach_add_(self.params, remote, alpha=a)
+                torch._foreach_add_(self.params, sent, alpha=-a)
         self.stats.served += 1
-        self.stats.staleness[max(0, self._step - msg.step)] += 1
-        return [SendExchange(msg.sender, XREP, msg.xid, dict(zip(self.names, snapshot)))]
+        self.version += 1
+        self._record_staleness(msg)
+        if inflight is not None:
+            inflight.served_meanwhile += 1
+        return [SendExchange(msg.sender, XREP, msg.xid, wire, {"a": a, "ver": self.version})]
 
     def _complete(self, msg: Received, now: float) -> list[Action]:
         inflight = self._inflight
@@ -290,14 +463,20 @@ class PairwiseAveraging:
         self._inflight = None
         if isinstance(remote, Rejected):
             return [remote]
+        # The server already moved by this weight; robust mode may move us less (then the pair's sum changes).
+        clip = self._clip_factor(remote, inflight.snapshot)
+        if clip is None:
+            return [Rejected(msg.sender, "difference far beyond recent ones (robust)")]
+        a = float(msg.meta.get("a", 0.5)) * clip
         with torch.no_grad():
-            # keep local progress made in flight: x <- x + (x_remote - x_sent) / 2, without temporaries
-            torch._foreach_add_(self.params, remote, alpha=0.5)
-            torch._foreach_add_(self.params, inflight.snapshot, alpha=-0.5)
+            # keep local progress made in flight: x <- x + a * (x_remote - x_sent), without temporaries
+            torch._foreach_add_(self.params, remote, alpha=a)
+            torch._foreach_add_(self.params, inflight.snapshot, alpha=-a)
         self.rtt.observe(now - inflight.sent_at)
         self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
         self.stats.completed += 1
-        self.stats.staleness[max(0, self._step - msg.step)] += 1
+        self.version += 1
+        self._record_staleness(msg)
         return []
 
     def _refused(self, msg: Received, now: float) -> list[Action]:
@@ -308,29 +487,3 @@ class PairwiseAveraging:
             self._inflight = None
             self.stats.refused += 1
         return []
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
-
-    def _new_xid(self) -> int:
-        self._next_xid = (self._next_xid + 1) % (1 << 31)
-        return self._next_xid
-
-    def _validated(self, msg: Received) -> list[torch.Tensor] | Rejected:
-        """The remote tensors in parameter order, or why they cannot touch the model."""
-        if list(msg.tensors) != self.names:
-            self.stats.rejected += 1
-            return Rejected(msg.sender, "parameter names differ from ours")
-        out = []
-        for p, name in zip(self.params, self.names):
-            t = msg.tensors[name]
-            if t.shape != p.shape or t.dtype != p.dtype:
-                self.stats.rejected += 1
-                return Rejected(msg.sender, f"{name}: got {t.dtype} {list(t.shape)}, want {p.dtype} {list(p.shape)}")
-            out.append(t)
-        if not all(bool(torch.isfinite(t).all()) for t in out):  # one pass; rejected before any write
-            self.stats.rejected += 1
-            return Rejected(msg.sender, "non-finite values")
-        return out

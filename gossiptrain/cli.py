@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
-from .config import RunConfig, describe_fields
+from .config import RunConfig, SecurityConfig, describe_fields
 from .errors import ConfigError, GossipError, WorkloadError
 
 EXIT_USAGE = 2
@@ -27,7 +27,13 @@ EXIT_INTERRUPTED = 130
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--workload": ("train.workload", str, "digits, logreg, or module:attr of your own"),
     "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
-    "--algorithm": ("gossip.algorithm", str, "pairwise"),
+    "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
+    "--compression": ("gossip.compression", str, "none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),
+    "--local-steps": ("gossip.local_steps", int, "local-sgd: local steps between averaging rounds"),
+    "--outer-lr": ("gossip.outer_lr", float, "local-sgd: outer learning rate (DiLoCo-style outer optimizer)"),
+    "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none)"),
+    "--staleness-weighting": ("gossip.staleness_weighting", str, "constant, or polynomial: 1/(1+s)^exponent"),
+    "--staleness-bound": ("gossip.staleness_bound", int, "drop updates more than this many steps stale (0: none)"),
     "--lr": ("train.lr", float, "learning rate"),
     "--batch-size": ("train.batch_size", int, "mini-batch size"),
     "--shards": ("train.shards", int, "number of data shards (usually the number of peers)"),
@@ -88,19 +94,60 @@ def _setup_logging(verbosity: int, default: int) -> None:
 # -- commands ----------------------------------------------------------------------------
 
 
+def _add_security_flags(p: argparse.ArgumentParser, peer: bool) -> None:
+    g = p.add_argument_group("security (CURVE; see SECURITY.md)")
+    g.add_argument("--secure", action="store_true", help="encrypt, and admit only members whose public key is in --allow")
+    g.add_argument("--key", metavar="FILE", help="this member's NAME.key_secret (`gossiptrain keys new`)")
+    g.add_argument("--allow", metavar="DIR", help="directory of the public keys (*.key) allowed to connect")
+    if peer:
+        g.add_argument("--server-key", metavar="FILE",
+                       help="public key (NAME.key) of the --join target (default: DIR/coordinator.key of --allow)")
+
+
+def _security(args: argparse.Namespace) -> SecurityConfig | None:
+    """The CURVE settings the flags describe, or None for an open swarm."""
+    flags = [f for f in ("key", "allow", "server_key") if getattr(args, f, None)]
+    if not args.secure:
+        if flags:
+            raise ConfigError(f"--{flags[0].replace('_', '-')} takes effect only with --secure")
+        return None
+    if not args.key:
+        raise ConfigError("--secure needs --key FILE: this member's NAME.key_secret (make one: gossiptrain keys new DIR --name NAME)")
+    if not args.allow:
+        raise ConfigError("--secure needs --allow DIR: a directory with the public key (NAME.key) of every member allowed in")
+    return SecurityConfig(args.key, args.allow, getattr(args, "server_key", None))
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from .serve import run_coordinator_forever
 
     _setup_logging(args.verbose, logging.INFO)
     config = _run_config(args)
     _check_workload(config)
+    security = _security(args)
 
     def ready(coord: Any) -> None:
-        host_port = coord.address.removeprefix("tcp://")
+        host_port = coord.address.removeprefix("tcp://").partition("?")[0]
         print(f"coordinator listening on {coord.address} (run {config.fingerprint()})", flush=True)
-        print(f"join with: gossiptrain peer --join {host_port}", flush=True)
+        if security is None:
+            print(f"join with: gossiptrain peer --join {host_port}", flush=True)
+        else:
+            print(
+                f"join with: gossiptrain peer --join {host_port} --secure --key YOURS.key_secret --allow DIR "
+                "--server-key COORDINATOR.key (this coordinator's public key; DIR must hold it too)",
+                flush=True,
+            )
 
-    run_coordinator_forever(config, args.bind, ready)
+    run_coordinator_forever(config, args.bind, ready, security)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .keys import default_name, new_keypair
+
+    public, secret = new_keypair(args.dir, args.name or default_name())
+    print(f"public key: {public}  (copy it into the --allow DIR of every member)", flush=True)
+    print(f"secret key: {secret}  (stays on this machine; pass it as --key)", flush=True)
     return 0
 
 
@@ -110,6 +157,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from .trainer import PeerOptions, run_peer
 
     _setup_logging(args.verbose, logging.WARNING)
+    if args.checkpoint_dir is None:
+        for flag in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_keep"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --checkpoint-dir DIR")
+    checkpointing = {"checkpoint_every_seconds": args.checkpoint_every, "checkpoint_every_steps": args.checkpoint_every_steps,
+             "checkpoint_keep": args.checkpoint_keep}
     options = PeerOptions(
         join=args.join,
         bind=args.bind,
@@ -121,6 +174,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         threads=args.threads,
         progress=not args.quiet,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        resume_any_run=args.resume_any_run,
+        security=_security(args),
+        **{k: v for k, v in checkpointing.items() if v is not None},
     )
     stop = threading.Event()
     training = threading.Event()
@@ -192,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("coordinator", help="bootstrap a swarm: answer joins with an id, the run config and members")
     p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="where to listen (default 127.0.0.1:7070)")
+    _add_security_flags(p, peer=False)
     _add_run_flags(p)
     p.set_defaults(func=cmd_coordinator)
 
@@ -207,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads for this peer (default 1)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    _add_security_flags(p, peer=True)
+    g = p.add_argument_group("checkpoints (safetensors + JSON; see README)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here, periodically and when the peer stops")
+    g.add_argument("--checkpoint-every", type=float, metavar="SECONDS", help="seconds between checkpoints (default 60; 0: none)")
+    g.add_argument("--checkpoint-every-steps", type=int, metavar="N", help="also save every N local steps (default 0: no)")
+    g.add_argument("--checkpoint-keep", type=int, metavar="K", help="checkpoints kept in DIR (default 3)")
+    g.add_argument("--resume", metavar="DIR",
+                   help="start from the newest intact checkpoint in DIR: model, optimizer, step (and its shard unless --shard)")
+    g.add_argument("--resume-any-run", action="store_true", help="with --resume: accept a checkpoint of a different run")
     _add_run_flags(p)
     p.set_defaults(func=cmd_peer)
 
@@ -226,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="print every configuration field with its default (TOML)")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("keys", help="CURVE keypairs for secure swarms (--secure; see SECURITY.md)")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    k = keys.add_parser("new", help="write DIR/NAME.key (public, to share) and DIR/NAME.key_secret (mode 0600)")
+    k.add_argument("dir", metavar="DIR", help="directory for the two files (created if missing)")
+    k.add_argument("--name", help="file name stem (default: this host's name); use 'coordinator' for the coordinator")
+    k.set_defaults(func=cmd_keys)
 
     for name, sp in sub.choices.items():
         if name not in ("config", "topology"):

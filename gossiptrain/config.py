@@ -23,8 +23,10 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-#: Algorithms the averaging layer offers today (see gossiptrain.averaging).
-ALGORITHMS = ("pairwise",)
+#: Algorithms the averaging layer offers (see gossiptrain.algorithms).
+ALGORITHMS = ("pairwise", "push-sum", "neighbor", "local-sgd")
+#: Algorithms that keep per-edge references and so can send top-k compressed differences.
+_EDGE_ALGORITHMS = ("neighbor", "local-sgd")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -45,11 +47,22 @@ class Limits:
     inbox_messages: int = 256  # received messages waiting for the peer loop
     send_queue_messages: int = 8  # ZMQ SNDHWM: queued messages per connection
     averaging_queue: int = 8  # exchange messages waiting for the trainer
+    chunk_bytes: int = 16 << 20  # a tensor over this is sent as several frames of at most this size (wire)
+    # Joins are answered by the coordinator and by every peer; each source (an IP, an IPv6 /64)
+    # gets a token bucket, so one host flooding joins is dropped without slowing anyone else.
+    join_rate_per_source: float = 5.0  # joins answered per second per source, after the burst; excess dropped
+    join_burst: int = 32  # joins one source may send at once (the bucket's size)
+    join_sources_tracked: int = 4096  # sources with a bucket; beyond this the least recently seen is forgotten
 
     def check(self, section: str = "limits") -> None:
         for f in fields(self):
             _require(getattr(self, f.name) > 0, f"{section}.{f.name}", "must be > 0")
         _require(self.max_frames >= 1, f"{section}.max_frames", "must be >= 1")
+        _require(
+            math.isfinite(self.join_rate_per_source),
+            f"{section}.join_rate_per_source",
+            f"must be a finite number, got {self.join_rate_per_source}",
+        )
         _require(
             self.max_message_bytes >= self.max_frame_bytes,
             f"{section}.max_message_bytes",
@@ -58,6 +71,38 @@ class Limits:
 
     def __post_init__(self) -> None:
         self.check()
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """CURVE settings of one process (``--secure``): local, never part of the run or its fingerprint.
+
+    Every member (the coordinator included) has its own keypair from
+    `gossiptrain keys new` and a directory of the public keys allowed to
+    connect to it. ZeroMQ then encrypts every connection and admits only
+    those keys; see SECURITY.md. Files are read when the transport is built
+    (gossiptrain.keys), so a missing or malformed one fails at start, named.
+    """
+
+    secret_key_file: Path  # this member's NAME.key_secret (holds its public key too)
+    allow_dir: Path  # the public keys (*.key) of every member allowed to connect to us
+    server_key_file: Path | None = None  # public key of the --join target; default: allow_dir/coordinator.key
+    zap_domain: str = "gossiptrain"  # ZAP domain our listening socket authenticates clients in
+
+    def __post_init__(self) -> None:
+        s = "security"
+        for name in ("secret_key_file", "allow_dir", "server_key_file"):
+            value = getattr(self, name)
+            if value is None and name == "server_key_file":
+                continue
+            _require(isinstance(value, (str, Path)) and str(value) != "", f"{s}.{name}", f"must be a path, got {value!r}")
+            object.__setattr__(self, name, Path(value).expanduser())  # frozen: normalise to a Path once, here
+        _require(
+            isinstance(self.zap_domain, str) and 0 < len(self.zap_domain) <= 254 and self.zap_domain.isascii()
+            and self.zap_domain.isprintable(),
+            f"{s}.zap_domain",
+            f"must be 1 to 254 printable ASCII characters, got {self.zap_domain!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -113,6 +158,19 @@ class GossipConfig:
     exchange_every_steps: int = 1  # start at most one exchange per this many local steps
     exchange_timeout_min: float = 0.5  # adaptive exchange timeout: floor (seconds)
     exchange_timeout_max: float = 10.0  # adaptive exchange timeout: ceiling (seconds)
+    local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
+    outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
+    outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9)
+    staleness_weighting: str = "constant"  # constant, or polynomial: weight 1/(1+s)^staleness_exponent
+    staleness_exponent: float = 0.5
+    staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
+    compression: str = "none"  # what exchanges send: none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
+    robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
+    robust_clip: float = 3.0
+    robust_trim: float = 0.2  # neighbor/local-sgd with robust: fraction trimmed at each end, per coordinate
+    quarantine_after: int = 3  # updates rejected by validation in a row before a sender is quarantined
+    quarantine_seconds: float = 60.0  # how long a quarantined sender's exchanges are refused
+    consensus_step: float = 0.0  # topk: step toward the neighbours' references (CHOCO's gamma); 0: min(1, 2 * ratio)
 
     def __post_init__(self) -> None:
         import topologies  # local: topologies is a sibling package, kept optional at import
@@ -134,6 +192,49 @@ class GossipConfig:
             f"{s}.exchange_timeout_max",
             "must be >= gossip.exchange_timeout_min",
         )
+        _require(self.local_steps >= 1, f"{s}.local_steps", f"must be >= 1, got {self.local_steps}")
+        _require(
+            0 < self.outer_lr <= 2 and math.isfinite(self.outer_lr), f"{s}.outer_lr", f"must be in (0, 2], got {self.outer_lr}"
+        )
+        _require(0 <= self.outer_momentum < 1, f"{s}.outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        # gossiptrain.staleness.WEIGHTINGS, spelled out: config does not import the runtime.
+        _require(
+            self.staleness_weighting in ("constant", "polynomial"),
+            f"{s}.staleness_weighting",
+            f"is {self.staleness_weighting!r}; known: constant, polynomial",
+        )
+        _require(
+            0 <= self.staleness_exponent <= 16,
+            f"{s}.staleness_exponent",
+            f"must be in [0, 16], got {self.staleness_exponent}",
+        )
+        _require(self.staleness_bound >= 0, f"{s}.staleness_bound", f"must be >= 0 (0: no bound), got {self.staleness_bound}")
+        _require(0 <= self.consensus_step <= 1, f"{s}.consensus_step", f"must be in [0, 1] (0: auto), got {self.consensus_step}")
+        _require(self.robust_clip >= 1, f"{s}.robust_clip", f"must be >= 1, got {self.robust_clip}")
+        _require(0 <= self.robust_trim < 0.5, f"{s}.robust_trim", f"must be in [0, 0.5), got {self.robust_trim}")
+        _require(
+            not (self.robust and self.algorithm == "push-sum"),
+            f"{s}.robust",
+            "cannot be used with push-sum: clipping a push would destroy the mass push-sum conserves",
+        )
+        _require(self.quarantine_after >= 1, f"{s}.quarantine_after", f"must be >= 1, got {self.quarantine_after}")
+        _require(self.quarantine_seconds >= 0, f"{s}.quarantine_seconds", f"must be >= 0, got {self.quarantine_seconds}")
+        codec = self.compression.strip().partition(":")[0]
+        _require(
+            codec in ("none", "fp16", "bf16", "int8", "topk"),
+            f"{s}.compression",
+            f"is {self.compression!r}; known codecs: none, fp16, bf16, int8, topk",
+        )
+        _require(
+            codec != "topk" or self.algorithm in _EDGE_ALGORITHMS,
+            f"{s}.compression",
+            f"topk sends differences against per-edge references, which only {' and '.join(_EDGE_ALGORITHMS)} keep; "
+            f"use fp16, bf16 or int8 with {self.algorithm}",
+        )
+        if codec != "none":  # parameters too (ratio=, stochastic=); local: compression imports torch
+            from .compression import get_codec
+
+            get_codec(self.compression, f"{s}.compression")
 
 
 @dataclass(frozen=True)
@@ -173,6 +274,43 @@ class MembershipConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    """State transfer: a newcomer downloads a live member's model before training (gossiptrain.state_transfer)."""
+
+    enabled: bool = True  # download when another member is alive; off: newcomers start from the initial weights
+    chunk_bytes: int = 4 << 20  # bytes per chunk request (one round trip each); the same for every member
+    window: int = 2  # chunk requests in flight to one donor
+    request_timeout: float = 5.0  # seconds without an answer before another donor is tried (> a donor's step time)
+    busy_backoff: float = 1.0  # seconds before a donor that refused for now (busy, not ready) is asked again
+    max_donors: int = 6  # donor sessions tried before giving up
+    max_seconds: float = 120.0  # the whole download; after it the newcomer trains from its own initial weights
+    max_bytes_per_second: float = 0.0  # pace chunk requests to this rate (0: as fast as donors answer)
+    donor_sessions: int = 2  # sessions a donor serves at a time; more are refused, so newcomers spread over donors
+    session_timeout: float = 30.0  # a donor drops a session (and its snapshot) idle this long
+    transfer_step: bool = False  # also continue the donor's step count (it then counts toward train.max_steps)
+
+    def __post_init__(self) -> None:
+        s = "state"
+        _require(self.chunk_bytes >= 1024, f"{s}.chunk_bytes", f"must be >= 1024, got {self.chunk_bytes}")
+        _require(self.window >= 1, f"{s}.window", f"must be >= 1, got {self.window}")
+        _require(
+            0 < self.request_timeout < math.inf, f"{s}.request_timeout", f"must be a positive number, got {self.request_timeout}"
+        )
+        _require(0 <= self.busy_backoff < math.inf, f"{s}.busy_backoff", f"must be >= 0, got {self.busy_backoff}")
+        _require(self.max_donors >= 1, f"{s}.max_donors", f"must be >= 1, got {self.max_donors}")
+        _require(0 < self.max_seconds < math.inf, f"{s}.max_seconds", f"must be a positive number, got {self.max_seconds}")
+        _require(
+            0 <= self.max_bytes_per_second < math.inf,
+            f"{s}.max_bytes_per_second",
+            f"must be >= 0 (0: no pacing), got {self.max_bytes_per_second}",
+        )
+        _require(self.donor_sessions >= 1, f"{s}.donor_sessions", f"must be >= 1, got {self.donor_sessions}")
+        _require(
+            0 < self.session_timeout < math.inf, f"{s}.session_timeout", f"must be a positive number, got {self.session_timeout}"
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a swarm agrees on. Its fingerprint identifies the run."""
 
@@ -180,6 +318,14 @@ class RunConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     limits: Limits = field(default_factory=Limits)
+    state: StateConfig = field(default_factory=StateConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.state.chunk_bytes <= self.limits.max_frame_bytes,
+            "state.chunk_bytes",
+            f"must be <= limits.max_frame_bytes ({self.limits.max_frame_bytes}): a chunk travels as one frame",
+        )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -245,6 +391,7 @@ _SECTIONS: dict[str, type] = {
     "gossip": GossipConfig,
     "membership": MembershipConfig,
     "limits": Limits,
+    "state": StateConfig,
 }
 
 

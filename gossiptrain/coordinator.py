@@ -5,6 +5,11 @@ members) and learns who is alive only from joins and the peers' periodic
 reports. It holds no training state, so it can be stopped and restarted at
 any time: training goes on, and a restarted coordinator relearns the swarm
 from the next round of reports.
+
+Joins are rate limited per source (``gossiptrain.security.JoinLimiter``),
+so that one host flooding joins costs a counter, not replies, connections
+or registry entries. Who may connect at all is the transport's business
+(CURVE with ``--secure``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 from .averaging import ParamSpec
 from .clock import REAL_CLOCK, Clock
@@ -19,7 +25,8 @@ from .config import RunConfig
 from .errors import ProtocolError
 from .joining import JOIN, WELCOME, JoinRequest, answer_join
 from .membership import ALIVE, Member, least_loaded_shard
-from .node import REPORT
+from .node import GOSSIP, REPORT
+from .security import JoinLimiter, join_source
 from .service import Service
 from .transport import Transport
 from .wire import Message, decode, encode
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 class CoordinatorStats:
     joins_answered: int = 0
     joins_refused: int = 0
+    joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     reports: int = 0
     bad_messages: int = 0
     wrong_run: int = 0
@@ -77,6 +85,7 @@ class Coordinator(Service):
         m = config.membership
         self.registry = Registry(expire_after=3 * m.report_interval + m.fail_timeout(1))
         self._last_count = 0
+        self.join_limiter = JoinLimiter.from_limits(config.limits)
 
     @property
     def address(self) -> str:
@@ -105,7 +114,7 @@ class Coordinator(Service):
         while True:
             frames = await self.transport.recv()
             try:
-                self._dispatch(decode(frames, self.config.limits))
+                self._dispatch(decode(frames, self.config.limits), frames)
             except ProtocolError as e:
                 self.stats.bad_messages += 1
                 log.debug("dropped a bad message: %s", e)
@@ -113,8 +122,11 @@ class Coordinator(Service):
                 self.stats.bad_messages += 1
                 log.exception("error while handling a message; dropped it")
 
-    def _dispatch(self, msg: Message) -> None:
+    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
         if msg.kind == JOIN:
+            if not self.join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+                self.stats.joins_throttled += 1
+                return
             self._answer_join(msg)
         elif msg.kind == REPORT:
             if msg.fingerprint != self.fingerprint:
@@ -128,8 +140,25 @@ class Coordinator(Service):
             self.registry.update(member, self.clock.now())
             self.stats.reports += 1
             self._note_count()
+            self._introduce(member)
         else:
             self.stats.unexpected += 1
+
+    def _introduce(self, reporter: Member) -> None:
+        """Answer a report with a few other live members.
+
+        A newcomer welcomed while the registry was empty (its predecessors had
+        not reported yet, or had expired while building their models) would
+        otherwise know no one; peers that joined alone find each other here,
+        at their next report.
+        """
+        others = [m for m in self.registry.alive(self.clock.now()) if m.id != reporter.id]
+        if not others:
+            return
+        sample = self.rng.sample(others, min(self.config.membership.sample_size, len(others)))
+        body = {"members": [m.to_wire() for m in sample]}
+        frames = encode(Message(GOSSIP, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        self.transport.send(reporter.addr, frames)
 
     def _learn_spec(self, raw: object) -> None:
         if raw is not None and self.spec is None:

@@ -34,3 +34,7 @@ class TransportClosed(GossipError):
 
 class WorkloadError(GossipError):
     """A workload could not be found, imported or built."""
+
+
+class CheckpointError(GossipError):
+    """A checkpoint could not be written, or none that is complete and intact could be read or loaded."""

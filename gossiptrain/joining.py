@@ -22,7 +22,8 @@ from .clock import Clock
 from .config import Limits, RunConfig
 from .errors import ConfigError, JoinError, MismatchError, ProtocolError
 from .membership import Member, members_from_wire
-from .transport import Transport
+from .transport import TcpTransport, Transport
+from .transport.tcp import CURVE_QUERY
 from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -193,16 +194,23 @@ async def join_swarm(
     in milliseconds rather than after a whole attempt timeout. Each attempt
     waits a little longer at random, so that newcomers refused together (a
     full queue at the answerer) do not all come back at the same instant.
+    A failed handshake with ``target`` (a CURVE key refused, a wrong server
+    key, one side secure and the other not) ends the join within a quarter
+    second, with the cause named: retrying cannot fix a key.
     """
     frames = encode(Message(JOIN, sender="", addr=advertise, fingerprint="", body=request.to_body()), limits)
+    refused_before = transport.stats.handshake_failures
     for attempt in range(1, attempts + 1):
         deadline = clock.now() + attempt_timeout * rng.uniform(1.0, 1.5)
         sent = transport.send(target, frames)
         while clock.now() < deadline:
-            wait = 0.05 if not sent else deadline - clock.now()
+            wait = 0.05 if not sent else min(0.25, deadline - clock.now())
             try:
                 got = await asyncio.wait_for(transport.recv(), timeout=max(0.0, wait))
             except TimeoutError:
+                failure = transport.connect_failure(target) if isinstance(transport, TcpTransport) else None
+                if failure:
+                    raise JoinError(f"cannot join: {failure}") from None
                 if not sent:
                     sent = transport.send(target, frames)
                 continue
@@ -212,15 +220,26 @@ async def join_swarm(
                 continue
             if msg.kind == REFUSE:
                 reason = msg.body.get("reason") if isinstance(msg.body, dict) else None
-                raise MismatchError(f"{target} refused us: {str(reason)[:2000]}")
+                raise MismatchError(f"{_plain(target)} refused us: {str(reason)[:2000]}")
             if msg.kind == WELCOME:
                 try:
                     return Welcome.from_message(msg, limits)
                 except ProtocolError as e:
-                    raise JoinError(f"{target} answered with an invalid welcome: {e}") from None
-        log.warning("no answer from %s yet (attempt %d of %d)", target, attempt, attempts)
+                    raise JoinError(f"{_plain(target)} answered with an invalid welcome: {e}") from None
+        log.warning("no answer from %s yet (attempt %d of %d)", _plain(target), attempt, attempts)
+    hint = ""
+    if transport.stats.handshake_failures > refused_before:
+        hint = (
+            " Meanwhile we refused a connection: if it was the answer, the answerer's public key is not in our "
+            "allow-list directory (--allow)."
+        )
     raise JoinError(
-        f"no answer from {target} after {attempts} attempts of {attempt_timeout:g}+ s each. "
+        f"no answer from {_plain(target)} after {attempts} attempts of {attempt_timeout:g}+ s each. "
         f"Is a gossiptrain coordinator or peer running there, and can it reach this peer back at "
-        f"{advertise}? (set --advertise to an address it can reach)"
+        f"{_plain(advertise)}? (set --advertise to an address it can reach)" + hint
     )
+
+
+def _plain(address: str) -> str:
+    """An address without its CURVE key, for messages people read."""
+    return address.partition(CURVE_QUERY)[0]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from .checkpoint import Checkpoint, restore
 from .config import TrainConfig
 from .errors import WorkloadError
 from .evaluation import EvalResult
@@ -42,6 +44,7 @@ class LocalTrainer:
         self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard)
         self.loss_avg = math.nan  # exponential moving average of the training loss
         self.steps = 0
+        self.samples_seen = 0  # samples consumed by step(); both counters continue across a resume
         model.train()
 
     def step(self) -> float:
@@ -54,7 +57,17 @@ class LocalTrainer:
         value = loss.item()
         self.loss_avg = value if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * value
         self.steps += 1
+        self.samples_seen += len(y)
         return value
+
+    def load_state(
+        self, checkpoint: Checkpoint, *, fingerprint: str | None = None, run: dict[str, Any] | None = None,
+        allow_other_run: bool = False,
+    ) -> None:
+        """Continue from a checkpoint: its model and optimizer state and its counters (see checkpoint.restore)."""
+        restore(checkpoint, self.model, self.opt, fingerprint=fingerprint, run=run, allow_other_run=allow_other_run)
+        self.steps = checkpoint.info.step
+        self.samples_seen = checkpoint.info.samples_seen
 
     def evaluate(self) -> EvalResult:
         return self.workload.evaluate(self.model)

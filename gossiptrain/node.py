@@ -6,7 +6,9 @@ heartbeat, answers joins like the coordinator does, reports to the
 coordinator when one is known, and hands exchange messages to the trainer
 through a bounded queue. The trainer consumes that queue at its safe points
 (see ``gossiptrain.peer``); when the queue is full, a request is refused at
-once so that its sender moves on instead of waiting for a timeout.
+once so that its sender moves on instead of waiting for a timeout. State
+transfer messages go to ``self.state`` (``gossiptrain.state_transfer``): it
+answers newcomers as a donor and feeds our own download when we are one.
 """
 
 from __future__ import annotations
@@ -16,25 +18,27 @@ import queue
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import topologies
 
-from . import averaging
+from . import averaging, state_transfer
 from .averaging import ParamSpec, Received, SendExchange
 from .clock import Clock
 from .config import RunConfig
 from .errors import ProtocolError
 from .joining import JOIN, WELCOME, JoinRequest, answer_join
 from .membership import Digest, Leave, Member, MemberDown, MemberUp, Membership, Send, Tick, members_from_wire
+from .security import JoinLimiter, join_source
 from .service import Service
+from .state_transfer import StateEndpoint
 from .transport import Transport
 from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
 GOSSIP, LEAVE, REPORT = "gossip", "leave", "report"
-_EXCHANGE_KINDS = (averaging.XREQ, averaging.XREP, averaging.XNAK)
+_NEEDS_ANSWER = (averaging.XREQ, averaging.XPUSH)  # a sender wants to know when these were not taken
 _ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
 
 
@@ -46,6 +50,7 @@ class NodeStats:
     exchange_queue_full: int = 0  # requests refused because the trainer was behind
     undeliverable: int = 0  # messages the transport could not queue
     joins_answered: int = 0
+    joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     members_up: int = 0
     members_dead: int = 0  # declared dead after missed heartbeats
     members_left: int = 0  # announced a clean leave
@@ -87,6 +92,9 @@ class PeerNode(Service):
         self._view: tuple[str, ...] = (me.id,)
         self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
+        self._join_limiter = JoinLimiter.from_limits(config.limits)
+        # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
+        self.state = StateEndpoint(config, send=self._send, address_of=self._address_of, clock=clock)
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -123,6 +131,7 @@ class PeerNode(Service):
     async def _start(self) -> None:
         self.spawn(self._receive_loop(), "receive")
         self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self.state.run(), "state")
         if self.coordinator:
             self.spawn(self._report_loop(), "report")
 
@@ -149,9 +158,10 @@ class PeerNode(Service):
     def send_exchange(self, action: SendExchange) -> None:
         """Carry out an averaging action (called in the loop thread via call_soon_threadsafe)."""
         addr = self._address_of(action.to)
-        ok = addr is not None and self._send(addr, action.kind, {"xid": action.xid}, dict(action.tensors))
-        if not ok and action.kind == averaging.XREQ:
-            # Tell the trainer at once, so the exchange does not wait out its timeout.
+        body = {"xid": action.xid, **action.meta}
+        ok = addr is not None and self._send(addr, action.kind, body, dict(action.tensors))
+        if not ok and action.kind in _NEEDS_ANSWER:
+            # Tell the trainer at once: an exchange need not wait out its timeout, a push takes its mass back.
             self._offer(Received(action.to, averaging.XNAK, action.xid))
 
     def _address_of(self, member_id: str) -> str | None:
@@ -166,6 +176,7 @@ class PeerNode(Service):
         interval = self.config.membership.heartbeat_interval
         while True:
             self._apply(self.membership.handle(Tick(), self.clock.now()))
+            self.state.tick(self.clock.now())
             await self.clock.sleep(interval * self.rng.uniform(0.9, 1.1))
 
     async def _report_loop(self) -> None:
@@ -181,7 +192,7 @@ class PeerNode(Service):
             frames = await self.transport.recv()
             try:
                 msg = decode(frames, self.config.limits)
-                self._dispatch(msg)
+                self._dispatch(msg, frames)
             except ProtocolError as e:
                 self.stats.bad_messages += 1
                 log.debug("dropped a bad message: %s", e)
@@ -191,9 +202,12 @@ class PeerNode(Service):
 
     # -- handling --------------------------------------------------------------------------
 
-    def _dispatch(self, msg: Message) -> None:
+    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
         if msg.kind == JOIN:
-            self._answer_join(msg)
+            if self._join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+                self._answer_join(msg)
+            else:
+                self.stats.joins_throttled += 1
             return
         if msg.fingerprint != self.fingerprint:
             self.stats.wrong_run += 1
@@ -201,12 +215,15 @@ class PeerNode(Service):
         if msg.kind in (GOSSIP, LEAVE):
             entries = members_from_wire(msg.body.get("members"), self.config.limits.max_container_len)
             self._apply(self.membership.handle(Digest(entries), self.clock.now()))
-        elif msg.kind in _EXCHANGE_KINDS:
+        elif msg.kind in averaging.EXCHANGE_KINDS:
             xid = msg.body.get("xid")
             if type(xid) is not int:
                 raise ProtocolError("exchange message without an int xid")
+            meta = exchange_meta(msg.body)
             self._remember_addr(msg.sender, msg.addr)
-            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step))
+            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
+        elif msg.kind in state_transfer.KINDS:
+            self.state.on_message(msg)
         else:
             self.stats.unexpected += 1
 
@@ -215,7 +232,7 @@ class PeerNode(Service):
             self.exchanges.put_nowait(event)
         except queue.Full:
             self.stats.exchange_queue_full += 1
-            if event.kind == averaging.XREQ:
+            if event.kind in _NEEDS_ANSWER:
                 addr = self._address_of(event.sender)
                 if addr:
                     self._send(addr, averaging.XNAK, {"xid": event.xid})
@@ -265,3 +282,20 @@ class PeerNode(Service):
                 log.info("member %s is down (%s)", a.member.id, a.reason)
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
+
+
+def exchange_meta(body: dict[str, Any]) -> dict[str, float | int]:
+    """The scalars of an exchange message's body (``averaging.META_RANGES``), checked; ProtocolError if bad."""
+    out: dict[str, float | int] = {}
+    for key, (kind, lo, hi) in averaging.META_RANGES.items():
+        if key not in body:
+            continue
+        value = body[key]
+        if kind is float:
+            ok = type(value) is float and lo < value <= hi  # NaN fails both comparisons
+        else:
+            ok = type(value) is int and lo <= value <= hi
+        if not ok:
+            raise ProtocolError(f"exchange field {key!r} must be a {kind.__name__} in range, got {type(value).__name__}")
+        out[key] = value
+    return out

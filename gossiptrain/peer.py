@@ -22,17 +22,22 @@ from typing import Any, Callable
 
 import torch
 
-from .averaging import PairwiseAveraging, ParamSpec
+from .algorithms import make_averaging
+from .averaging import ParamSpec
 from .clock import REAL_CLOCK, Clock
-from .config import RunConfig
-from .errors import GossipError, MismatchError
+from .config import RunConfig, SecurityConfig
+from .errors import ConfigError, GossipError, MismatchError
 from .joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_address, tcp_url
+from .keys import join_server_key
 from .loop_thread import LoopThread
 from .membership import Member
 from .node import PeerNode
 from .safepoint import SafePoint
+from .security import warn_open
 from .service import Status
-from .transport import Transport, listen
+from .state_transfer import SnapshotHook, TransferResult, catch_up, install
+from .transport import TcpTransport
+from .transport.tcp import curve_address
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,12 @@ class Peer:
     anything else refuses it with the differences named.
     ``join_attempts`` bounds the join (``membership.join_timeout`` seconds
     each); after the last one ``JoinError`` says who did not answer.
+    ``security`` makes this a member of a secure (CURVE) swarm; the member at
+    ``join`` is dialled with ``security.server_key_file``'s key.
+    Before it returns, a peer that finds other live members downloads the
+    current state of one of them into the model (``state.*``, see
+    ``gossiptrain.state_transfer``); ``transfer_state=False`` skips that (a
+    model restored from a checkpoint on purpose).
     """
 
     def __init__(
@@ -68,8 +79,11 @@ class Peer:
         seed: int | None = None,
         join_attempts: int | None = None,
         clock: Clock = REAL_CLOCK,
+        security: SecurityConfig | None = None,
+        transfer_state: bool = True,
     ) -> None:
         self._closed = False
+        self.transfer: TransferResult | None = None  # how the state download went; None: there was none
         self._clock = clock
         self._rng = random.Random(seed)
         self._step = 0
@@ -78,14 +92,26 @@ class Peer:
         if advertise is None:
             advertise = bind_host if bind_host not in (None, *_WILDCARDS) else route_address(join_host)
         local = config or RunConfig()
+        join_target = tcp_url(join_host, join_port)
+        server_key: bytes | None = None
+        if security is not None:
+            server_key = join_server_key(security)
+            join_target = curve_address(join_target, server_key)
         self._loop = LoopThread().start()
-        self._transport: Transport | None = None
+        self._transport: TcpTransport | None = None
         self._node: PeerNode | None = None
         try:
-            self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits)
+            self._transport = TcpTransport(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
+            if self._transport.curve is not None and server_key not in self._transport.curve.allowed:
+                # The member we join answers from its own key: refused by our allow-list, we would hear nothing.
+                raise ConfigError(
+                    f"the public key of the --join target (security.server_key_file) is not in "
+                    f"security.allow_dir {self._transport.curve.allow_dir}: its answer would be refused"
+                )
             self._loop.run(self._transport.start(), timeout=10)
-            _, port = parse_hostport(self._transport.address)
-            self.address = tcp_url(advertise, port)
+            self.address = self._transport.reachable_at(tcp_url(advertise, self._transport.port))
+            if security is None:
+                warn_open("peer", self.address)
             module = model if isinstance(model, torch.nn.Module) else None
             request = JoinRequest(
                 config=config,
@@ -95,7 +121,7 @@ class Peer:
             welcome = self._loop.run(
                 join_swarm(
                     self._transport,
-                    tcp_url(join_host, join_port),
+                    join_target,
                     request,
                     advertise=self.address,
                     limits=local.limits,
@@ -107,6 +133,7 @@ class Peer:
             )
             self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
             self._attach(welcome)
+            self._catch_up(transfer_state)
         except BaseException:
             self._teardown()
             raise
@@ -135,10 +162,32 @@ class Peer:
             seeds=welcome.members,
         )
         self._loop.run(self._node.start(), timeout=10)
-        self._averaging = PairwiseAveraging(params, self.config.gossip, self._rng, me=self.id)
+        self._averaging = make_averaging(params, self.config.gossip, self._rng, me=self.id)
         node = self._node
         self._safepoint = SafePoint(node, self._averaging, self._clock, lambda a: self._loop.call_soon(node.send_exchange, a))
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+        # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
+        node.state.offload = True
+        self._snapshots = SnapshotHook(
+            node.state, self.model, lambda *a: self._loop.call_soon(node.state.offer_snapshot, *a), self._clock
+        )
+
+    def _catch_up(self, enabled: bool) -> None:
+        """Download a live member's state into the model before the first step, if anyone else is alive."""
+        node = self._node
+        assert node is not None
+        others = [m for m in node.view() if m != self.id]
+        if enabled and self.config.state.enabled and others:
+            result, values = self._loop.run(
+                catch_up(node.state, self.model, me=self.id, members=node.view, rng=self._rng, clock=self._clock),
+                timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
+            )
+            self.transfer = result
+            if values is not None:
+                install(self._snapshots.tensors, values)  # here, on the training thread, before any step
+                if self.config.state.transfer_step:
+                    self.resume_at(result.step)
+        node.state.mark_ready()
 
     # -- the training loop's side ------------------------------------------------------------
 
@@ -149,6 +198,16 @@ class Peer:
     @property
     def steps(self) -> int:
         return self._step
+
+    def resume_at(self, step: int) -> None:
+        """Count on from ``step`` (a model restored from a checkpoint); only before the first ``step()``."""
+        if self._step != 0:
+            raise GossipError(f"resume_at({step}) after {self._step} steps: call it before the first step()")
+        if step < 0:
+            raise GossipError(f"resume_at: step must be >= 0, got {step}")
+        self._step = step
+        if self._node is not None:
+            self._node.step = step  # what our messages carry until the next safe point
 
     @property
     def members(self) -> int:
@@ -180,13 +239,26 @@ class Peer:
             raise GossipError(f"the network side of this peer failed: {node.error!r}") from node.error
         self._step += 1
         self._safepoint(self._step)
+        self._snapshots(self._step)
+
+    def transfer_summary(self) -> dict[str, Any]:
+        """How the state download before training went (zeros and "none" when there was none), for metrics."""
+        stats = self._node.state.transfer.to_dict() if self._node is not None else {}
+        result = self.transfer
+        return {
+            "state_transfer": "none" if result is None else "complete" if result.ok else "failed",
+            "state_donors": list(result.donors) if result is not None else [],
+            **{k: stats.get(k, 0) for k in ("state_bytes_received", "state_donors_tried", "state_transfer_seconds")},
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters of this peer: exchanges, bytes, drops, membership."""
         out: dict[str, Any] = {"steps": self._step, "members": self.members}
         if self._node is not None:
             out.update(self._averaging.stats.to_dict())
+            out.update(self._safepoint.quarantine.stats.to_dict())
             out.update(self._node.stats.to_dict())
+            out.update(self._node.state.stats())
         if self._transport is not None:
             out.update(self._transport.stats.to_dict())
         return out

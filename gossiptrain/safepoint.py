@@ -2,7 +2,9 @@
 
 Between two optimizer steps nothing else touches the parameters, so that is
 where exchange messages the network side queued are applied, requests are
-answered, and the next exchange is started. Both drivers call this once per
+answered, and the next exchange is started. Members in quarantine (see
+``gossiptrain.quarantine``) are refused here, before their messages cost a
+decode or a merge, and are not picked as partners. Both drivers call this once per
 local step: ``Peer`` (a real process, network on another thread) and the
 simulator (everything on one virtual-time loop); they differ only in how an
 outgoing message reaches the node (``submit``).
@@ -15,9 +17,10 @@ import queue
 from typing import Callable
 
 from . import averaging
-from .averaging import PairwiseAveraging, Rejected, SendExchange
+from .averaging import Averaging, Rejected, SendExchange
 from .clock import Clock
 from .node import PeerNode
+from .quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ class SafePoint:
     def __init__(
         self,
         node: PeerNode,
-        averaging: PairwiseAveraging,
+        averaging: Averaging,
         clock: Clock,
         submit: Callable[[SendExchange], None],
     ) -> None:
@@ -36,22 +39,32 @@ class SafePoint:
         self.averaging = averaging
         self.clock = clock
         self.submit = submit
+        gossip = node.config.gossip
+        self.quarantine = Quarantine(gossip.quarantine_after, gossip.quarantine_seconds)
 
     def __call__(self, step: int) -> None:
         """Run the safe point after local step ``step``."""
         node = self.node
         node.step = step
         now = self.clock.now()
+        quarantine = self.quarantine
         actions: list[averaging.Action] = []
         while True:
             try:
                 event = node.exchanges.get_nowait()
             except queue.Empty:
                 break
+            if quarantine.blocks(event.sender, now):
+                quarantine.refused()
+                if event.kind in (averaging.XREQ, averaging.XPUSH):  # so that it moves on (and takes back a push)
+                    actions.append(SendExchange(event.sender, averaging.XNAK, event.xid, {}))
+                continue
             actions += self.averaging.handle(event, now)
-        actions += self.averaging.handle(averaging.Tick(step, node.partners(step)), now)
+        partners = [p for p in node.partners(step) if not quarantine.blocks(p, now)]
+        actions += self.averaging.handle(averaging.Tick(step, partners), now)
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
             elif isinstance(action, Rejected):
                 log.warning("rejected an update from %s: %s", action.sender, action.reason)
+                quarantine.offence(action.sender, now)

@@ -6,11 +6,12 @@ import asyncio
 import signal
 from typing import Callable
 
-from .config import RunConfig
+from .config import RunConfig, SecurityConfig
 from .coordinator import Coordinator
 from .joining import parse_hostport, tcp_url
 from .loop_thread import LoopThread, new_event_loop
-from .transport import listen
+from .security import warn_open
+from .transport import TcpTransport
 
 
 async def serve_coordinator(
@@ -18,11 +19,14 @@ async def serve_coordinator(
     bind: str,
     stop: asyncio.Event,
     on_ready: Callable[[Coordinator], None] | None = None,
+    security: SecurityConfig | None = None,
 ) -> None:
-    """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set."""
+    """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set; CURVE with ``security``."""
     host, port = parse_hostport(bind, "bind address")
-    transport = listen(tcp_url(host, port), config.limits)
+    transport = TcpTransport(tcp_url(host, port), config.limits, security=security)
     async with transport, Coordinator(config, transport) as coordinator:
+        if security is None:
+            warn_open("coordinator", transport.address)
         if on_ready:
             on_ready(coordinator)
         stopped = asyncio.create_task(stop.wait())
@@ -35,7 +39,9 @@ async def serve_coordinator(
             task.result()  # re-raise a background failure
 
 
-def run_coordinator_forever(config: RunConfig, bind: str, on_ready: Callable[[Coordinator], None]) -> None:
+def run_coordinator_forever(
+    config: RunConfig, bind: str, on_ready: Callable[[Coordinator], None], security: SecurityConfig | None = None
+) -> None:
     """Serve on this thread until SIGINT or SIGTERM (the CLI's `gossiptrain coordinator`)."""
 
     async def main() -> None:
@@ -43,7 +49,7 @@ def run_coordinator_forever(config: RunConfig, bind: str, on_ready: Callable[[Co
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_coordinator(config, bind, stop, on_ready)
+        await serve_coordinator(config, bind, stop, on_ready, security)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
@@ -52,7 +58,7 @@ def run_coordinator_forever(config: RunConfig, bind: str, on_ready: Callable[[Co
 class BackgroundCoordinator:
     """A coordinator on its own event-loop thread: for the demo and for tests."""
 
-    def __init__(self, config: RunConfig, bind: str = "127.0.0.1:0") -> None:
+    def __init__(self, config: RunConfig, bind: str = "127.0.0.1:0", security: SecurityConfig | None = None) -> None:
         self._thread = LoopThread("gossiptrain-coordinator").start()
         self._stop = asyncio.Event()
         ready: asyncio.Future[Coordinator] = self._thread.loop.create_future()
@@ -61,7 +67,7 @@ class BackgroundCoordinator:
             ready.set_result(c)
 
         async def start() -> Coordinator:
-            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready))
+            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready, security))
             done, _ = await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
             if self._task in done:
                 self._task.result()

@@ -5,6 +5,11 @@ until the budget (steps or seconds) is spent or ``stop`` is set, evaluates
 on the workload's held-out test set every ``train.eval_every_seconds``, and
 writes progress to the terminal and metrics as JSON lines. It returns the
 final summary. Everything about the network lives in ``Peer``.
+
+With a checkpoint directory it saves a checkpoint every so often at a step
+boundary and once at the end; with ``resume`` it starts from the newest
+intact checkpoint there (model, optimizer, step count, and its shard unless
+another is asked for). See ``gossiptrain.checkpoint``.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .config import RunConfig
-from .errors import ConfigError
+from .checkpoint import Checkpoint, Checkpointer, latest_good, restore
+from .config import RunConfig, SecurityConfig
+from .errors import CheckpointError, ConfigError
 from .metrics import MetricsLog
 from .peer import Peer
 from .progress import Progress
@@ -43,12 +50,27 @@ class PeerOptions:
     slowdown: float = 1.0  # >1 makes this peer a straggler: it idles (slowdown-1) x each step's compute time
     threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
     progress: bool = True
+    checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end)
+    checkpoint_every_seconds: float = 60.0  # 0: no time-based saves
+    checkpoint_every_steps: int = 0  # 0: no step-based saves
+    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str | Path | None = None  # start from the newest intact checkpoint in this directory
+    resume_any_run: bool = False  # accept a checkpoint of another run (its tensors must still fit the model)
+    security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
             raise ConfigError(f"--slowdown is a slowdown factor and must be >= 1, got {self.slowdown}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 <= self.checkpoint_every_seconds < float("inf"):
+            raise ConfigError(f"--checkpoint-every must be a number of seconds >= 0, got {self.checkpoint_every_seconds}")
+        if self.checkpoint_every_steps < 0:
+            raise ConfigError(f"--checkpoint-every-steps must be >= 0, got {self.checkpoint_every_steps}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
+        if self.resume_any_run and self.resume is None:
+            raise ConfigError("--resume-any-run needs --resume DIR")
 
 
 class _Rate:
@@ -76,30 +98,85 @@ def run_peer(
     stop = stop or threading.Event()
     torch.set_num_threads(options.threads)
     workloads: dict[str, Workload] = {}
+    # Both before joining: a missing checkpoint or an unusable directory fails without touching the swarm.
+    resume = latest_good(options.resume) if options.resume is not None else None
+    shard = options.shard if options.shard is not None or resume is None else resume.info.shard
 
     def build(config: RunConfig, shard: int) -> torch.nn.Module:
         workloads["w"] = load_workload(config.train.workload)
         torch.manual_seed(config.train.seed)  # every peer starts from the same point
-        return workloads["w"].build_model(config.train.seed)
+        model = workloads["w"].build_model(config.train.seed)
+        if resume is not None:  # before averaging sees the model: it starts from the restored parameters
+            restore(resume, model, fingerprint=config.fingerprint(), run=config.to_dict(), allow_other_run=options.resume_any_run)
+        return model
 
     progress = Progress(enabled=options.progress)
-    with MetricsLog(options.metrics) as metrics, Peer(
-        build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=options.shard,
-        join_attempts=options.join_attempts,
+    checkpointer = (
+        Checkpointer(
+            options.checkpoint_dir, keep=options.checkpoint_keep, every_seconds=options.checkpoint_every_seconds,
+            every_steps=options.checkpoint_every_steps,
+        )
+        if options.checkpoint_dir is not None
+        else None
+    )
+    with checkpointer or nullcontext(), MetricsLog(options.metrics) as metrics, Peer(
+        build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
+        join_attempts=options.join_attempts, security=options.security,
+        transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
     ) as peer:
         workload = workloads["w"]
         if on_training:
             on_training()
-        return _train(peer, workload, metrics, progress, stop, options.slowdown)
+        return _train(
+            peer, workload, metrics, progress, stop, options.slowdown,
+            checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run,
+        )
 
 
 def _train(
-    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float
+    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float,
+    *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
 ) -> dict[str, Any]:
     cfg = peer.config.train
     trainer = LocalTrainer(workload, peer.model, cfg, peer.shard)
     base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
-    metrics.write({"event": "start", "time": time.time(), **base, "samples": trainer.samples, "fingerprint": peer.fingerprint})
+    resumed: dict[str, Any] = {}
+    if resume is not None:
+        trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
+        peer.resume_at(trainer.steps)
+        resumed = {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step}
+        if resume.info.shard != peer.shard:
+            log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
+        log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
+    # What this peer starts from (the downloaded state, a checkpoint, or the initial weights), before any exchange.
+    initial = trainer.evaluate()
+    metrics.write({
+        "event": "start", "time": time.time(), **base, "samples": trainer.samples, "fingerprint": peer.fingerprint,
+        "step": peer.steps, "samples_seen": trainer.samples_seen, "test_acc": initial.accuracy, **resumed,
+        **peer.transfer_summary(),
+    })
+    checkpoints = {"saved": 0, "failed": 0, "step": -1}
+
+    def save_checkpoint() -> None:
+        # Synchronous, at a step boundary: nothing else touches the model now (digits MLP: ~50 ms).
+        assert checkpointer is not None
+        began = time.perf_counter()
+        try:
+            info = checkpointer.save(
+                trainer.model, trainer.opt, step=peer.steps, samples_seen=trainer.samples_seen, fingerprint=peer.fingerprint,
+                peer=peer.id, shard=peer.shard, run=peer.config.to_dict(),
+            )
+        except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
+            checkpoints["failed"] += 1
+            log.error("checkpoint at step %d failed: %s", peer.steps, e)
+            return
+        checkpoints["saved"] += 1
+        checkpoints["step"] = peer.steps
+        metrics.write({
+            "event": "checkpoint", "time": time.time(), **base, "step": info.step, "samples_seen": info.samples_seen,
+            "path": str(info.path), "seconds": round(time.perf_counter() - began, 4),
+        })
+
     started = time.monotonic()
     next_eval = started + cfg.eval_every_seconds
     rate = _Rate()
@@ -126,6 +203,7 @@ def _train(
             "exchanges_per_s": round(rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
             "staleness_mean": round(stats["staleness_mean"], 3),
+            "staleness_hist": stats["staleness_hist"],
             "rtt_ms": round(stats["rtt_ms"], 2),
             "bytes_sent": stats["bytes_sent"],
             "bytes_received": stats["bytes_received"],
@@ -134,6 +212,8 @@ def _train(
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
         }
+        if checkpointer is not None:
+            rec.update(checkpoints=checkpoints["saved"], checkpoint_failures=checkpoints["failed"])
         metrics.write(rec)
         progress.update(
             f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {trainer.loss_avg:.3f} | "
@@ -147,9 +227,13 @@ def _train(
         if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
             time.sleep((slowdown - 1) * (time.perf_counter() - computed))
         peer.step()
+        if checkpointer is not None and checkpointer.due(peer.steps):
+            save_checkpoint()
         if time.monotonic() >= next_eval:
             record("eval")
             next_eval = time.monotonic() + cfg.eval_every_seconds
+    if checkpointer is not None and checkpoints["step"] != peer.steps:
+        save_checkpoint()  # the final state, also when stopped by a signal
     summary = record("done")
     progress.finish(
         f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "

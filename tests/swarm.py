@@ -56,14 +56,14 @@ def describe(procs: "list[Proc]") -> str:
 class Proc:
     """A gossiptrain CLI process with its output captured to a file."""
 
-    def __init__(self, args: list[str], workdir: Path, name: str) -> None:
+    def __init__(self, args: list[str], workdir: Path, name: str, module: str = "gossiptrain") -> None:
         self.name = name
         self.log = workdir / f"{name}.log"
         self.metrics = workdir / f"{name}.jsonl"
         self._fh = open(self.log, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "gossiptrain", *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+            [sys.executable, "-m", module, *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
         )
 
     def output(self) -> str:
@@ -103,10 +103,13 @@ class Procs:
         self.workdir = workdir
         self.all: list[Proc] = []
 
-    def peer(self, join: str, *extra: str, name: str | None = None, host: str | None = None) -> Proc:
+    def peer(
+        self, join: str, *extra: str, name: str | None = None, host: str | None = None, module: str = "gossiptrain"
+    ) -> Proc:
+        """A `gossiptrain peer` (or the same CLI from ``module``, e.g. a rogue peer's wrapper)."""
         name = name or f"peer{len(self.all)}"
         args = ["peer", "--join", join, "--bind", f"{host or next_host()}:0", "--quiet"]
-        proc = Proc([*args, "--metrics", str(self.workdir / f"{name}.jsonl"), *extra], self.workdir, name)
+        proc = Proc([*args, "--metrics", str(self.workdir / f"{name}.jsonl"), *extra], self.workdir, name, module)
         self.all.append(proc)
         return proc
 

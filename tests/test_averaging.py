@@ -142,8 +142,9 @@ def test_bad_updates_are_rejected_and_leave_the_model_bit_identical() -> None:
         {"w": torch.tensor([1.0, float("inf")]), "b": torch.tensor([0.0])},
         {"w": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([0.0])},  # shape
         {"w": torch.tensor([1, 2]), "b": torch.tensor([0])},  # dtype
-        {"b": torch.tensor([0.0]), "w": torch.tensor([1.0, 2.0])},  # order / names
+        {"v": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])},  # names
         {"w": torch.tensor([1.0, 2.0])},  # missing
+        {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0]), "c": torch.tensor([0.0])},  # extra
     ]
     for i, tensors in enumerate(bad):
         actions = b.handle(Received("A", XREQ, i, tensors), 0.0)

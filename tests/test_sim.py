@@ -125,3 +125,9 @@ def test_a_very_slow_peer_refuses_what_it_cannot_take_and_blocks_no_one() -> Non
     assert sum(p.averaging.stats.refused for p in fast if p.averaging) > 0  # ...and the senders were told at once
     steps = [p.trainer.steps for p in fast if p.trainer]
     assert min(steps) >= 0.9 * (8 - config.join_spread) / 0.01 * 0.5  # the fast peers kept stepping
+
+
+def test_a_topology_that_cannot_exist_at_this_size_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match="random-regular.*degree=6 needs at least 7 peers"):
+        SimConfig(peers=4, run=logreg(**{"gossip.topology": "random-regular:degree=6"}))
+    SimConfig(peers=4, run=members_only(**{"gossip.topology": "random-regular:degree=6"}), membership_only=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import socket
 from typing import Any, Callable
@@ -39,19 +41,32 @@ def send_garbage(host_port: str) -> None:
         ctx.term()
 
 
-def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any) -> None:
-    coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 500}))
+def train_three_peers(procs: Procs, coordinator_factory: Any, steps: int, **overrides: object) -> list[dict[str, Any]]:
+    """Three `gossiptrain peer` processes train digits for ``steps``; their "done" records."""
+    coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": steps, **overrides}))
     join = coord.address.removeprefix("tcp://")
     peers = [procs.peer(join) for _ in range(3)]
     procs.wait_for(lambda: all(p.records("done") for p in peers) or any(not p.alive() for p in peers), 150, "3 peers to finish")
     for p in peers:
         assert p.wait(30) == 0, p.output()
-        (done,) = p.records("done")
-        assert done["test_acc"] >= 0.93, done
-        assert done["step"] == 500
-        assert done["exchanges"] > 0
-    assert sorted(p.records("done")[0]["shard"] for p in peers) == [0, 1, 2]
     assert coord.coordinator.stats.joins_answered == 3
+    return [p.records("done")[0] for p in peers]
+
+
+def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any) -> None:
+    done = train_three_peers(procs, coordinator_factory, 500)
+    for d in done:
+        assert d["test_acc"] >= 0.93 and d["step"] == 500 and d["exchanges"] > 0, d
+    assert sorted(d["shard"] for d in done) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("algorithm", "compression"), [("push-sum", "int8"), ("neighbor", "fp16")])
+def test_other_algorithms_train_over_tcp_with_compression(
+    procs: Procs, coordinator_factory: Any, algorithm: str, compression: str
+) -> None:
+    overrides = {"gossip.algorithm": algorithm, "gossip.compression": compression}
+    for d in train_three_peers(procs, coordinator_factory, 300, **overrides):
+        assert d["test_acc"] >= 0.9 and d["exchanges"] > 0 and d["dropped"] == 0, d
 
 
 def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator_factory: Any) -> None:

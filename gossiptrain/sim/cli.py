@@ -38,6 +38,8 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--churn-downtime", type=float, default=5.0, metavar="SECONDS", help="how long a crashed peer stays down")
     p.add_argument("--churn-trace", metavar="CSV", help="crash/join events: lines 'time,peer,event'")
     p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
+    p.add_argument("--rogue", metavar="PEERS[:SCALE]", default="",
+                   help="peers (comma-separated indexes) that send valid parameters scaled by SCALE (default 100)")
     p.add_argument("--target", type=float, default=0.0, help="stop once the mean test accuracy reaches this")
     p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
     p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
@@ -55,7 +57,15 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         stragglers, factor = float(fraction), float(slowdown or 4.0)
     except ValueError:
         raise ConfigError(f"--stragglers {args.stragglers!r} must look like FRACTION[:SLOWDOWN], e.g. 0.25:4") from None
+    indexes, _, scale = args.rogue.partition(":")
+    try:
+        rogue = tuple(int(i) for i in indexes.split(",") if i.strip())
+        rogue_scale = float(scale or 100.0)
+    except ValueError:
+        raise ConfigError(f"--rogue {args.rogue!r} must look like PEERS[:SCALE], e.g. 0,3:100") from None
     return SimConfig(
+        rogue=rogue,
+        rogue_scale=rogue_scale,
         peers=args.peers,
         run=run,
         duration=args.duration,
@@ -134,7 +144,13 @@ def format_summary(result: SimResult) -> str:
     if "mean_test_acc" in s and s["mean_test_acc"] is not None:
         ttt = f", reached the target at {s['time_to_target']:.1f} s" if s.get("time_to_target") is not None else ""
         lines.append(
-            f"mean test accuracy {s['mean_test_acc']:.4f}, mean steps {s['mean_step']:.0f}, "
-            f"exchanges per peer {s['exchanges_per_peer']:.0f}, consensus distance {s['consensus_distance']:.4g}{ttt}"
+            f"mean test accuracy {_num(s['mean_test_acc'], '.4f')}, mean steps {_num(s['mean_step'], '.0f')}, "
+            f"exchanges per peer {_num(s['exchanges_per_peer'], '.0f')}, "
+            f"consensus distance {_num(s['consensus_distance'], '.4g')}{ttt}"
         )
     return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str) -> str:
+    """A summary number, or "n/a" where no peer had one (all diverged to NaN, say)."""
+    return "n/a" if value is None else format(value, spec)

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+import topologies
+
 from ..config import RunConfig
 from ..coordinator import Coordinator
 from ..errors import ConfigError
@@ -62,6 +64,8 @@ class SimConfig:
     membership_only: bool = False  # no model, no training: just the membership protocol
     target_accuracy: float = 0.0  # stop early once the live peers' mean test accuracy reaches it (0: never)
     target_hold: int = 1  # ...and holds it for this many consecutive samples (one noisy crossing is not enough)
+    rogue: tuple[int, ...] = ()  # peers (by index) that send valid parameters scaled by rogue_scale (poisoning)
+    rogue_scale: float = 100.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -83,8 +87,17 @@ class SimConfig:
         need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         need(self.target_hold >= 1, "target_hold", "must be >= 1")
+        need(all(0 <= i < self.peers for i in self.rogue), "rogue", f"names a peer outside 0..{self.peers - 1}")
         for e in self.churn_trace:
             need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
+        if not self.membership_only:
+            # The peer count is known here, so a topology that cannot exist at this size is an error before
+            # anything starts (a real swarm, whose size changes, falls back to the complete graph instead).
+            spec = self.run.gossip.topology
+            try:
+                topologies.parse(spec).neighbours(self.peers, 0, 0)
+            except ValueError as e:
+                raise ConfigError(f"gossip.topology {spec!r} does not work with {self.peers} peers: {e}") from None
 
     def contention(self) -> float:
         """How much slower computation runs because peers share ``cores``.
@@ -158,7 +171,13 @@ class Cluster:
 
     def _start(self, slot: int) -> None:
         spec = SimPeerSpec(
-            slot, self.generations[slot], self.speeds[slot], self.step_time, self.config.exchange_time, self.contention
+            slot,
+            self.generations[slot],
+            self.speeds[slot],
+            self.step_time,
+            self.config.exchange_time,
+            self.contention,
+            poison=self.config.rogue_scale if slot in self.config.rogue else 1.0,
         )
         peer = SimPeer(
             spec,
@@ -227,6 +246,8 @@ class Cluster:
         for slot, peer in sorted(live.items()):
             row: dict[str, Any] = {"time": round(now, 6), "peer": slot, "id": peer.node.me.id if peer.node else ""}
             row["generation"] = peer.spec.generation
+            if self.config.rogue:
+                row["rogue"] = slot in self.config.rogue
             row.update(peer.stats())
             if peer.trainer is not None:
                 result = peer.trainer.evaluate()
@@ -246,7 +267,7 @@ class Cluster:
             self.rows.extend(rows)
             if self.on_sample:
                 self.on_sample(now, rows)
-            accs = [r["test_acc"] for r in rows if "test_acc" in r]
+            accs = [r["test_acc"] for r in rows if "test_acc" in r and not r.get("rogue")]
             target = self.config.target_accuracy
             if target and accs and sum(accs) / len(accs) >= target:
                 streak.append(now)
@@ -288,7 +309,8 @@ class Cluster:
 
     def _summary(self, virtual: float, wall: float) -> dict[str, Any]:
         last_time = self.rows[-1]["time"] if self.rows else 0.0
-        last = [r for r in self.rows if r["time"] == last_time]
+        live = [r for r in self.rows if r["time"] == last_time]
+        last = [r for r in live if not r.get("rogue")]  # means are over the honest peers
 
         def mean(key: str) -> float | None:
             """Mean of ``key`` over the peers' last samples, skipping missing and NaN values."""
@@ -302,7 +324,7 @@ class Cluster:
             "wall_seconds": round(wall, 3),
             "step_time": self.step_time,
             "contention": self.contention,
-            "live_peers": len(last),
+            "live_peers": len(live),
             "crashes": self.crashes,
             "mean_members": mean("members"),
             "network": self.network.stats.to_dict(),

@@ -21,13 +21,15 @@ from typing import Callable
 
 import torch
 
-from ..averaging import PairwiseAveraging, ParamSpec
+from ..algorithms import make_averaging
+from ..averaging import Averaging, ParamSpec
 from ..config import RunConfig
 from ..joining import JoinRequest, join_swarm
 from ..local_training import LocalTrainer, budget_spent
 from ..membership import Member
 from ..node import PeerNode
 from ..safepoint import SafePoint
+from ..state_transfer import SnapshotHook, TransferResult, catch_up, install
 from ..transport.sim import SimNetwork, SimTransport
 from ..workload import Workload
 from .vtime import LoopClock
@@ -43,6 +45,7 @@ class SimPeerSpec:
     step_time: float  # virtual seconds per local step at speed 1, alone on a core
     exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (snapshot or merge)
     contention: float = 1.0  # peers per core: computation is slowed by this when cores are shared
+    poison: float = 1.0  # a rogue peer sends valid parameters scaled by this (1: honest)
 
     @property
     def name(self) -> str:
@@ -73,9 +76,10 @@ class SimPeer:
         self.clock = LoopClock()
         self.node: PeerNode | None = None
         self.trainer: LocalTrainer | None = None
-        self.averaging: PairwiseAveraging | None = None
+        self.averaging: Averaging | None = None
         self.transport: SimTransport | None = None
         self.joined_at: float | None = None
+        self.transfer: TransferResult | None = None  # how its state download went (None: there was none)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -116,9 +120,21 @@ class SimPeer:
                 if model is None or self.workload is None:
                     await asyncio.Event().wait()  # membership only: the node's own tasks do the work
                     return
-                self.averaging = PairwiseAveraging(params, config.gossip, self.rng, me=node.me.id)
+                self.averaging = make_averaging(params, config.gossip, self.rng, me=node.me.id)
+                self.averaging.poison = self.spec.poison
                 safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
+                snapshots = SnapshotHook(node.state, model, node.state.offer_snapshot, self.clock)
+                if config.state.enabled and any(m != node.me.id for m in node.view()):
+                    # As Peer does: the swarm's current state first, then training (virtual time passes meanwhile).
+                    self.transfer, values = await catch_up(
+                        node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock
+                    )
+                    if values is not None:
+                        install(snapshots.tensors, values)
+                node.state.mark_ready()
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard)
+                if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
+                    trainer.steps = self.transfer.step
                 started = self.clock.now()
                 spec = self.spec
                 while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
@@ -126,6 +142,7 @@ class SimPeer:
                     await asyncio.sleep(spec.step_time * spec.speed * spec.contention)  # the virtual time it costs
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
+                    snapshots(trainer.steps)
                     if spec.exchange_time > 0 and (ops := self._exchange_ops() - before):
                         await asyncio.sleep(ops * spec.exchange_time * spec.contention)
                 await node.leave()
@@ -142,6 +159,8 @@ class SimPeer:
         if self.transport is not None:
             out["bytes_sent"] = self.transport.stats.bytes_sent
             out["bytes_received"] = self.transport.stats.bytes_received
+        if self.averaging is not None and self.trainer is None:
+            out["step"] = 0  # still downloading its state (gossiptrain.state_transfer): no step taken yet
         if self.averaging is not None:
             s = self.averaging.stats
             out.update(

@@ -1,0 +1,28 @@
+"""`gossiptrain peer`, but a rogue member: valid parameters, scaled by GOSSIPTRAIN_TEST_POISON (tests only).
+
+Run as ``python -m tests.rogue_peer peer --join ...``. It uses the fault
+injection the simulator's rogue peers use (``Averaging.poison``), so the
+runtime itself has no switch for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import gossiptrain.peer as peer_module
+from gossiptrain.cli import main
+
+_make = peer_module.make_averaging
+
+
+def _rogue(*args, **kwargs):  # type: ignore[no-untyped-def]
+    averaging = _make(*args, **kwargs)
+    averaging.poison = float(os.environ.get("GOSSIPTRAIN_TEST_POISON", "100"))
+    return averaging
+
+
+peer_module.make_averaging = _rogue
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,177 @@
+"""The experiments: each script runs end to end in --quick mode, and the harness's pieces hold.
+
+Smoke tests only: they check that a script finishes, prints its headline
+keys as JSON on its last line and writes its CSV, summary and plots; never
+the numbers themselves (those are benchmarks, run by hand). Each script runs
+in its own process group, killed whole if it overruns, so no peer, rank or
+server process outlives a test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from experiments import harness
+from experiments.baselines import param_server
+from gossiptrain.local_training import LocalTrainer
+from gossiptrain.workload import load_workload
+
+from .swarm import ROOT
+
+SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
+
+
+def run_script(name: str, out: Path) -> dict[str, Any]:
+    """Run experiments/NAME.py --quick; return its last line as JSON. Kills its whole process group on overrun."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name}.py --quick ran over {SCRIPT_TIMEOUT} s:\n{output[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def assert_outputs(out: Path, pngs: list[str]) -> None:
+    assert (out / "results.csv").read_text().count("\n") >= 2
+    assert (out / "summary.md").read_text().startswith("# ")
+    for png in pngs:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# -- the scripts -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_stragglers_quick(tmp_path: Path) -> None:
+    heads = run_script("stragglers", tmp_path)
+    for key in ("ddp_over_gossip_time", "ps_over_gossip_time", "gossip_throughput_kept"):
+        assert key in heads
+    assert finite(heads["gossip_throughput_kept"]) and heads["gossip_throughput_kept"] > 0
+    assert_outputs(tmp_path, ["accuracy_vs_time.png", "time_to_target.png"])
+    assert "| gossip |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_parity_quick(tmp_path: Path) -> None:
+    heads = run_script("parity", tmp_path)
+    assert finite(heads["acc_gap_points"])
+    assert 0 <= heads["ddp_acc"] <= 1 and 0 <= heads["gossip_avg_acc"] <= 1
+    assert_outputs(tmp_path, ["accuracy.png"])
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_exchange_quick(tmp_path: Path) -> None:
+    heads = run_script("exchange", tmp_path)
+    assert finite(heads["fraction_of_raw_zmq_16mib"]) and heads["fraction_of_raw_zmq_16mib"] > 0
+    assert finite(heads["over_gloo_16mib"]) and heads["over_gloo_16mib"] > 0
+    assert_outputs(tmp_path, ["throughput.png"])
+    assert "gloo all-reduce" in (tmp_path / "results.csv").read_text()
+
+
+# -- the harness: the baselines train what gossip trains ---------------------------------
+
+
+@pytest.mark.parametrize("seed,shard", [(0, 0), (0, 3), (2, 1)])
+def test_baselines_see_the_gossip_peers_batches(seed: int, shard: int) -> None:
+    workload = load_workload(harness.WORKLOAD)
+    cfg = harness.run_config(4, seed).train
+    trainer = LocalTrainer(workload, harness.build_model(workload, cfg), cfg, shard)
+    ours = harness.shard_batches(workload, cfg, shard)
+    for (x, y), (u, v) in zip(islice(trainer._data, 30), islice(ours, 30)):
+        assert torch.equal(x, u) and torch.equal(y, v)
+
+
+def test_every_system_starts_from_the_same_model() -> None:
+    workload = load_workload(harness.WORKLOAD)
+    cfg = harness.run_config(4, 1).train
+    a, b = harness.build_model(workload, cfg), harness.build_model(workload, cfg)
+    flat = harness.flat_views(b)  # the parameter server's layout
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    flat.zero_()
+    assert all(float(p.detach().abs().sum()) == 0 for p in b.parameters())  # the parameters are views of the buffer
+
+
+def test_time_to_target_needs_the_target_to_hold() -> None:
+    P = harness.Point
+    points = [P(0.25, 10, 0.5), P(0.5, 20, 0.97), P(0.75, 30, 0.9), P(1.0, 40, 0.96), P(1.25, 50, 0.97), P(1.5, 60, 0.98)]
+    assert harness.time_to_target(points, 0.96, hold=3) == 1.0
+    assert harness.time_to_target(points, 0.99, hold=3) is None
+    assert harness.throughput(points) == 40.0
+    assert harness.spread([2.0, None, 1.0]) == (2.0, 1.0, math.inf)
+
+
+def test_gossip_series_counts_from_the_first_peer() -> None:
+    records = [
+        [{"event": "start", "time": 100.0}, {"event": "eval", "time": 100.3, "step": 3, "test_acc": 0.5}],
+        [{"event": "start", "time": 100.2}, {"event": "eval", "time": 100.4, "step": 1, "test_acc": 0.7}],
+    ]
+    points, t0 = harness.gossip_series(records, batch_size=32)
+    assert t0 == 100.0
+    assert points == [harness.Point(0.4, 4 * 32, 0.6)]
+
+
+# -- the parameter server's wire: msgpack headers and raw bytes, validated ----------------
+
+
+class _Frame:
+    """Stands in for zmq.Frame (``buffer``) without a socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(bytearray(data))
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\x92\x01\x02"],  # a list, not a map
+        [msgpack.packb({"kind": "grad", "worker": 0})],  # missing version
+        [msgpack.packb({"kind": "grad", "worker": 0, "version": 1}), b"\0" * 7],  # wrong tensor size
+        [msgpack.packb({"kind": "grad", "worker": -1, "version": 1}), b"\0" * 8],  # negative index
+        [msgpack.packb({"kind": "grad", "worker": True, "version": 1}), b"\0" * 8],  # bool, not int
+        [msgpack.packb({"kind": "hello", "worker": 0}), b"\0" * 8],  # a tensor it does not take
+        [msgpack.packb({"kind": "exec", "worker": 0})],  # unknown kind
+        [msgpack.packb({"kind": "hello", "worker": b"x"}, use_bin_type=True)],  # bin type refused
+        [b"\xc1"],  # not msgpack
+        [b"\x81" + b"\xa1k" * 300],  # over the header bound
+    ],
+)
+def test_param_server_drops_bad_messages(frames: list[bytes]) -> None:
+    with pytest.raises(param_server.BadMessage):
+        param_server.parse([_Frame(f) for f in frames], nbytes=8)  # type: ignore[arg-type]
+
+
+def test_param_server_reads_a_good_gradient() -> None:
+    grad = torch.arange(2, dtype=torch.float32)
+    frames = [_Frame(param_server.header(param_server.GRAD, worker=1, version=5)), _Frame(grad.numpy().tobytes())]
+    h, tensor = param_server.parse(frames, nbytes=8)  # type: ignore[arg-type]
+    out = torch.zeros(2)
+    assert tensor is not None
+    param_server.copy_into(out, tensor)
+    assert h == {"kind": "grad", "worker": 1, "version": 5} and torch.equal(out, grad)
