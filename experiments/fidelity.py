@@ -3,18 +3,20 @@
 For each topology, N peers train digits (one of them S times slower) until
 the peers' mean test accuracy reaches the target:
 
-- real: a coordinator and N `gossiptrain peer` processes on 127.0.0.1, the
+- real: a coordinator and N `gossiptrain peer --wait-for N` processes on
+  127.0.0.1 (a start line, as the simulated peers start together), the
   straggler started with `--slowdown S`;
 - simulated: `gossiptrain.sim` with the same run configuration, the
   straggler's speed S, and a machine model calibrated here beforehand:
   alone, the time of one local step and the CPU time of one exchange
   operation including its ZeroMQ transfer on loopback, both slowed by how
-  many busy peers share this machine's cores; and, from a separate short
-  calibration swarm of the same size (another seed, target 0.9), the delay
-  a message waits on a loaded machine before its peer handles it (the
-  network thread waiting for a core and for the GIL behind the trainer):
-  half the difference between that swarm's exchange round trip and the
-  simulator's without the delay.
+  many busy peers share this machine's cores; and, from a separate
+  calibration swarm of the same size (another seed, never reported), how
+  loaded the machine is: the effective number of cores that makes the
+  simulated peers step as fast as the real ones, and the delay a message
+  waits before its peer handles it (the network thread waiting for a core
+  and for the GIL behind the trainer), half the difference between that
+  swarm's exchange round trip and the simulator's (see calibrate_load).
 
 It reports the time to the target and the exchanges per peer at that time,
 both measured and predicted, and the relative errors. Nothing from the
@@ -126,7 +128,7 @@ def real_run(run: RunConfig, peers: int, slowdown: float, target: float, timeout
                 log = open(workdir / f"peer-{i}.log", "wb")
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "gossiptrain", "peer", "--join", join, "--quiet",
+                        [sys.executable, "-m", "gossiptrain", "peer", "--join", join, "--quiet", "--wait-for", str(peers),
                          "--metrics", str(workdir / f"peer-{i}.jsonl"), *extra],
                         stdout=log, stderr=subprocess.STDOUT, env=env,
                     )
@@ -160,7 +162,7 @@ def _records(workdir: Path, peers: int) -> list[list[dict[str, Any]]]:
 
 
 def reached(per_peer: list[list[dict[str, Any]]], target: float) -> dict[str, Any] | None:
-    """When the peers' mean accuracy reached ``target`` and held it, in seconds from when all peers train.
+    """When the peers' mean accuracy reached ``target`` and held it, in seconds from the median peer's start.
 
     Both sides are read on the same grid: every EVAL_EVERY seconds, the mean
     over peers of each one's latest accuracy; the target counts as reached at
@@ -170,7 +172,9 @@ def reached(per_peer: list[list[dict[str, Any]]], target: float) -> dict[str, An
     starts = [next((r["time"] for r in recs if r.get("event") == "start"), None) for recs in per_peer]
     if any(s is None for s in starts):
         return None
-    t0 = max(s for s in starts if s is not None)
+    # Peers start with `--wait-for N` (a start line), but each sees the N-th member when gossip brings it,
+    # up to a heartbeat or two apart; the simulated ones start together. The median start is the fair zero.
+    t0 = statistics.median(s for s in starts if s is not None)
     evals = [[r for r in recs if r.get("event") == "eval"] for recs in per_peer]
     end = min((e[-1]["time"] for e in evals if e), default=t0) if all(evals) else t0
     grid: list[tuple[float, list[dict[str, Any]]]] = []
@@ -238,24 +242,38 @@ def sim_run(
     }
 
 
-def calibrate_message_delay(args: argparse.Namespace, step_time: float, exchange_time: float) -> float:
-    """Seconds a message waits on this loaded machine before its peer handles it, beyond what the model has.
+def calibrate_load(args: argparse.Namespace, step_time: float, exchange_time: float) -> tuple[float, float]:
+    """(effective cores, message delay in seconds) of this machine loaded with the swarm.
 
-    A short real swarm of the same size and straggler (seed 1000, never
-    reported; target 0.9) gives the exchange round trip under this load; the
-    simulator without a delay gives its own; each round trip is two messages.
+    A real swarm of the same size and straggler (seed 1000, never reported)
+    is run to the target. Two things it shows that the compute model alone
+    misses: its peers step slower than ``step_time`` x contention predicts
+    (evaluations, heartbeats, the network threads, the OS share the cores
+    too), which sets the effective number of cores; and its exchange round
+    trip, read as in the measured runs (the peers' smoothed round trips at
+    the target), is longer than the simulator's, because a message waits for
+    a core and for the GIL behind the trainer before its peer handles it:
+    half the difference (a round trip is two messages) is the delay.
     """
     topology = args.topologies[-1]
     run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": 1000})
-    real = real_run(run, args.peers, args.slowdown, 0.9, args.timeout, args.out / "calibration")
-    sim = sim_run(run, args.peers, args.slowdown, 0.9, args.timeout, step_time, exchange_time, args.cores, 1000)
-    delay = max(0.0, (real["rtt_ms"] - sim["rtt_ms"]) / 2 / 1000)
+    real = real_run(run, args.peers, args.slowdown, args.target, args.timeout, args.out / "calibration")
+
+    def period(r: dict[str, Any]) -> float:  # seconds per local step of the mean peer
+        return r["time_to_target"] / r["steps_per_peer"]
+
+    first = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, args.cores, 1000)
+    cores = args.cores * period(first) / period(real)
+    second = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, cores, 1000)
+    delay = max(0.0, (real["rtt_ms"] - second["rtt_ms"]) / 2 / 1000)
     print(
-        f"calibration swarm ({topology}, seed 1000): exchange round trip real {real['rtt_ms']:.0f} ms, "
-        f"simulated {sim['rtt_ms']:.0f} ms: message delay {delay * 1e3:.1f} ms",
+        f"calibration swarm ({topology}, seed 1000): step period real {period(real) * 1e3:.1f} ms, "
+        f"simulated {period(first) * 1e3:.1f} ms on {args.cores:g} cores: {cores:.2f} effective cores; "
+        f"exchange round trip real {real['rtt_ms']:.0f} ms, simulated {second['rtt_ms']:.0f} ms: "
+        f"message delay {delay * 1e3:.1f} ms",
         flush=True,
     )
-    return delay
+    return cores, delay
 
 
 # -- main --------------------------------------------------------------------------------
@@ -283,7 +301,7 @@ def main() -> None:
     print(f"calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms; "
           f"{args.cores:g} cores", flush=True)
 
-    delay = calibrate_message_delay(args, step_time, exchange_time)
+    cores, delay = calibrate_load(args, step_time, exchange_time)
     rows = []
     for topology in args.topologies:
         real, sim = [], []
@@ -291,7 +309,7 @@ def main() -> None:
             run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
             real.append(real_run(run, args.peers, args.slowdown, args.target, args.timeout, args.out / f"real-{topology}-{seed}"))
             sim.append(
-                sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, args.cores, seed, delay)
+                sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, cores, seed, delay)
             )
 
         def med(runs: list[dict[str, Any]], key: str) -> float:
@@ -322,7 +340,7 @@ def main() -> None:
             f"(medians of {args.seeds} seeds)",
             flush=True,
         )
-    write_results(args.out, rows, args, step_time, exchange_time, delay)
+    write_results(args.out, rows, args, step_time, exchange_time, cores, delay)
     print(json.dumps({
         "time_error": max(r["time_error"] for r in rows),
         "exchanges_error": max(r["exchanges_error"] for r in rows),
@@ -331,12 +349,19 @@ def main() -> None:
         "step_time_ms": round(step_time * 1e3, 3),
         "exchange_time_ms": round(exchange_time * 1e3, 3),
         "message_delay_ms": round(delay * 1e3, 3),
+        "effective_cores": round(cores, 3),
         "topologies": {r["topology"]: {k: r[k] for k in ("real_time", "sim_time", "real_exchanges", "sim_exchanges")} for r in rows},
     }))
 
 
 def write_results(
-    out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, step_time: float, exchange_time: float, delay: float
+    out: Path,
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    step_time: float,
+    exchange_time: float,
+    cores: float,
+    delay: float,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as fh:
@@ -348,7 +373,8 @@ def write_results(
         "",
         f"{args.peers} peers, digits, one peer {args.slowdown:g}x slower, target mean test accuracy {args.target}; "
         f"compute model calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms, "
-        f"{args.cores:g} cores shared; message delay under load {delay * 1e3:.1f} ms (from a separate calibration swarm); "
+        f"{args.cores:g} cores shared; from a separate calibration swarm (seed 1000): {cores:.2f} effective cores, "
+        f"message delay under load {delay * 1e3:.1f} ms; "
         f"medians of {args.seeds} seeds; the target must hold for {HOLD} evaluations.",
         "",
         "| topology | real time (s) | simulated (s) | error | real exchanges/peer | simulated | error | real RTT (ms) | simulated |",

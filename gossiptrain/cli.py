@@ -173,6 +173,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         join_attempts=args.join_attempts,
         slowdown=args.slowdown,
         threads=args.threads,
+        wait_for=args.wait_for,
         progress=not args.quiet,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=1.0, metavar="FACTOR",
                    help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this peer (default 1)")
+    p.add_argument("--wait-for", type=int, default=0, metavar="N",
+                   help="train only once N members (this one included) are in the swarm: a start line (default 0: at once)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     _add_security_flags(p, peer=True)

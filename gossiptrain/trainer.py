@@ -49,6 +49,7 @@ class PeerOptions:
     join_attempts: int | None = None  # default: membership.join_attempts
     slowdown: float = 1.0  # >1 makes this peer a straggler: it idles (slowdown-1) x each step's compute time
     threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
+    wait_for: int = 0  # do not train until this many members (us included) are in the view; 0: start at once
     progress: bool = True
     checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end)
     checkpoint_every_seconds: float = 60.0  # 0: no time-based saves
@@ -63,6 +64,8 @@ class PeerOptions:
             raise ConfigError(f"--slowdown is a slowdown factor and must be >= 1, got {self.slowdown}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if self.wait_for < 0:
+            raise ConfigError(f"--wait-for is a member count and must be >= 0, got {self.wait_for}")
         if not 0 <= self.checkpoint_every_seconds < float("inf"):
             raise ConfigError(f"--checkpoint-every must be a number of seconds >= 0, got {self.checkpoint_every_seconds}")
         if self.checkpoint_every_steps < 0:
@@ -127,10 +130,21 @@ def run_peer(
         workload = workloads["w"]
         if on_training:
             on_training()
+        if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
+            return {"event": "stopped", "peer": peer.id, "step": 0}
         return _train(
             peer, workload, metrics, progress, stop, options.slowdown,
             checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run,
         )
+
+
+def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress) -> bool:
+    """A rendezvous (as DDP's): block until ``count`` members are alive in our view; False if stopped first."""
+    while peer.members < count:
+        if stop.wait(0.05):
+            return False
+        progress.update(f"peer {peer.id}: waiting for {count} members, {peer.members} so far")
+    return True
 
 
 def _train(

@@ -129,3 +129,17 @@ def test_config_command_lists_every_field() -> None:
     assert result.returncode == 0
     for field in ("[train]", "lr = 0.05", "[gossip]", "topology = \"exponential\"", "[membership]", "[limits]"):
         assert field in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--slowdown", "0.5", "--slowdown"), ("--threads", "0", "--threads"), ("--wait-for", "-1", "--wait-for")],
+)
+def test_bad_local_peer_flags_name_the_flag_before_joining(flag: str, value: str, message: str) -> None:
+    # Nothing listens at the join address (a port 0 socket, closed): the flag must be refused before any join.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_cli("peer", "--join", f"127.0.0.1:{port}", flag, value, "--quiet", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
