@@ -6,6 +6,7 @@ import pytest
 
 import signal
 import socket
+import time
 from typing import Any, Callable
 
 import zmq
@@ -145,3 +146,26 @@ def test_sigterm_leaves_cleanly_and_fast(procs: Procs, coordinator_factory: Any)
     stayer.signal(signal.SIGINT)  # Ctrl+C
     assert stayer.wait(5) == 0, stayer.output()
     assert stayer.records("done")
+
+
+def test_a_peer_paused_for_less_than_the_fail_timeout_is_never_declared_dead(
+    procs: Procs, coordinator_factory: Any
+) -> None:
+    """SIGSTOP then SIGCONT within the fail timeout (about 2 s for 3 members here): nobody drops it."""
+    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
+    join = coord.address.removeprefix("tcp://")
+    peers = [procs.peer(join) for _ in range(3)]
+    procs.wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
+    paused = peers[2]
+    before = steps_of(paused)
+    paused.signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # the pause under test, a quarter of the fail timeout (not a wait for a condition)
+    finally:
+        paused.signal(signal.SIGCONT)
+    procs.wait_for(lambda: steps_of(paused) > before + 20, 60, "the paused peer to train again")
+    others_later = [steps_of(p) + 20 for p in peers[:2]]
+    procs.wait_for(lambda: all(steps_of(p) > s for p, s in zip(peers[:2], others_later)), 60, "the others to report again")
+    for p in peers:
+        latest = p.latest() or {}
+        assert latest.get("members_dead") == 0 and latest.get("members") == 3, latest
