@@ -360,11 +360,14 @@ def python_m(module: str, *args: Any) -> list[str]:
 
 def run_gossip(
     workers: int, seed: int, slowdown: float, target: float, timeout: float, workdir: Path, *, topology: str = "exponential",
-    min_seconds: float = 0.0,
+    min_seconds: float = 0.0, gossip: dict[str, Any] | None = None,
 ) -> Run:
-    """A coordinator and ``workers`` `gossiptrain peer` processes (peer i on shard i, one thread), until the target holds."""
+    """A coordinator and ``workers`` `gossiptrain peer` processes (peer i on shard i, one thread), until the target holds.
+
+    ``gossip``: more fields of the run, e.g. {"gossip.compression": "int8"}.
+    """
     fresh_dir(workdir)
-    overrides = {**run_overrides(workers, seed, max_seconds=timeout + 30), "gossip.topology": topology}
+    overrides = {**run_overrides(workers, seed, max_seconds=timeout + 30), "gossip.topology": topology, **(gossip or {})}
     run = RunConfig().with_overrides(overrides)
     began = time.time()
     with Procs(workdir) as procs:
@@ -525,6 +528,133 @@ def gossip_peer_main(argv: list[str]) -> None:
         })
 
 
+# -- simulated swarms (gossiptrain.sim): sweeps too long to run as real processes --------
+
+SIM_STEP_TIME = 0.006  # virtual s per local step at speed 1: the digits MLP on one core (DESIGN.md: ~6.8 ms); fixed, so runs repeat
+SIM_SAMPLE_EVERY = 0.05  # virtual s between samples of every peer: about 8 steps, fine enough to time a run that takes ~100
+
+
+@dataclass
+class SimRun:
+    """One simulated swarm, read at every sample: the peers' mean accuracy, consensus distance and bytes sent."""
+
+    label: str
+    seed: int
+    points: list[Point]  # elapsed: virtual s since the simulation began; acc: mean over the live peers
+    consensus: list[float]  # per point: mean over peers of ||x_i - mean_j x_j|| (L2, all parameters)
+    bytes_sent: list[float]  # per point: bytes each peer has sent so far, mean over peers (after compression)
+    min_acc: list[float]  # per point: the worst peer's test accuracy (an isolated straggler shows here)
+    target: float
+    wall_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def time_to_target(self) -> float | None:
+        return time_to_target(self.points, self.target)
+
+    @property
+    def bytes_to_target(self) -> float | None:
+        """Bytes sent per peer by the time the target was reached (the first point of the run that held)."""
+        t = self.time_to_target
+        return None if t is None else next(b for p, b in zip(self.points, self.bytes_sent) if p.elapsed == t)
+
+    @property
+    def final_acc(self) -> float:
+        """Mean accuracy of the last HOLD points: one sample (360 test images per peer) moves by a point or so."""
+        tail = self.points[-HOLD:]
+        return statistics.mean(p.acc for p in tail) if tail else math.nan
+
+    @property
+    def final_min_acc(self) -> float:
+        """The worst peer's accuracy over the last HOLD points (mean), as ``final_acc``."""
+        return statistics.mean(self.min_acc[-HOLD:]) if self.min_acc else math.nan
+
+
+def run_sim(
+    label: str, peers: int, seed: int, overrides: dict[str, Any], target: float, duration: float, *,
+    speeds: Sequence[float] = (), link: Any = None, stop_at_target: bool = False, sample_every: float = SIM_SAMPLE_EVERY,
+) -> SimRun:
+    """Simulate ``peers`` peers on the experiments' run (plus ``overrides``) for ``duration`` virtual s, or to the target.
+
+    Deterministic: the step time is fixed (SIM_STEP_TIME) and ``seed`` seeds
+    both the run (model, shards) and the simulated world. Peers start
+    together, one core each. Runs the Cluster itself (as ``simulate`` does)
+    to read the peers' averaging counters at the end, such as updates
+    dropped as too stale.
+    """
+    from gossiptrain.sim import Cluster, SimConfig
+    from gossiptrain.sim.vtime import run_virtual
+    from gossiptrain.transport.sim import LinkProfile
+
+    run = RunConfig().with_overrides({**run_overrides(peers, seed), **overrides})
+    config = SimConfig(
+        peers=peers, run=run, duration=duration, seed=seed, step_time=SIM_STEP_TIME, speeds=tuple(speeds),
+        link=link or LinkProfile(), join_spread=0.0, sample_every=sample_every,
+        target_accuracy=target if stop_at_target else 0.0, target_hold=HOLD,
+    )
+    began = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as simulate(): one thread keeps runs bit-identical
+    try:
+        cluster = Cluster(config)
+        result = run_virtual(cluster.run())
+    finally:
+        torch.set_num_threads(threads)
+    stats = [p.averaging.stats for p in cluster.peers.values() if p.averaging is not None]
+    out = sim_series(label, seed, result.rows, run.train.batch_size, target, time.perf_counter() - began)
+    out.extra.update(
+        stale_dropped=sum(s.stale_dropped for s in stats),
+        staleness_mean=statistics.mean(s.to_dict()["staleness_mean"] for s in stats) if stats else math.nan,
+        exchanges_per_peer=result.summary.get("exchanges_per_peer"),
+        steps_per_peer=result.summary.get("mean_step"),
+    )
+    return out
+
+
+def sim_series(label: str, seed: int, rows: list[dict[str, Any]], batch_size: int, target: float, wall: float) -> SimRun:
+    """The simulator's per-peer rows, one point per sample time (means over the peers that were live then)."""
+    by_time: dict[float, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "test_acc" in r:
+            by_time.setdefault(r["time"], []).append(r)
+    points, consensus, sent, worst = [], [], [], []
+    for t, group in by_time.items():
+        points.append(Point(t, sum(r["step"] for r in group) * batch_size, statistics.mean(r["test_acc"] for r in group)))
+        consensus.append(statistics.mean(r["consensus_distance"] for r in group))
+        sent.append(statistics.mean(r.get("bytes_sent", 0) for r in group))
+        worst.append(min(r["test_acc"] for r in group))
+    return SimRun(label, seed, points, consensus, sent, worst, target, wall)
+
+
+def sim_medians(runs: Sequence[SimRun]) -> dict[str, float]:
+    """Medians over seeds of one configuration's runs; a run that missed the target counts as infinitely slow."""
+    return {
+        "time_to_target_s": spread([r.time_to_target for r in runs])[0],
+        "bytes_to_target": spread([r.bytes_to_target for r in runs])[0],
+        "final_acc": statistics.median(r.final_acc for r in runs),
+        "reached": sum(r.time_to_target is not None for r in runs),
+    }
+
+
+def gossip_bytes_at(workdir: Path, workers: int, elapsed: float) -> float | None:
+    """Bytes sent per peer (mean) by ``elapsed`` s into a `run_gossip` run, from its peers' metrics files.
+
+    Each peer's latest evaluation at or before the same instant as the
+    point ``gossip_series`` made for that time (t0: the first peer's start).
+    """
+    per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)]
+    _, t0 = gossip_series(per_peer, 1)
+    if t0 is None:
+        return None
+    latest = [
+        max((r for r in recs if r.get("event") in ("eval", "done") and r["time"] <= t0 + elapsed + 1e-6), key=lambda r: r["time"], default=None)
+        for recs in per_peer
+    ]
+    if not all(latest):
+        return None
+    return statistics.mean(r.get("bytes_sent", 0) for r in latest)  # type: ignore[union-attr]
+
+
 # -- aggregation and output --------------------------------------------------------------
 
 
@@ -536,6 +666,11 @@ def spread(values: Sequence[float | None]) -> tuple[float, float, float]:
 
 def fmt(x: float, digits: int = 2) -> str:
     return "not reached" if math.isinf(x) else f"{x:.{digits}f}"
+
+
+def fmt_seconds(x: float) -> str:
+    """A time to target for a progress line: "1.25 s" or "not reached"."""
+    return fmt(x) if math.isinf(x) else f"{x:.2f} s"
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -557,6 +692,17 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A summary.md table: the header, its rule and one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def finite_or_none(x: float | None, digits: int = 3) -> float | None:
+    """A number for the JSON headline: rounded, or None where it is missing or infinite (not reached)."""
+    return None if x is None or not math.isfinite(x) else round(x, digits)
 
 
 def headline(values: dict[str, Any]) -> str:

@@ -8,7 +8,13 @@ on shard i with the same seed, batches, lr and momentum (experiments/harness.py)
   with `--slowdown 4`; its accuracy is the peers' mean test accuracy;
 - ddp: torch DistributedDataParallel over gloo, one process per rank;
 - ps-sync / ps-async: one parameter-server process and 4 worker processes
-  over ZeroMQ (experiments/baselines/param_server.py).
+  over ZeroMQ (experiments/baselines/param_server.py);
+- hivemind (optional, only where `import hivemind` works: the `hivemind`
+  extra): 4 processes, each a `hivemind.DHT` on 127.0.0.1 and a
+  `hivemind.Optimizer` with local updates and parameter averaging
+  (experiments/baselines/hivemind_opt.py, whose docstring has the settings
+  tried and kept); its accuracy is the peers' mean test accuracy, as for
+  gossip. Without hivemind one line says it is skipped and why.
 
 The straggler (worker 0) sleeps 3x the compute time of each of its steps,
 in every system. Each run goes until the test accuracy holds the target
@@ -16,15 +22,15 @@ for 3 evaluations (every 0.25 s), with and without the straggler, for each
 seed; runs are interleaved (seed by seed, system by system) so that load
 from anything else on the machine hits every system alike. Reported: time
 to target (median of the seeds, min and max), throughput (training samples
-per second, all workers together), and the ratios below. hivemind is not
-included this time.
+per second, all workers together), and the ratios below.
 
 Output in experiments/results/stragglers/: results.csv (one row per run),
 curves.csv (every evaluation), summary.md, accuracy_vs_time.png,
 time_to_target.png. The last line printed is a JSON object with
 ddp_over_gossip_time and ps_over_gossip_time (baseline time / gossip time,
 with the straggler; ps: the faster of the two server variants) and
-gossip_throughput_kept (gossip throughput with / without the straggler).
+gossip_throughput_kept (gossip throughput with / without the straggler),
+and hivemind_over_gossip_time when hivemind ran.
 
     python experiments/stragglers.py            # 4 workers, one 4x straggler, target 0.96, 3 seeds
     python experiments/stragglers.py --quick    # 2 workers, target 0.9, 1 seed, fewer runs (smoke test)
@@ -43,10 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
+from experiments.baselines import hivemind_opt  # noqa: E402  (imports hivemind only when a worker runs)
 from experiments.harness import Run, fmt, spread  # noqa: E402
 
-SYSTEMS = ("gossip", "ddp", "ps-sync", "ps-async")
-COLORS = {"gossip": "tab:green", "ddp": "tab:blue", "ps-sync": "tab:orange", "ps-async": "tab:red"}
+SYSTEMS = ("gossip", "ddp", "ps-sync", "ps-async", "hivemind")
+COLORS = {"gossip": "tab:green", "ddp": "tab:blue", "ps-sync": "tab:orange", "ps-async": "tab:red", "hivemind": "tab:brown"}
 TARGET_DDP_RATIO = 3.0
 TARGET_KEPT = 0.8
 
@@ -58,6 +65,8 @@ def run_one(system: str, seed: int, slowdown: float, args: argparse.Namespace) -
         return harness.run_gossip(args.workers, seed, slowdown, args.target, args.timeout, workdir, **common)
     if system == "ddp":
         return harness.run_ddp(args.workers, seed, slowdown, args.target, args.timeout, workdir, **common)
+    if system == "hivemind":
+        return hivemind_opt.run_hivemind(args.workers, seed, slowdown, args.target, args.timeout, workdir, **common)
     mode = system.removeprefix("ps-")
     return harness.run_param_server(mode, args.workers, seed, slowdown, args.target, args.timeout, workdir, **common)
 
@@ -71,7 +80,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds of training before a run counts as not reached")
     parser.add_argument("--min-seconds", type=float, default=5.0,
                         help="a run that reaches the target sooner trains on until this long, for its throughput")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                        help="hivemind runs only where `import hivemind` works (the hivemind extra)")
     parser.add_argument("--quick", action="store_true", help="2 workers, target 0.9, 1 seed; baselines only with the straggler")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "stragglers")
     parser.add_argument("--summarise", action="store_true",
@@ -84,10 +94,15 @@ def main() -> None:
         write_results(args.out, runs, rows, table, heads, args, wall, crashes)
         print(harness.headline(heads))
         return
-    plan: list[tuple[str, float]] = [(s, f) for f in (1.0, args.slowdown) for s in args.systems]
+    args.hivemind_skipped = hivemind_opt.unavailable() if "hivemind" in args.systems else "not in --systems"
+    if "hivemind" in args.systems and args.hivemind_skipped:
+        print(f"hivemind: skipped, {args.hivemind_skipped}", flush=True)
+    systems = [s for s in args.systems if s != "hivemind" or not args.hivemind_skipped]
+    plan: list[tuple[str, float]] = [(s, f) for f in (1.0, args.slowdown) for s in systems]
     if args.quick:
         args.workers, args.target, args.seeds, args.timeout, args.min_seconds = 2, 0.9, 1, 60.0, 1.5
         plan = [("gossip", 1.0), ("gossip", args.slowdown), ("ddp", args.slowdown), ("ps-async", args.slowdown)]
+        plan += [("hivemind", args.slowdown)] if "hivemind" in systems else []
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
 
@@ -124,6 +139,13 @@ def summarise(runs: list[Run], args: argparse.Namespace) -> tuple[list[dict[str,
             "exchanges_per_peer": rounded(r.extra.get("exchanges_per_peer"), 2), "exchange_rtt_ms": rounded(r.extra.get("rtt_ms"), 2),
             "retries": r.extra.get("retries", 0), "ddp_rank0_compute_ms": r.extra.get("compute_ms_rank0", ""),
             "exchanges_per_step": "" if exchanges_per_step(r) is None else round(exchanges_per_step(r), 3),
+            **({} if r.system != "hivemind" else {  # columns that exist only when hivemind ran
+                "hivemind_averaged_per_peer": rounded(r.extra.get("averaged_per_peer"), 2),
+                "hivemind_averaging_failed_per_peer": rounded(r.extra.get("averaging_failed_per_peer"), 2),
+                "hivemind_out_of_sync_per_peer": rounded(r.extra.get("out_of_sync_per_peer"), 2),
+                "hivemind_group_size_mean": rounded(r.extra.get("group_size_mean"), 2),
+                "hivemind_settings": settings_text(r),
+            }),
         })
     table: dict[tuple[str, float], dict[str, Any]] = {}
     for key in sorted({(r.system, r.slowdown) for r in runs}, key=lambda k: (SYSTEMS.index(k[0]), k[1])):
@@ -151,6 +173,8 @@ def exchanges_per_step(run: Run) -> float | None:
     """Exchanges a gossip peer took part in (as initiator or partner) per local step, averaged over peers."""
     if "exchanges_per_step" in run.extra:  # read back from results.csv
         return run.extra["exchanges_per_step"]
+    if run.system != "gossip":  # hivemind's runs have steps too, but no exchanges
+        return None
     steps = run.extra.get("steps")
     return run.extra["exchanges_per_peer"] / max(1.0, sum(steps) / len(steps)) if steps else None
 
@@ -178,10 +202,15 @@ def load_runs(args: argparse.Namespace) -> tuple[list[Run], float, list[str]]:
         if row["system"] == "gossip":
             extra.update(exchanges_per_peer=num(row["exchanges_per_peer"]), rtt_ms=num(row["exchange_rtt_ms"]),
                          exchanges_per_step=num(row.get("exchanges_per_step", "")))
+        if row["system"] == "hivemind":
+            extra.update({k: num(row.get(f"hivemind_{k}", "")) for k in (
+                "averaged_per_peer", "averaging_failed_per_peer", "out_of_sync_per_peer", "group_size_mean")})
+            extra["settings"] = row.get("hivemind_settings", "")
         runs.append(Run(key[0], key[2], key[1], points, float(row["target"]), setup_seconds=float(row["setup_s"]), extra=extra))
     args.workers, args.target = int(rows[0]["workers"]), float(rows[0]["target"])
     args.seeds = len({r.seed for r in runs})
     args.slowdown = max(r.slowdown for r in runs)
+    args.hivemind_skipped = None if any(r.system == "hivemind" for r in runs) else "not in results.csv"
     found = re.search(r"Wall time of this run: (\d+) s", (args.out / "summary.md").read_text()) if (args.out / "summary.md").exists() else None
     crashes = [f"{r.system} x{r.slowdown:g} seed {r.seed}: repeated {r.extra['retries']} time(s)" for r in runs if r.extra["retries"]]
     return runs, float(found.group(1)) if found else math.nan, crashes
@@ -213,6 +242,7 @@ def headline(table: dict[tuple[str, float], dict[str, Any]], args: argparse.Name
         "ps_sync_over_gossip_time": ratio(t("ps-sync", s), t("gossip", s)),
         "ps_async_over_gossip_time": ratio(t("ps-async", s), t("gossip", s)),
         "ddp_throughput_kept": ratio(tp("ddp", s), tp("ddp", 1.0)),
+        **({"hivemind_over_gossip_time": ratio(t("hivemind", s), t("gossip", s))} if ("hivemind", s) in table else {}),
         "times_s": {f"{k[0]} x{k[1]:g}": (None if math.isinf(v["time"]) else round(v["time"], 3)) for k, v in table.items()},
         "workers": args.workers,
         "slowdown": s,
@@ -295,7 +325,7 @@ def write_results(
         f"counted from the start of training; medians of {args.seeds} seed(s), [min, max]. Throughput: training samples "
         f"per second, all workers together, from a run's first evaluation to its last (a run trains for at least "
         f"{args.min_seconds:g} s). All processes on one 2-core machine (127.0.0.1), one torch thread each; "
-        f"other work was running on the machine at the same time, so single numbers are noisy. hivemind: not run this time.",
+        f"other work was running on the machine at the same time, so single numbers are noisy. " + hivemind_note(runs, args),
         "",
         "| system | straggler | time to target (s) [min, max] | samples to target | throughput (samples/s) [min, max] | final test acc |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -315,8 +345,10 @@ def write_results(
         f"(sync {heads['ps_sync_over_gossip_time']}, async {heads['ps_async_over_gossip_time']})",
         f"- gossip throughput with / without the straggler: **{heads['gossip_throughput_kept']}** (target >= {TARGET_KEPT}); "
         f"DDP's: {heads['ddp_throughput_kept']}",
-        "",
     ]
+    if "hivemind_over_gossip_time" in heads:
+        lines.append(f"- hivemind time / gossip time: **{heads['hivemind_over_gossip_time']}**")
+    lines += [""]
     missed = misses(table, heads, args)
     lines += (["Missed targets:", ""] + [f"- {m}" for m in missed] + [""]) if missed else ["All targets met.", ""]
     if crashes:
@@ -332,6 +364,30 @@ def write_results(
     ]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     plot(out, runs, table, args)
+
+
+def settings_text(run: Run) -> str:
+    """hivemind's settings of ``run`` as "key=value, ..." (read back as text from results.csv)."""
+    settings = run.extra.get("settings") or ""
+    return settings if isinstance(settings, str) else ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def hivemind_note(runs: list[Run], args: argparse.Namespace) -> str:
+    """The summary's sentence on hivemind: the settings it ran with and its averaging, or why it did not run."""
+    mine = [r for r in runs if r.system == "hivemind"]
+    if not mine:
+        return f"hivemind: not run ({getattr(args, 'hivemind_skipped', None) or 'not in --systems'})."
+    settings = settings_text(mine[0]) or "the settings of experiments/baselines/hivemind_opt.py"
+    per_run = "; ".join(
+        f"x{r.slowdown:g} seed {r.seed}: {fmt(r.extra.get('averaged_per_peer') or 0.0, 1)} averaged, "
+        f"{fmt(r.extra.get('averaging_failed_per_peer') or 0.0, 1)} failed"
+        for r in mine
+    )
+    return (
+        "hivemind: `hivemind.Optimizer(use_local_updates=True)` (experiments/baselines/hivemind_opt.py), "
+        + settings
+        + f"; its accuracy is the peers' mean, as for gossip. Averaging rounds per peer ({per_run})."
+    )
 
 
 def plot(out: Path, runs: list[Run], table: dict[tuple[str, float], dict[str, Any]], args: argparse.Namespace) -> None:
@@ -351,7 +407,8 @@ def plot(out: Path, runs: list[Run], table: dict[tuple[str, float], dict[str, An
         ax.set_xlabel("seconds since training started")
         ax.set_ylim(0.5, 1.0)
         ax.legend(loc="lower right")
-    axes[0][0].set_ylabel("test accuracy (gossip: mean over peers)")
+    peers_mean = "gossip, hivemind" if any(r.system == "hivemind" for r in runs) else "gossip"
+    axes[0][0].set_ylabel(f"test accuracy ({peers_mean}: mean over peers)")
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_time.png", dpi=80)
     plt.close(fig)

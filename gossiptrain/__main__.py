@@ -1,7 +1,5 @@
 """`python -m gossiptrain` is the `gossiptrain` command."""
 
-import sys
+from .cli import console_main
 
-from .cli import main
-
-sys.exit(main())
+console_main()

@@ -1,4 +1,4 @@
-"""The `gossiptrain` command: coordinator, peer, demo and config.
+"""The `gossiptrain` command: coordinator, peer, export, stop, demo and config.
 
 Run flags map onto the same dotted fields as a TOML file (``--lr`` is
 ``train.lr``; ``--set section.field=value`` reaches any field), so a file and
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -48,7 +49,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run configuration (shared by the swarm)")
-    g.add_argument("--config", metavar="FILE", help="TOML file with [train], [gossip], [membership], [limits]")
+    g.add_argument("--config", metavar="FILE", help="TOML file with [train], [gossip], [membership], [limits], [state], [final]")
     for flag, (field, ftype, help_text) in _RUN_FLAGS.items():
         g.add_argument(flag, type=ftype, metavar=ftype.__name__.upper(), help=f"{help_text} ({field})")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any field, e.g. gossip.exchange_every_steps=2")
@@ -179,6 +180,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         resume=args.resume,
         resume_any_run=args.resume_any_run,
         security=_security(args),
+        final_model=args.final_model,
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
     stop = threading.Event()
@@ -269,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train only once N members (this one included) are in the swarm: a start line (default 0: at once)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    p.add_argument("--final-model", metavar="FILE",
+                   help="at the end of the run (budget or `gossiptrain stop`), write the swarm's merged model here "
+                   "(safetensors + FILE.json)")
     _add_security_flags(p, peer=True)
     g = p.add_argument_group("checkpoints (safetensors + JSON; see README)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here, periodically and when the peer stops")
@@ -289,8 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.set_defaults(func=cmd_demo)
 
+    from .export_cli import add_parsers as add_export_parsers
     from .sim.cli import add_parser as add_simulate_parser
     from .topology_cli import add_parser as add_topology_parser
+
+    add_export_parsers(sub, lambda parser, peer: _add_security_flags(parser, peer=peer), _security)
 
     add_simulate_parser(sub, _add_run_flags).set_defaults(func=cmd_simulate)
     add_topology_parser(sub)
@@ -323,5 +331,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def console_main() -> None:
+    """The ``gossiptrain`` command: ``main``, then exit at once.
+
+    Everything is closed and written by then; what is left is the
+    interpreter's teardown of torch and hundreds of thousands of objects,
+    which took 5-30 s on a loaded machine and made Ctrl+C or SIGTERM look
+    ignored. Streams are flushed, then the process ends.
+    """
+    rc = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console_main()

@@ -7,7 +7,7 @@ same dotted field names (``train.lr``, ``gossip.topology``, ...).
 
 Every limit and timing is a named field here; nothing is hard-coded deeper
 down. Timeouts a user would otherwise tune are derived (see
-``MembershipConfig.fail_timeout``) or adapted at run time (exchange timeouts).
+``MembershipConfig.suspicion_timeout``) or adapted at run time (exchange timeouts).
 """
 
 from __future__ import annotations
@@ -239,13 +239,26 @@ class GossipConfig:
 
 @dataclass(frozen=True)
 class MembershipConfig:
-    """Heartbeat gossip and joining."""
+    """SWIM failure detection (with Lifeguard's refinements) and joining.
 
-    heartbeat_interval: float = 0.5  # seconds between gossip rounds
-    fanout: int = 3  # members sent our view each round
-    suspicion_mult: float = 3.0  # dead after interval * mult * log2(n + 1) silent seconds
-    tombstone_rounds: int = 120  # rounds a dead/left member is remembered (blocks stale resurrection)
-    probe_dead_every: int = 4  # every this many rounds, send our view to one member we think dead
+    Only ``heartbeat_interval`` (the protocol period) sets a time scale; every
+    timeout is derived from it, from the swarm's size, and from round-trip
+    times measured at run time, so nothing here needs tuning per network.
+    """
+
+    heartbeat_interval: float = 0.5  # protocol period: seconds between our probes of one member
+    indirect_probes: int = 3  # members asked to probe a member that missed its direct ack (SWIM's k)
+    suspicion_mult: float = 6.0  # a suspect is dead after at least mult * max(1, log10 n) periods unrefuted
+    suspicion_max_mult: float = 6.0  # ... and at most this times that, until independent suspicions confirm it
+    suspicion_confirmations: int = 3  # independent suspicions that shrink the timeout to its minimum (Lifeguard's K)
+    retransmit_mult: int = 4  # an update rides on mult * ceil(log10(n + 1)) messages
+    max_piggyback: int = 8  # updates carried per probe message (bounds every message)
+    min_probe_timeout: float = 0.01  # floor of the RTT-derived direct probe timeout (seconds)
+    max_health: int = 8  # Lifeguard's local health multiplier: periods and timeouts stretch up to (1 + this)x
+    sync_interval: float = 10.0  # at most this many seconds between full-view exchanges with one member (anti-entropy)
+    newcomer_grace: float = 60.0  # seconds a welcomed member may take to start (model, state download) unprobed
+    tombstone_rounds: int = 120  # periods a dead/left member is remembered (blocks stale resurrection)
+    probe_dead_every: int = 4  # every this many periods, send our view to one member we think dead
     report_interval: float = 2.0  # seconds between reports to the coordinator
     join_timeout: float = 2.0  # seconds to wait for an answer to one join attempt
     join_attempts: int = 5  # attempts before giving up, join_timeout seconds each
@@ -253,9 +266,21 @@ class MembershipConfig:
 
     def __post_init__(self) -> None:
         s = "membership"
-        _require(self.heartbeat_interval > 0, f"{s}.heartbeat_interval", "must be > 0")
-        _require(self.fanout >= 1, f"{s}.fanout", "must be >= 1")
-        _require(self.suspicion_mult >= 1, f"{s}.suspicion_mult", "must be >= 1")
+        _require(0 < self.heartbeat_interval < math.inf, f"{s}.heartbeat_interval", "must be a positive number")
+        _require(self.indirect_probes >= 0, f"{s}.indirect_probes", "must be >= 0")
+        _require(1 <= self.suspicion_mult < math.inf, f"{s}.suspicion_mult", "must be >= 1")
+        _require(1 <= self.suspicion_max_mult < math.inf, f"{s}.suspicion_max_mult", "must be >= 1")
+        _require(self.suspicion_confirmations >= 1, f"{s}.suspicion_confirmations", "must be >= 1")
+        _require(self.retransmit_mult >= 1, f"{s}.retransmit_mult", "must be >= 1")
+        _require(self.max_piggyback >= 1, f"{s}.max_piggyback", "must be >= 1")
+        _require(
+            0 < self.min_probe_timeout < self.heartbeat_interval / 2,
+            f"{s}.min_probe_timeout",
+            "must be > 0 and below half of membership.heartbeat_interval",
+        )
+        _require(self.max_health >= 0, f"{s}.max_health", "must be >= 0")
+        _require(0 < self.sync_interval < math.inf, f"{s}.sync_interval", "must be a positive number")
+        _require(0 < self.newcomer_grace < math.inf, f"{s}.newcomer_grace", "must be a positive number")
         _require(self.tombstone_rounds >= 1, f"{s}.tombstone_rounds", "must be >= 1")
         _require(self.probe_dead_every >= 1, f"{s}.probe_dead_every", "must be >= 1")
         _require(self.report_interval > 0, f"{s}.report_interval", "must be > 0")
@@ -263,14 +288,33 @@ class MembershipConfig:
         _require(self.join_attempts >= 1, f"{s}.join_attempts", "must be >= 1")
         _require(self.sample_size >= 1, f"{s}.sample_size", "must be >= 1")
 
-    def fail_timeout(self, members: int) -> float:
-        """Seconds of silence after which a member is declared dead.
+    def suspicion_timeout(self, members: int) -> float:
+        """Seconds a suspicion confirmed by enough independent members waits for a refutation.
 
-        Gossip needs about log2(n) rounds to spread a heartbeat through n
-        members, so the timeout grows with the view size instead of being a
-        constant that is too short for big swarms and too long for small ones.
+        A refutation needs about log(n) periods to spread back, so the
+        timeout grows with the swarm (memberlist's log10 scaling).
         """
-        return self.heartbeat_interval * self.suspicion_mult * max(1.0, math.log2(members + 1))
+        return self.heartbeat_interval * self.suspicion_mult * max(1.0, math.log10(members))
+
+    def suspicion_timeout_max(self, members: int) -> float:
+        """Seconds an unconfirmed suspicion waits: a lone suspector may be the one in trouble (Lifeguard)."""
+        return self.suspicion_max_mult * self.suspicion_timeout(members)
+
+    def retransmits(self, members: int) -> int:
+        """Messages each membership update rides on before it is dropped from the piggyback queue."""
+        return self.retransmit_mult * max(1, math.ceil(math.log10(members + 1)))
+
+    def dead_within(self, members: int) -> float:
+        """A high-probability bound on how long a crashed member stays in any live member's view.
+
+        Some member probes it within about ln(n) + 4 periods (each period every
+        member probes one other, so a given member is missed by all with
+        probability about 1/e per period); the probe fails within one more; the
+        suspicion reaches everyone within about 2 log2(n) periods of
+        piggybacking; then the slowest (unconfirmed) suspicion timer runs out.
+        """
+        periods = math.ceil(math.log(members + 1)) + 5 + 2 * math.ceil(math.log2(members + 1))
+        return periods * self.heartbeat_interval + self.suspicion_timeout_max(members)
 
 
 @dataclass(frozen=True)
@@ -288,6 +332,7 @@ class StateConfig:
     donor_sessions: int = 2  # sessions a donor serves at a time; more are refused, so newcomers spread over donors
     session_timeout: float = 30.0  # a donor drops a session (and its snapshot) idle this long
     transfer_step: bool = False  # also continue the donor's step count (it then counts toward train.max_steps)
+    transfer_optimizer: bool = False  # also download the donor's optimizer state (momentum buffers; Adam's moments)
 
     def __post_init__(self) -> None:
         s = "state"
@@ -311,6 +356,22 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class FinalConfig:
+    """The end of a run (gossiptrain.finish): wait for the others, average without training, merge, leave."""
+
+    wait_seconds: float = 10.0  # a peer whose budget is spent keeps averaging until every live member is done, this long at most
+    consensus_seconds: float = 1.0  # then everyone averages this long without local steps
+    merge_seconds: float = 60.0  # bound on writing the merged model (peer --final-model), and on the others waiting for it
+
+    def __post_init__(self) -> None:
+        s = "final"
+        for name in ("wait_seconds", "consensus_seconds"):
+            value = getattr(self, name)
+            _require(0 <= value < math.inf, f"{s}.{name}", f"must be a number of seconds >= 0, got {value}")
+        _require(0 < self.merge_seconds < math.inf, f"{s}.merge_seconds", f"must be a positive number, got {self.merge_seconds}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a swarm agrees on. Its fingerprint identifies the run."""
 
@@ -319,6 +380,7 @@ class RunConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     limits: Limits = field(default_factory=Limits)
     state: StateConfig = field(default_factory=StateConfig)
+    final: FinalConfig = field(default_factory=FinalConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -392,6 +454,7 @@ _SECTIONS: dict[str, type] = {
     "membership": MembershipConfig,
     "limits": Limits,
     "state": StateConfig,
+    "final": FinalConfig,
 }
 
 

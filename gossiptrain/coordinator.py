@@ -23,6 +23,7 @@ from .averaging import ParamSpec
 from .clock import REAL_CLOCK, Clock
 from .config import RunConfig
 from .errors import ProtocolError
+from .finish import KINDS as FINISH_KINDS, FinishEndpoint
 from .joining import JOIN, WELCOME, JoinRequest, answer_join
 from .membership import ALIVE, Member, least_loaded_shard
 from .node import GOSSIP, REPORT
@@ -60,7 +61,7 @@ class Registry:
             self._seen.pop(member.id, None)
             return
         known = self._seen.get(member.id)
-        if known is None or member.version >= known[0].version:
+        if known is None or member.incarnation >= known[0].incarnation:
             self._seen[member.id] = (member, now)
 
     def alive(self, now: float) -> list[Member]:
@@ -83,9 +84,15 @@ class Coordinator(Service):
         self.stats = CoordinatorStats()
         self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
         m = config.membership
-        self.registry = Registry(expire_after=3 * m.report_interval + m.fail_timeout(1))
+        self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
         self._last_count = 0
         self.join_limiter = JoinLimiter.from_limits(config.limits)
+        # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
+        self.finish = FinishEndpoint(config, me="coordinator", send=self._send, members=self.members, clock=clock)
+
+    def _send(self, addr: str, kind: str, body: dict[str, object]) -> bool:
+        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        return self.transport.send(addr, frames)
 
     @property
     def address(self) -> str:
@@ -141,6 +148,8 @@ class Coordinator(Service):
             self.stats.reports += 1
             self._note_count()
             self._introduce(member)
+        elif msg.kind in FINISH_KINDS:
+            self.finish.on_message(msg, frames)
         else:
             self.stats.unexpected += 1
 
@@ -181,7 +190,7 @@ class Coordinator(Service):
         if kind == WELCOME:
             if request.spec is not None:
                 self.spec = self.spec or request.spec
-            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0, heartbeat=0)
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
             self.registry.update(newcomer, now)
             self.stats.joins_answered += 1
             log.info("welcomed %s at %s (shard %d)", newcomer.id, msg.addr, newcomer.shard)

@@ -28,10 +28,22 @@ _PARTITION_KEYWORDS = ("partition", "alpha", "classes_per_peer")
 _LOGGED_CLASSES = 20  # histogram bins shown in the start-up log line
 
 
-class LocalTrainer:
-    """A workload's model with its optimizer and an endless stream of batches from one shard."""
+def make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer for ``model``: SGD with ``train.lr``, ``train.momentum`` and ``train.weight_decay``."""
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
-    def __init__(self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int) -> None:
+
+class LocalTrainer:
+    """A workload's model with its optimizer and an endless stream of batches from one shard.
+
+    ``optimizer`` is one made by ``make_optimizer`` before (a peer's, which
+    state transfer may have filled in); by default a fresh one.
+    """
+
+    def __init__(
+        self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self.workload = workload
         self.model = model
         inputs, targets = _load_shard(workload, config, shard)
@@ -39,7 +51,7 @@ class LocalTrainer:
         # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
         self.class_histogram: list[int] = _histogram(workload, targets)
         _log_shard(config, shard, self.samples, self.class_histogram)
-        self.opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        self.opt = optimizer if optimizer is not None else make_optimizer(config, model)
         # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
         self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard)
         self.loss_avg = math.nan  # exponential moving average of the training loss

@@ -61,3 +61,35 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class MetricsTail:
+    """The records of a JSON-lines file that another process is still writing, read incrementally.
+
+    For watchers that poll many growing files for minutes (chaos tests, the
+    churn experiment): re-reading whole files at every poll would take the
+    CPU from the peers being watched. A line still being written is left for
+    the next ``poll``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        """All complete records so far (the same list, grown)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return self.records
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            try:
+                self.records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self._offset += end
+        return self.records

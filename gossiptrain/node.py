@@ -16,19 +16,34 @@ from __future__ import annotations
 import logging
 import queue
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import topologies
 
-from . import averaging, state_transfer
+from . import averaging, finish, state_transfer
 from .averaging import ParamSpec, Received, SendExchange
 from .clock import Clock
 from .config import RunConfig
 from .errors import ProtocolError
 from .joining import JOIN, WELCOME, JoinRequest, answer_join
-from .membership import Digest, Leave, Member, MemberDown, MemberUp, Membership, Send, Tick, members_from_wire
+from . import membership
+from .membership import (
+    Ack,
+    Digest,
+    Leave,
+    Member,
+    MemberDown,
+    MemberUp,
+    Membership,
+    Ping,
+    PingReq,
+    Send,
+    Suspected,
+    Tick,
+    members_from_wire,
+)
 from .security import JoinLimiter, join_source
 from .service import Service
 from .state_transfer import StateEndpoint
@@ -37,9 +52,11 @@ from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
-GOSSIP, LEAVE, REPORT = "gossip", "leave", "report"
+GOSSIP, LEAVE, REPORT = membership.GOSSIP, membership.LEAVE, "report"
 _NEEDS_ANSWER = (averaging.XREQ, averaging.XPUSH)  # a sender wants to know when these were not taken
 _ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
+_DEATHS_KEPT = 256  # recent death verdicts kept for inspection (tests, debugging)
+_PROBES = (membership.PING, membership.PING_REQ, membership.ACK)
 
 
 @dataclass
@@ -52,7 +69,8 @@ class NodeStats:
     joins_answered: int = 0
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     members_up: int = 0
-    members_dead: int = 0  # declared dead after missed heartbeats
+    members_suspected: int = 0  # suspicions raised (by our probes or heard), most of them refuted
+    members_dead: int = 0  # declared dead: suspected and never refuted
     members_left: int = 0  # announced a clean leave
 
     def to_dict(self) -> dict[str, int]:
@@ -93,8 +111,11 @@ class PeerNode(Service):
         self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
         self._join_limiter = JoinLimiter.from_limits(config.limits)
+        self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
         self.state = StateEndpoint(config, send=self._send, address_of=self._address_of, clock=clock)
+        # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.finish).
+        self.finish = finish.FinishEndpoint(config, me=me.id, send=self._send, members=self.membership.alive, clock=clock)
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -173,11 +194,13 @@ class PeerNode(Service):
     # -- background tasks ------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.config.membership.heartbeat_interval
+        """Tick the membership machine whenever it asks (probe deadlines, period starts, suspicion timers)."""
+        floor = self.config.membership.min_probe_timeout / 2  # never spin, whatever a timer says
         while True:
-            self._apply(self.membership.handle(Tick(), self.clock.now()))
-            self.state.tick(self.clock.now())
-            await self.clock.sleep(interval * self.rng.uniform(0.9, 1.1))
+            now = self.clock.now()
+            self._apply(self.membership.handle(Tick(), now))
+            self.state.tick(now)
+            await self.clock.sleep(max(floor, self.membership.next_timer() - self.clock.now()))
 
     async def _report_loop(self) -> None:
         while True:
@@ -209,12 +232,14 @@ class PeerNode(Service):
             else:
                 self.stats.joins_throttled += 1
             return
+        if msg.kind == finish.QUERY:  # from tools outside the swarm, which do not know the run yet
+            self.finish.on_message(msg, frames)
+            return
         if msg.fingerprint != self.fingerprint:
             self.stats.wrong_run += 1
             return
-        if msg.kind in (GOSSIP, LEAVE):
-            entries = members_from_wire(msg.body.get("members"), self.config.limits.max_container_len)
-            self._apply(self.membership.handle(Digest(entries), self.clock.now()))
+        if msg.kind in membership.KINDS:
+            self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
         elif msg.kind in averaging.EXCHANGE_KINDS:
             xid = msg.body.get("xid")
             if type(xid) is not int:
@@ -224,6 +249,8 @@ class PeerNode(Service):
             self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
         elif msg.kind in state_transfer.KINDS:
             self.state.on_message(msg)
+        elif msg.kind in finish.KINDS:
+            self.finish.on_message(msg, frames)
         else:
             self.stats.unexpected += 1
 
@@ -256,7 +283,7 @@ class PeerNode(Service):
         )
         if kind == WELCOME:
             self.stats.joins_answered += 1
-            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0, heartbeat=0)
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
             self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))
             log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
         else:
@@ -267,7 +294,15 @@ class PeerNode(Service):
         changed = False
         for a in actions:
             if isinstance(a, Send):
-                self._send(a.addr, a.kind, {"members": [m.to_wire() for m in a.entries]})
+                body: dict[str, Any] = {"members": [m.to_wire() for m in a.entries]}
+                if a.kind in _PROBES:
+                    body["seq"] = a.seq
+                if a.kind == membership.PING_REQ:
+                    body["target"], body["taddr"] = a.target, a.target_addr
+                self._send(a.addr, a.kind, body)
+            elif isinstance(a, Suspected):
+                self.stats.members_suspected += 1
+                log.debug("member %s is suspected (by %s)", a.member.id, a.member.by or "?")
             elif isinstance(a, MemberUp):
                 self.stats.members_up += 1
                 changed = True
@@ -277,11 +312,29 @@ class PeerNode(Service):
                     self.stats.members_left += 1
                 else:
                     self.stats.members_dead += 1
+                    self.deaths.append((self.clock.now(), a.member.id))
                 changed = True
                 self.transport.forget(a.member.addr)
                 log.info("member %s is down (%s)", a.member.id, a.reason)
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
+
+
+def membership_event(msg: Message, max_members: int) -> membership.Event:
+    """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed."""
+    body = msg.body
+    entries = members_from_wire(body.get("members"), max_members)
+    if msg.kind in (membership.GOSSIP, membership.LEAVE, membership.SYNC):
+        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == membership.SYNC)
+    seq = body.get("seq")
+    if type(seq) is not int or not 0 <= seq < 1 << 63:
+        raise ProtocolError(f"{msg.kind} without a valid seq")
+    if msg.kind == membership.PING:
+        return Ping(msg.sender, msg.addr, seq, entries)
+    if msg.kind == membership.ACK:
+        return Ack(msg.sender, seq, entries)
+    target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
+    return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries)
 
 
 def exchange_meta(body: dict[str, Any]) -> dict[str, float | int]:

@@ -15,9 +15,12 @@ safe point, so no lock is needed and no update is ever half-applied.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,6 +30,8 @@ from .averaging import ParamSpec
 from .clock import REAL_CLOCK, Clock
 from .config import RunConfig, SecurityConfig
 from .errors import ConfigError, GossipError, MismatchError
+from .final_model import MemberInfo, merge_members
+from .finish import FinalPhase, FinalReport
 from .joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_address, tcp_url
 from .keys import join_server_key
 from .loop_thread import LoopThread
@@ -42,6 +47,7 @@ from .transport.tcp import curve_address
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[RunConfig, int], torch.nn.Module]
+OptimizerFactory = Callable[[RunConfig, torch.nn.Module], torch.optim.Optimizer]
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -64,7 +70,13 @@ class Peer:
     Before it returns, a peer that finds other live members downloads the
     current state of one of them into the model (``state.*``, see
     ``gossiptrain.state_transfer``); ``transfer_state=False`` skips that (a
-    model restored from a checkpoint on purpose).
+    model restored from a checkpoint on purpose). ``optimizer`` (the
+    optimizer, or a factory ``(config, model) -> optimizer`` for a model
+    factory) lets that download bring the donor's optimizer state too, with
+    ``state.transfer_optimizer``, and lets this peer give its own.
+    When your loop ends (its budget spent, or ``finish_requested`` after a
+    ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
+    the others, and optionally the swarm's merged model (``gossiptrain.finish``).
     """
 
     def __init__(
@@ -81,12 +93,17 @@ class Peer:
         clock: Clock = REAL_CLOCK,
         security: SecurityConfig | None = None,
         transfer_state: bool = True,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
     ) -> None:
         self._closed = False
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
         self._clock = clock
         self._rng = random.Random(seed)
         self._step = 0
+        self._samples: int | None = None  # samples the training loop says it has trained on (None: it never said)
+        self._last_step_at: float | None = None
+        self._pace = 0.01  # seconds between safe points without a local step: about the recent step time
+        self._rounds = 0  # safe points run without a local step (the final phase)
         join_host, join_port = parse_hostport(join, "join address")
         bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
         if advertise is None:
@@ -132,6 +149,7 @@ class Peer:
                 )
             )
             self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
+            self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
             self._attach(welcome)
             self._catch_up(transfer_state)
         except BaseException:
@@ -148,8 +166,8 @@ class Peer:
         self.id = welcome.member_id
         self.shard = welcome.shard
         self.joined_via = welcome.answered_by
-        # A restart under the same id must outrank our old heartbeats: wall-clock microseconds do.
-        me = Member(self.id, self.address, self.shard, incarnation=time.time_ns() // 1000, heartbeat=0)
+        # A restart under the same id must outrank what is remembered of us (even a death): wall-clock microseconds do.
+        me = Member(self.id, self.address, self.shard, incarnation=time.time_ns() // 1000)
         assert self._transport is not None
         self._node = PeerNode(
             me=me,
@@ -169,7 +187,8 @@ class Peer:
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
         node.state.offload = True
         self._snapshots = SnapshotHook(
-            node.state, self.model, lambda *a: self._loop.call_soon(node.state.offer_snapshot, *a), self._clock
+            node.state, self.model, lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy), self._clock,
+            optimizer=self.optimizer,
         )
 
     def _catch_up(self, enabled: bool) -> None:
@@ -179,12 +198,17 @@ class Peer:
         others = [m for m in node.view() if m != self.id]
         if enabled and self.config.state.enabled and others:
             result, values = self._loop.run(
-                catch_up(node.state, self.model, me=self.id, members=node.view, rng=self._rng, clock=self._clock),
+                catch_up(
+                    node.state, self.model, me=self.id, members=node.view, rng=self._rng, clock=self._clock,
+                    optimizer=self.optimizer,
+                ),
                 timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
             )
             self.transfer = result
             if values is not None:
                 install(self._snapshots.tensors, values)  # here, on the training thread, before any step
+                if result.optimizer_state is not None and self.optimizer is not None:
+                    self.optimizer.load_state_dict(result.optimizer_state)
                 if self.config.state.transfer_step:
                     self.resume_at(result.step)
         node.state.mark_ready()
@@ -230,24 +254,102 @@ class Peer:
             time.sleep(0.02)
         return n
 
-    def step(self) -> None:
-        """Call after each optimizer step: apply finished exchanges, answer requests, start one."""
+    def step(self, samples_seen: int | None = None) -> None:
+        """Call after each optimizer step: apply finished exchanges, answer requests, start one.
+
+        ``samples_seen``, the samples your loop has trained on so far in all,
+        weighs this peer's model in a merged model (``gossiptrain.final_model``);
+        without it, the steps taken do.
+        """
+        self._check_open()
+        self._step += 1
+        if samples_seen is not None:
+            self._samples = samples_seen
+        now = self._clock.now()
+        if self._last_step_at is not None:  # the final phase's safe points come at about this pace
+            self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
+        self._last_step_at = now
+        self._safepoint(self._step)
+        self._snapshots(self._step, self.samples_seen)
+
+    @property
+    def samples_seen(self) -> int:
+        """What weighs this peer's model in a merged model: the samples reported to ``step()``, else the steps."""
+        return self._samples if self._samples is not None else self._step
+
+    def _check_open(self) -> PeerNode:
         node = self._node
         if node is None or self._closed:
             raise GossipError("this peer is closed")
         if node.status is Status.FAILED:
             raise GossipError(f"the network side of this peer failed: {node.error!r}") from node.error
-        self._step += 1
-        self._safepoint(self._step)
-        self._snapshots(self._step)
+        return node
+
+    # -- the end of the run (gossiptrain.finish) -----------------------------------------------
+
+    @property
+    def finish_requested(self) -> bool:
+        """The swarm was asked to stop (``gossiptrain stop``, or a member's ``request_stop``): end your loop, ``finish()``."""
+        node = self._node
+        return node is not None and node.finish.stop is not None
+
+    def request_stop(self, reason: str = "requested by a member") -> None:
+        """Ask the whole swarm to finish its run, as ``gossiptrain stop`` does."""
+        node = self._check_open()
+        self._loop.call_soon(node.finish.request_stop, reason)
+
+    def finish(
+        self, reason: str = "budget", final_model: str | Path | None = None, abort: Callable[[], bool] = lambda: False
+    ) -> FinalReport:
+        """End this peer's run: wait for the others, average without training, maybe write the merged model.
+
+        Call once your loop has ended (its budget spent, or ``finish_requested``),
+        then ``close()``. With ``final_model`` this peer downloads every live
+        member's state and writes their average, weighted by samples seen, there.
+        ``abort()`` returning True (a signal) cuts the phase short. Bounded by
+        ``final.*``; see ``gossiptrain.finish``.
+        """
+        node = self._check_open()
+        phase = FinalPhase(
+            self.config.final, me=self.id, endpoint=node.finish, view=node.view, idle=self._idle,
+            notify=lambda phase, writer, everyone: self._loop.call_soon(node.finish.announce, phase, writer, everyone),
+            abort=abort, renotify_every=self.config.membership.heartbeat_interval,
+        )
+        path = str(final_model) if final_model is not None else None
+        merge = (lambda: self._start_merge(path)) if path is not None else None
+        report = phase.run(reason, merge, path)
+        log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
+        return report
+
+    def _idle(self) -> None:
+        """A safe point without a local step: averaging goes on, snapshots are served."""
+        self._check_open()
+        self._rounds += 1
+        self._safepoint(self._step + self._rounds)  # exchanges start once per round, as after a step
+        self._snapshots(self._step, self.samples_seen)
+        time.sleep(self._pace)
+
+    def _start_merge(self, path: str) -> concurrent.futures.Future[tuple[list[str], list[str]]]:
+        node = self._check_open()
+        # Our own state is read here, on the training thread, between safe points: a consistent copy.
+        own = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        others = [m for m in node.view() if m != self.id]
+        log.info("writing the merged model of %d members to %s", len(others) + 1, path)
+        coro = merge_members(
+            node.state, (MemberInfo(self.id, self.samples_seen, self._step), own), others, path=path, me=self.id,
+            config=self.config, rng=random.Random(), clock=self._clock, alive=node.view, written_by=self.id,
+        )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
 
     def transfer_summary(self) -> dict[str, Any]:
         """How the state download before training went (zeros and "none" when there was none), for metrics."""
         stats = self._node.state.transfer.to_dict() if self._node is not None else {}
         result = self.transfer
+        optim = "none" if result is None or not result.ok else "installed" if result.optimizer_state is not None else "none"
         return {
             "state_transfer": "none" if result is None else "complete" if result.ok else "failed",
             "state_donors": list(result.donors) if result is not None else [],
+            "state_optimizer": "refused" if result is not None and result.optimizer_problem else optim,
             **{k: stats.get(k, 0) for k in ("state_bytes_received", "state_donors_tried", "state_transfer_seconds")},
         }
 

@@ -42,16 +42,38 @@ snapshots, each verified against its own donor's manifest; gossip keeps the
 members close to each other, so the joined state is as good a start as
 either.
 
+Optimizer state (``state.transfer_optimizer``): a newcomer that has its
+optimizer at hand asks for it too (``optim`` in the request opening a
+session). The donor then appends its optimizer's tensors (SGD momentum,
+Adam's moments and step) to the same stream, named
+``optimizer/<parameter>/<key>``, and sends any non-tensor state as scalars
+in the manifest. The newcomer knows what to expect from a throwaway copy of
+its own optimizer stepped once on zero gradients (``optimizer_template``):
+a donor whose optimizer state differs in any name, shape or dtype (another
+optimizer, or none) is named in an error and the download starts over for
+the parameters alone. Nothing is unpickled: the state is raw tensor bytes
+checked against that template, and scalars are checked ints or floats.
+
+The manifest lists the stream's tensors (name, dtype, shape) and the
+donor's training samples seen, so that a tool that has no model of its own
+(``gossiptrain export``, see ``gossiptrain.final_model``) can download a
+member's state, weight it and write it under its names.
+
 Wire (all bodies checked; tensors are raw uint8 bytes, nothing executable):
 
-- ``sreq`` {sid, index, manifest}: newcomer -> donor, "send chunk ``index`` of
-  session ``sid``" (a new sid opens a session and must ask for the
-  manifest); index -1 ends the session.
-- ``srep`` {sid, index[, size, chunk_bytes, layout, step, hashes, digest]} +
-  tensor ``chunk``: the chunk, with the manifest when it was asked for.
+- ``sreq`` {sid, index, manifest[, optim]}: newcomer -> donor, "send chunk
+  ``index`` of session ``sid``" (a new sid opens a session and must ask for
+  the manifest; ``optim`` asks for the optimizer state too); index -1 ends
+  the session.
+- ``srep`` {sid, index[, size, chunk_bytes, layout, step, hashes, digest,
+  tensors, samples, scalars]} + tensor ``chunk``: the chunk, with the
+  manifest when it was asked for.
 - ``snak`` {sid, reason, retry}: refused; ``retry`` says the donor may take
   a session later (busy), otherwise it will not (not training, or a bad
   request).
+
+The stream's format (bytes, tensor tables, manifests, snapshots) is
+``gossiptrain.state_format``; optimizer state, ``gossiptrain.optimizer_state``.
 
 ``StateEndpoint`` is the glue ``PeerNode`` uses, in a real process and in the
 simulator: it answers ``sreq`` as a donor, routes ``srep``/``snak`` to a
@@ -63,11 +85,8 @@ of the state when a session waits for one.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import random
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -76,145 +95,47 @@ import torch
 from .clock import Clock
 from .config import Limits, RunConfig, StateConfig
 from .errors import GossipError, ProtocolError
+from .optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
+from .state_format import (  # the format, re-exported: the protocol's users need one import
+    OPTIMIZER_PREFIX,
+    Entry,
+    Manifest,
+    Snapshot,
+    chunk_count,
+    decode_state,
+    entries_of,
+    entry_nbytes,
+    first_difference,
+    flatten,
+    hash_list_digest,
+    install,
+    layout_of,
+    sha256_hex,
+    state_nbytes,
+    state_tensors,
+    table_layout,
+    tensors_from,
+    wire_table,
+)
 from .wire import Message
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLOSE", "KINDS", "OPTIMIZER_PREFIX", "SNAK", "SREP", "SREQ", "Chunk", "ChunkRequest", "Donor", "Entry", "Expire",
+    "Fetcher", "Manifest", "OptimizerTemplate", "Refusal", "Reply", "RequestChunk", "Snapshot", "SnapshotHook",
+    "SnapshotTaken", "StateCopy", "StateEndpoint", "Tick", "TransferResult", "TransferStats", "catch_up", "chunk_count",
+    "decode_state", "entries_of", "entry_nbytes", "first_difference", "flatten", "hash_list_digest", "install", "layout_of",
+    "optimizer_template", "optimizer_tensors", "parameter_names", "state_nbytes", "state_tensors", "table_layout",
+    "tensors_from",
+]
 
 SREQ, SREP, SNAK = "sreq", "srep", "snak"
 KINDS = (SREQ, SREP, SNAK)
 CLOSE = -1  # the chunk index of an sreq that ends its session
 
 _SID_LIMIT = 1 << 31
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_MANIFEST_KEYS = ("size", "chunk_bytes", "layout", "step", "hashes", "digest")
-_HASH_WIRE_BYTES = 67  # one hex SHA-256 in a msgpack header (str8 marker, length, 64 characters), rounded up
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
-
-
-# -- the state as bytes ------------------------------------------------------------------
-
-
-def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What a newcomer downloads: the model's parameters and persistent buffers, in ``state_dict`` order.
-
-    Buffers too (e.g. batch-norm statistics): a model with a trained body but
-    initial statistics evaluates badly.
-    """
-    return list(model.state_dict(keep_vars=True).values())
-
-
-def layout_of(model: torch.nn.Module) -> str:
-    """A short hash of the state's names, dtypes and shapes: donor and newcomer must agree on it."""
-    entries = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in model.state_dict(keep_vars=True).items()]
-    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def state_nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous copy of ``tensors``' bytes, (total bytes,) uint8: the snapshot a donor serves."""
-    parts = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def decode_state(like: Sequence[torch.Tensor], data: torch.Tensor) -> list[torch.Tensor] | str:
-    """``data`` cut into tensors shaped as ``like``, or why it cannot be used (wrong size, non-finite values)."""
-    if data.numel() != state_nbytes(like):
-        return f"the state has {data.numel()} bytes, the model {state_nbytes(like)}"
-    out: list[torch.Tensor] = []
-    offset = 0
-    for t in like:
-        n = t.numel() * t.element_size()
-        value = data[offset : offset + n].clone().view(t.dtype).reshape(t.shape)  # clone: aligned for the dtype
-        if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
-            return "the state holds non-finite values"
-        if value.dtype == torch.bool and bool((value.view(torch.uint8) > 1).any()):
-            return "the state holds bool bytes other than 0 and 1"  # undefined behaviour in torch kernels
-        out.append(value)
-        offset += n
-    return out
-
-
-def install(live: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-    """Write decoded values into the live tensors in place (an optimizer keeps its references)."""
-    with torch.no_grad():
-        for t, v in zip(live, values, strict=True):
-            t.copy_(v)
-
-
-def chunk_count(size: int, chunk_bytes: int) -> int:
-    return max(1, -(-size // chunk_bytes))
-
-
-def _sha256(data: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(data.numpy())).hexdigest()
-
-
-def hash_list_digest(hashes: Sequence[str]) -> str:
-    """The SHA-256 over the chunk hashes in order: identifies the whole snapshot."""
-    return hashlib.sha256("".join(hashes).encode("ascii")).hexdigest()
-
-
-# -- manifest and snapshot ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a donor says about the snapshot a session is served from."""
-
-    size: int  # bytes
-    chunk_bytes: int
-    layout: str  # layout_of(model)
-    step: int  # the donor's step when it took the snapshot
-    hashes: tuple[str, ...]  # SHA-256 of each chunk, hex
-    digest: str  # hash_list_digest(hashes)
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "size": self.size, "chunk_bytes": self.chunk_bytes, "layout": self.layout, "step": self.step,
-            "hashes": list(self.hashes), "digest": self.digest,
-        }
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "Manifest":
-        """The manifest in an srep body; ProtocolError if any field is malformed."""
-        size, chunk, layout, step, hashes, digest = (body.get(k) for k in _MANIFEST_KEYS)
-        if type(size) is not int or size < 0 or type(chunk) is not int or chunk < 1:
-            raise ProtocolError("state manifest size and chunk_bytes must be ints >= 0 and >= 1")
-        if not isinstance(layout, str) or len(layout) > 64 or type(step) is not int or step < 0:
-            raise ProtocolError("state manifest layout must be a short str and step an int >= 0")
-        if not isinstance(hashes, list) or len(hashes) != chunk_count(size, chunk):
-            raise ProtocolError("state manifest must list one hash per chunk")
-        if not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in hashes):
-            raise ProtocolError("state manifest hashes must be hex SHA-256 digests")
-        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-            raise ProtocolError("state manifest digest must be a hex SHA-256 digest")
-        return cls(size, chunk, layout, step, tuple(hashes), digest)
-
-
-@dataclass(frozen=True, eq=False)
-class Snapshot:
-    """A donor's state at one safe point, never written after it was taken, with its manifest."""
-
-    data: torch.Tensor  # (size,) uint8
-    manifest: Manifest
-
-    @classmethod
-    def build(cls, data: torch.Tensor, *, step: int, layout: str, chunk_bytes: int) -> "Snapshot":
-        """Hash ``data`` chunk by chunk (one pass; hashlib releases the GIL, so this may run in a worker thread)."""
-        view = memoryview(data.numpy())
-        size = data.numel()
-        hashes = tuple(
-            hashlib.sha256(view[i * chunk_bytes : (i + 1) * chunk_bytes]).hexdigest()
-            for i in range(chunk_count(size, chunk_bytes))
-        )
-        return cls(data, Manifest(size, chunk_bytes, layout, step, hashes, hash_list_digest(hashes)))
-
-    def chunk(self, index: int) -> torch.Tensor:
-        c = self.manifest.chunk_bytes
-        return self.data[index * c : (index + 1) * c]
 
 
 # -- the newcomer ------------------------------------------------------------------------
@@ -285,6 +206,7 @@ class RequestChunk:
     sid: int
     index: int
     manifest: bool = False
+    optim: bool = False  # with the manifest: ask for the optimizer state too
 
 
 @dataclass
@@ -316,6 +238,12 @@ class TransferResult:
     digest: str = ""  # hash list digest of the assembled chunks (the donor's digest when one donor served all)
     step: int = 0  # the last donor's step
     seconds: float = 0.0
+    tensors: tuple[Entry, ...] | None = None  # what ``data`` holds (the model's state, then any optimizer state)
+    samples: int = 0  # the last donor's training samples seen
+    scalars: tuple[tuple[str, int | float], ...] = ()  # the last donor's non-tensor optimizer state
+    optimizer: bool = False  # ``data`` holds the optimizer state after the model's
+    optimizer_problem: str = ""  # why the optimizer state asked for was not downloaded
+    optimizer_state: dict[str, Any] | None = None  # decoded for ``Optimizer.load_state_dict`` (catch_up fills it in)
 
 
 @dataclass
@@ -329,19 +257,48 @@ class _FetchSession:
 
 
 class Fetcher:
-    """The newcomer's side: download a state of ``size`` bytes and ``layout`` from live members."""
+    """The newcomer's side: download a state of ``size`` bytes and ``layout`` from live members.
+
+    ``optimizer``, the table of the optimizer tensors we expect (see
+    ``optimizer_template``; ``tensors`` must then be the model's table), asks
+    donors for their optimizer state too; a donor whose state does not fit
+    turns the download into one of the parameters alone (``optimizer_problem``
+    says why). ``size=None`` (and no ``layout``) takes whatever state the first
+    donor describes, up to ``max_bytes``: a tool without a model of its own.
+    """
 
     def __init__(
-        self, config: StateConfig, *, me: str, size: int, layout: str, rng: random.Random, now: float
+        self,
+        config: StateConfig,
+        *,
+        me: str,
+        size: int | None,
+        layout: str | None,
+        rng: random.Random,
+        now: float,
+        tensors: tuple[Entry, ...] | None = None,
+        optimizer: tuple[Entry, ...] | None = None,
+        max_bytes: int = 0,
     ) -> None:
+        if (size is None) != (layout is None) or (size is None and max_bytes <= 0) or (optimizer is not None and tensors is None):
+            raise ValueError("Fetcher: size and layout go together; without them max_bytes bounds; optimizer needs tensors")
         self.config = config
         self.me = me
-        self.size = size
-        self.layout = layout
         self.rng = rng
         self.chunk_bytes = config.chunk_bytes
-        self.count = chunk_count(size, config.chunk_bytes)
-        self.data = torch.empty(size, dtype=torch.uint8)  # (size,) the assembled state
+        self.max_bytes = max_bytes
+        self._plain = (size, layout, tensors)  # the parameters-only download (our model's state)
+        self.with_optimizer = optimizer is not None and size is not None
+        self.optimizer_problem = ""
+        if self.with_optimizer:
+            assert tensors is not None and optimizer is not None and size is not None
+            full = tensors + optimizer
+            size, layout, tensors = size + sum(entry_nbytes(e) for e in optimizer), table_layout(full), full
+        self.size: int | None = size
+        self.layout: str | None = layout
+        self.tensors: tuple[Entry, ...] | None = tensors
+        self.count = chunk_count(size or 0, config.chunk_bytes)
+        self.data = torch.empty(size or 0, dtype=torch.uint8)  # (size,) the assembled state
         self.started = now
         self.stats = TransferStats()
         self.result: TransferResult | None = None
@@ -414,10 +371,17 @@ class Fetcher:
             self.stats.state_stale += 1
             return
         if s.manifest is None:
+            if self.with_optimizer and ev.manifest is not None and (why := self._optimizer_misfit(ev.manifest)):
+                self._drop_optimizer(s.donor, why)
+                self._leave(now, out, "its optimizer state does not fit ours")  # not banned: its parameters will do
+                return
             problem = self._manifest_problem(ev.manifest)
             if problem:
                 self._leave(now, out, problem, ban=True)
                 return
+            assert ev.manifest is not None  # _manifest_problem said so otherwise
+            if self.size is None:
+                self._adopt(ev.manifest)
             s.manifest = ev.manifest
             self.stats.state_donor_step = s.manifest.step
             s.todo = [i for i in range(self.count) if self._kept[i] is None and i not in s.inflight]
@@ -428,9 +392,10 @@ class Fetcher:
         elif ev.manifest is not None and ev.manifest != s.manifest:
             self._leave(now, out, "changed its manifest within a session", ban=True)
             return
+        assert self.size is not None  # known, or adopted from the manifest above
         lo = ev.index * self.chunk_bytes
         expected = min(self.size, lo + self.chunk_bytes) - lo
-        if ev.data.numel() != expected or _sha256(ev.data) != s.manifest.hashes[ev.index]:
+        if ev.data.numel() != expected or sha256_hex(ev.data) != s.manifest.hashes[ev.index]:
             self.stats.state_checksum_failures += 1
             self._leave(now, out, f"chunk {ev.index} failed its SHA-256 check", ban=True)
             return
@@ -448,7 +413,12 @@ class Fetcher:
     def _manifest_problem(self, m: Manifest | None) -> str | None:
         if m is None:
             return "answered without the manifest it was asked for"
-        if m.size != self.size or m.layout != self.layout:
+        if self.size is None:
+            if m.tensors is None:
+                return "its manifest does not list its tensors"
+            if m.size > self.max_bytes:
+                return f"its state has {m.size} bytes, more than the {self.max_bytes} we take"
+        elif m.size != self.size or m.layout != self.layout:
             return f"its state ({m.size} bytes, layout {m.layout}) is not our model's ({self.size} bytes, layout {self.layout})"
         if m.chunk_bytes != self.chunk_bytes:
             return f"it chunks by {m.chunk_bytes} bytes, we by state.chunk_bytes={self.chunk_bytes}"
@@ -456,6 +426,42 @@ class Fetcher:
             self.stats.state_checksum_failures += 1
             return "its manifest does not match its digest"
         return None
+
+    def _optimizer_misfit(self, m: Manifest) -> str | None:
+        """Why ``m`` (of a donor whose parameters fit ours) has no optimizer state we can use; None if it has."""
+        if m.layout == self.layout and m.size == self.size:
+            return None
+        size, layout, tensors = self._plain
+        if m.tensors is None:
+            return "no optimizer state" if (m.size, m.layout) == (size, layout) else None
+        model = tuple(e for e in m.tensors if not e[0].startswith(OPTIMIZER_PREFIX))
+        if table_layout(model) != layout:
+            return None  # another model altogether: _manifest_problem names it
+        assert self.tensors is not None and tensors is not None
+        theirs = m.tensors[len(model):]
+        if not theirs:
+            return "no optimizer state"
+        return first_difference(self.tensors[len(tensors):], theirs)
+
+    def _drop_optimizer(self, donor: str, why: str) -> None:
+        """Download the parameters alone from now on: the optimizer state offered does not fit ours."""
+        self.optimizer_problem = f"{donor}: {why}"
+        log.error(
+            "state transfer: the optimizer state of %s does not fit our optimizer (%s): downloading the parameters only",
+            donor, why,
+        )
+        self.with_optimizer = False
+        self.size, self.layout, self.tensors = self._plain
+        self.count = chunk_count(self.size or 0, self.chunk_bytes)
+        self.data = torch.empty(self.size or 0, dtype=torch.uint8)
+        self._restart()
+
+    def _adopt(self, m: Manifest) -> None:
+        """Take the first donor's description of the state (a tool without a model of its own)."""
+        self.size, self.layout, self.tensors = m.size, m.layout, m.tensors
+        self.count = chunk_count(m.size, self.chunk_bytes)
+        self.data = torch.empty(m.size, dtype=torch.uint8)
+        self._restart()
 
     def _on_refusal(self, ev: Refusal, now: float) -> None:
         s = self._session
@@ -526,7 +532,7 @@ class Fetcher:
         sid = self.rng.randrange(_SID_LIMIT)
         self._session = _FetchSession(donor, sid, now, inflight={first})
         log.info("state transfer: asking %s for our state, from chunk %d of %d", donor, first, self.count)
-        out.append(RequestChunk(donor, sid, first, manifest=True))
+        out.append(RequestChunk(donor, sid, first, manifest=True, optim=self.with_optimizer))
         if cfg.max_bytes_per_second:
             self._next_send = max(self._next_send, now) + self.chunk_bytes / cfg.max_bytes_per_second
         return True
@@ -542,7 +548,7 @@ class Fetcher:
         for i, sid in enumerate(self._kept):
             assert sid is not None
             donor, manifest = self._manifests[sid]
-            h = _sha256(self.data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+            h = sha256_hex(self.data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
             if h != manifest.hashes[i]:
                 bad.add(donor)
             hashes.append(h)
@@ -559,7 +565,12 @@ class Fetcher:
         donors = tuple(dict.fromkeys(self._manifests[sid][0] for sid in self._kept))
         seconds = now - self.started
         self.stats.state_transfer_seconds = seconds
-        self.result = TransferResult(True, "", self.data, donors, digest, self.stats.state_donor_step, seconds)
+        last = s.manifest
+        assert last is not None
+        self.result = TransferResult(
+            True, "", self.data, donors, digest, self.stats.state_donor_step, seconds, self.tensors or last.tensors,
+            last.samples, last.scalars, self.with_optimizer, self.optimizer_problem,
+        )
 
     def _restart(self) -> None:
         self._kept = [None] * self.count
@@ -571,7 +582,7 @@ class Fetcher:
             out.append(RequestChunk(self._session.donor, self._session.sid, CLOSE))
             self._session = None
         self.stats.state_transfer_seconds = now - self.started
-        self.result = TransferResult(False, reason, seconds=now - self.started)
+        self.result = TransferResult(False, reason, seconds=now - self.started, optimizer_problem=self.optimizer_problem)
 
 
 # -- the donor ---------------------------------------------------------------------------
@@ -586,21 +597,28 @@ class ChunkRequest:
     sid: int
     index: int
     manifest: bool
+    optim: bool = False  # opening a session: the optimizer state too, if we have one
 
     @classmethod
     def from_message(cls, msg: Message) -> "ChunkRequest":
-        index, manifest = msg.body.get("index"), msg.body.get("manifest")
-        if type(index) is not int or index < CLOSE or type(manifest) is not bool:
-            raise ProtocolError("sreq needs an int index >= -1 and a bool manifest")
-        return cls(msg.sender, msg.addr, _sid(msg.body), index, manifest)
+        index, manifest, optim = msg.body.get("index"), msg.body.get("manifest"), msg.body.get("optim", False)
+        if type(index) is not int or index < CLOSE or type(manifest) is not bool or type(optim) is not bool:
+            raise ProtocolError("sreq needs an int index >= -1, a bool manifest and optionally a bool optim")
+        return cls(msg.sender, msg.addr, _sid(msg.body), index, manifest, optim)
 
 
 @dataclass(frozen=True)
 class SnapshotTaken:
-    """The trainer copied its state for the sessions waiting since request ``serial`` (see ``Donor.wanted``)."""
+    """The trainer copied its state for the sessions waiting since request ``serial`` (see ``Donor.wanted``).
+
+    ``snapshot`` is the model's state; ``with_optimizer``, when the trainer
+    had optimizer state to give, the model's and the optimizer's, for
+    sessions that asked for it (the others get ``snapshot``).
+    """
 
     snapshot: Snapshot
     serial: int
+    with_optimizer: Snapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -642,6 +660,7 @@ class _DonorSession:
     last_used: float
     snapshot: Snapshot | None = None
     waiting: list[ChunkRequest] = field(default_factory=list)  # requests until the snapshot is taken
+    optim: bool = False  # it asked for the optimizer state too
 
 
 class Donor:
@@ -665,7 +684,7 @@ class Donor:
             self.stats.state_snapshots += 1
             for s in self.sessions.values():
                 if s.snapshot is None and s.serial <= event.serial:
-                    s.snapshot = event.snapshot
+                    s.snapshot = (event.with_optimizer if s.optim else None) or event.snapshot
                     for req in s.waiting:
                         out.append(self._answer(s, req))
                     s.waiting.clear()
@@ -689,7 +708,7 @@ class Donor:
                 out.append(_refuse(req, f"busy: serving {len(self.sessions)} sessions (state.donor_sessions)", retry=True))
             else:
                 self.wanted += 1
-                self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req])
+                self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req], optim=req.optim)
                 self.stats.state_sessions_served += 1
             return
         s.last_used = now
@@ -704,6 +723,11 @@ class Donor:
         """Whether a session would get a snapshot soon: our trainer reached a safe point lately."""
         return self.ready and self.stepped_at is not None and now - self.stepped_at <= self.config.request_timeout
 
+    def needs(self, serial: int) -> tuple[bool, bool]:
+        """Which snapshots the sessions a copy for ``serial`` serves want: (the model's state, with the optimizer's)."""
+        waiting = [s.optim for s in self.sessions.values() if s.snapshot is None and s.serial <= serial]
+        return (not all(waiting), any(waiting))
+
     def _answer(self, s: _DonorSession, req: ChunkRequest) -> Reply:
         snap = s.snapshot
         assert snap is not None
@@ -712,9 +736,11 @@ class Donor:
             return _refuse(req, f"no chunk {req.index}: the state has {len(m.hashes)}", retry=False)
         body: dict[str, Any] = {"sid": req.sid, "index": req.index}
         if req.manifest:
-            header = len(m.hashes) * _HASH_WIRE_BYTES + 4096  # the hashes and the rest of the header, generously
-            if len(m.hashes) > self.limits.max_container_len or header > self.limits.max_header_bytes:
-                return _refuse(req, f"{len(m.hashes)} chunks do not fit one manifest: raise state.chunk_bytes", retry=False)
+            if m.entries() > self.limits.max_container_len or m.header_bytes() > self.limits.max_header_bytes:
+                return _refuse(
+                    req, f"{len(m.hashes)} chunks and {len(m.tensors or ())} tensors do not fit one manifest: "
+                    "raise state.chunk_bytes", retry=False,
+                )
             body.update(m.to_body())
         data = snap.chunk(req.index)
         self.stats.state_chunks_sent += 1
@@ -768,7 +794,7 @@ class StateEndpoint:
         self._address_of = address_of
         self._clock = clock
         self._inbox: asyncio.Queue[FetchEvent] | None = None
-        self._snapshots: asyncio.Queue[tuple[torch.Tensor, int, str, int]] = asyncio.Queue(maxsize=1)
+        self._snapshots: asyncio.Queue[StateCopy] = asyncio.Queue(maxsize=1)
 
     def stats(self) -> dict[str, Any]:
         return {**self.transfer.to_dict(), **self.donor.stats.to_dict()}
@@ -807,24 +833,49 @@ class StateEndpoint:
 
     # -- snapshots (taken on the trainer thread, see SnapshotHook) ---------------------------
 
-    def offer_snapshot(self, data: torch.Tensor, step: int, layout: str, serial: int) -> None:
-        """A copy of the state for sessions waiting since ``serial`` (call on the node's loop)."""
+    def offer_snapshot(self, copy: "StateCopy") -> None:
+        """A copy of the state for sessions waiting since ``copy.serial`` (call on the node's loop)."""
         if not self.offload:
-            self._snapshot_taken(Snapshot.build(data, step=step, layout=layout, chunk_bytes=self.config.chunk_bytes), serial)
+            self._snapshot_taken(copy, *self._build(copy, self.donor.needs(copy.serial)))
             return
         if self._snapshots.full():  # a newer copy replaces one not yet hashed: it serves the same sessions and more
             self._snapshots.get_nowait()
-        self._snapshots.put_nowait((data, step, layout, serial))
+        self._snapshots.put_nowait(copy)
 
     async def run(self) -> None:
         """Hash offloaded snapshots in a worker thread (a background task of the node)."""
         while True:
-            data, step, layout, serial = await self._snapshots.get()
-            snap = await asyncio.to_thread(Snapshot.build, data, step=step, layout=layout, chunk_bytes=self.config.chunk_bytes)
-            self._snapshot_taken(snap, serial)
+            copy = await self._snapshots.get()
+            needs = self.donor.needs(copy.serial)  # here, on the loop that changes the sessions
+            snaps = await asyncio.to_thread(self._build, copy, needs)
+            self._snapshot_taken(copy, *snaps)
 
-    def _snapshot_taken(self, snap: Snapshot, serial: int) -> None:
-        self._execute(self.donor.handle(SnapshotTaken(snap, serial), self._clock.now()))
+    def _build(self, copy: "StateCopy", needs: tuple[bool, bool]) -> tuple[Snapshot | None, Snapshot | None]:
+        """The snapshots the waiting sessions want (``Donor.needs``): the model's state, and with the optimizer's."""
+        plain, full = needs
+        chunk = self.config.chunk_bytes
+        model = copy.tensors[: copy.model_entries]
+        with_optimizer = None
+        if full and copy.model_entries < len(copy.tensors):
+            table = wire_table(copy.tensors)
+            layout = table_layout(copy.tensors)
+            with_optimizer = Snapshot.build(
+                copy.data, step=copy.step, layout=layout, chunk_bytes=chunk, tensors=table, samples=copy.samples,
+                scalars=copy.scalars,
+            )
+        snapshot = None
+        if plain or with_optimizer is None:
+            data = copy.data[: copy.model_bytes]
+            snapshot = Snapshot.build(
+                data, step=copy.step, layout=table_layout(model), chunk_bytes=chunk, tensors=wire_table(model),
+                samples=copy.samples,
+            )
+        return snapshot, with_optimizer
+
+    def _snapshot_taken(self, copy: "StateCopy", snapshot: Snapshot | None, with_optimizer: Snapshot | None) -> None:
+        base = snapshot or with_optimizer
+        assert base is not None
+        self._execute(self.donor.handle(SnapshotTaken(base, copy.serial, with_optimizer), self._clock.now()))
 
     # -- downloading -------------------------------------------------------------------------
 
@@ -860,6 +911,8 @@ class StateEndpoint:
     def _request(self, req: RequestChunk) -> bool:
         addr = self._address_of(req.to)
         body = {"sid": req.sid, "index": req.index, "manifest": req.manifest}
+        if req.optim:
+            body["optim"] = True
         return addr is not None and self._send(addr, SREQ, body, {})
 
 
@@ -871,15 +924,30 @@ async def catch_up(
     members: Callable[[], Sequence[str]],
     rng: random.Random,
     clock: Clock,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[TransferResult, list[torch.Tensor] | None]:
     """Download a live member's state for ``model``: the result and the decoded tensors (None if it failed).
 
     Runs on the node's loop; the caller installs the tensors (``install``) on
-    its training thread. A state that cannot be used (non-finite values) is
-    fetched again from other donors, within the same bounds.
+    its training thread, and ``result.optimizer_state`` (when not None) into
+    ``optimizer`` with ``load_state_dict``. The optimizer state is asked for
+    when ``optimizer`` is given and ``state.transfer_optimizer`` is set. A
+    state that cannot be used (non-finite values) is fetched again from other
+    donors, within the same bounds.
     """
     live = state_tensors(model)
-    fetcher = Fetcher(endpoint.config, me=me, size=state_nbytes(live), layout=layout_of(model), rng=rng, now=clock.now())
+    model_table = entries_of(model.state_dict(keep_vars=True).items())
+    template: OptimizerTemplate | None = None
+    if optimizer is not None and endpoint.config.transfer_optimizer:
+        made = optimizer_template(model, optimizer)
+        if isinstance(made, str):
+            log.error("state transfer: cannot take optimizer state (%s): downloading the parameters only", made)
+        else:
+            template = made
+    fetcher = Fetcher(
+        endpoint.config, me=me, size=state_nbytes(live), layout=layout_of(model), rng=rng, now=clock.now(),
+        tensors=model_table, optimizer=template.entries if template is not None else None,
+    )
     while True:
         result = await endpoint.download(fetcher, members)
         if not result.ok:
@@ -890,44 +958,93 @@ async def catch_up(
             log.log(level, "no state downloaded (%s): training from our own initial weights", result.reason)
             return result, None
         assert result.data is not None
-        decoded = decode_state(live, result.data)
-        if isinstance(decoded, list):
+        like = live + (list(template.like) if result.optimizer and template is not None else [])
+        decoded = decode_state(like, result.data)
+        problem = decoded if isinstance(decoded, str) else None
+        optim_state: dict[str, Any] | None = None
+        if isinstance(decoded, list) and result.optimizer and template is not None:
+            fitted = template.state_dict(decoded[len(live):], result.scalars)
+            if isinstance(fitted, str):
+                problem = f"its optimizer state: {fitted}"
+            else:
+                optim_state = fitted
+        if problem is None:
+            assert isinstance(decoded, list)
             log.info(
-                "state transfer: %d bytes from %s in %.3f s (donor step %d, digest %s)",
+                "state transfer: %d bytes from %s in %.3f s (donor step %d, digest %s%s)",
                 result.data.numel(), ", ".join(result.donors), result.seconds, result.step, result.digest[:16],
+                ", with optimizer state" if optim_state is not None else "",
             )
-            return result, decoded
-        fetcher.reject(decoded)  # the next download() picks up with other donors
+            return replace(result, optimizer_state=optim_state), decoded[: len(live)]
+        fetcher.reject(problem)  # the next download() picks up with other donors
+
+
+# -- the donor's safe point --------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StateCopy:
+    """What the trainer copied at a safe point for the sessions waiting since request ``serial``."""
+
+    data: torch.Tensor  # (bytes,) uint8: the model's state, then the optimizer's tensors (if any)
+    step: int
+    serial: int
+    tensors: tuple[Entry, ...]  # what ``data`` holds, in order
+    model_entries: int  # the first this many of ``tensors`` are the model's state
+    model_bytes: int
+    samples: int = 0
+    scalars: tuple[tuple[str, int | float], ...] = ()
 
 
 class SnapshotHook:
     """Runs at the trainer's safe point: copies the state when a donor session waits for a snapshot.
 
-    The copy (one memcpy of the state) is all the trainer pays; ``submit``
-    hands it to the node's loop (``StateEndpoint.offer_snapshot``), where it
-    is hashed and served. ``Donor.wanted`` is written by the loop and read
-    here; ``_served`` only here, so no lock is needed.
+    The copy (one memcpy of the state, and of the optimizer's with
+    ``state.transfer_optimizer`` and an ``optimizer``) is all the trainer
+    pays; ``submit`` hands it to the node's loop (``StateEndpoint.offer_snapshot``),
+    where it is hashed and served. ``Donor.wanted`` is written by the loop
+    and read here; ``_served`` only here, so no lock is needed.
     """
 
     def __init__(
         self,
         endpoint: StateEndpoint,
         model: torch.nn.Module,
-        submit: Callable[[torch.Tensor, int, str, int], None],
+        submit: Callable[[StateCopy], None],
         clock: Clock,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.clock = clock
         self.tensors = state_tensors(model)
-        self.layout = layout_of(model)
+        self.table = entries_of(model.state_dict(keep_vars=True).items())
+        self.layout = table_layout(self.table)
         self.submit = submit
+        self.optimizer = optimizer if endpoint.config.transfer_optimizer else None
+        self._names = parameter_names(model)
         self._served = 0
+        self._warned = False
 
-    def __call__(self, step: int) -> None:
+    def __call__(self, step: int, samples: int = 0) -> None:
+        """Our safe point after local step ``step``, having trained on ``samples`` samples in all."""
         donor = self.endpoint.donor
         donor.stepped_at = self.clock.now()
         wanted = donor.wanted
         if wanted == self._served:
             return
         self._served = wanted
-        self.submit(flatten(self.tensors), step, self.layout, wanted)
+        tensors, table = list(self.tensors), self.table
+        scalars: tuple[tuple[str, int | float], ...] = ()
+        if self.optimizer is not None:
+            listed = optimizer_tensors(self._names, self.optimizer)
+            if isinstance(listed, str):
+                if not self._warned:
+                    log.warning("state transfer: cannot give our optimizer state: %s", listed)
+                    self._warned = True
+            else:
+                tensors += [t for _, t in listed[0]]
+                table = table + entries_of(listed[0])
+                scalars = tuple(listed[1])
+        data = flatten(tensors)
+        model_bytes = state_nbytes(self.tensors)
+        self.submit(StateCopy(data, step, wanted, table, len(self.table), model_bytes, samples, scalars))

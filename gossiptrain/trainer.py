@@ -30,7 +30,7 @@ from .errors import CheckpointError, ConfigError
 from .metrics import MetricsLog
 from .peer import Peer
 from .progress import Progress
-from .local_training import LocalTrainer, budget_spent
+from .local_training import LocalTrainer, budget_spent, make_optimizer
 from .workload import Workload, load_workload
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class PeerOptions:
     resume: str | Path | None = None  # start from the newest intact checkpoint in this directory
     resume_any_run: bool = False  # accept a checkpoint of another run (its tensors must still fit the model)
     security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
+    final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -126,6 +127,7 @@ def run_peer(
         build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
         join_attempts=options.join_attempts, security=options.security,
         transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
+        optimizer=lambda config, model: make_optimizer(config.train, model),
     ) as peer:
         workload = workloads["w"]
         if on_training:
@@ -134,7 +136,7 @@ def run_peer(
             return {"event": "stopped", "peer": peer.id, "step": 0}
         return _train(
             peer, workload, metrics, progress, stop, options.slowdown,
-            checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run,
+            checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
         )
 
 
@@ -150,9 +152,10 @@ def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: P
 def _train(
     peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float,
     *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
+    final_model: str | Path | None = None,
 ) -> dict[str, Any]:
     cfg = peer.config.train
-    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard)
+    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer)
     base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
     resumed: dict[str, Any] = {}
     if resume is not None:
@@ -195,7 +198,7 @@ def _train(
     next_eval = started + cfg.eval_every_seconds
     rate = _Rate()
 
-    def record(event: str) -> dict[str, Any]:
+    def record(event: str, **extra: Any) -> dict[str, Any]:
         now = time.monotonic()
         result = trainer.evaluate()
         stats = peer.stats()
@@ -228,6 +231,7 @@ def _train(
         }
         if checkpointer is not None:
             rec.update(checkpoints=checkpoints["saved"], checkpoint_failures=checkpoints["failed"])
+        rec.update(extra)
         metrics.write(rec)
         progress.update(
             f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {trainer.loss_avg:.3f} | "
@@ -235,20 +239,25 @@ def _train(
         )
         return rec
 
-    while not stop.is_set() and not budget_spent(cfg, peer.steps, time.monotonic() - started):
+    while not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, time.monotonic() - started):
         computed = time.perf_counter()
         trainer.step()
         if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
             time.sleep((slowdown - 1) * (time.perf_counter() - computed))
-        peer.step()
+        peer.step(samples_seen=trainer.samples_seen)
         if checkpointer is not None and checkpointer.due(peer.steps):
             save_checkpoint()
         if time.monotonic() >= next_eval:
             record("eval")
             next_eval = time.monotonic() + cfg.eval_every_seconds
-    if checkpointer is not None and checkpoints["step"] != peer.steps:
-        save_checkpoint()  # the final state, also when stopped by a signal
-    summary = record("done")
+    final: dict[str, Any] = {"finish": "signal"}
+    if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.finish)
+        reason = "stop" if peer.finish_requested else "budget"
+        progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
+        final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
+    if checkpointer is not None and (checkpoints["step"] != peer.steps or final.get("final_rounds")):
+        save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
+    summary = record("done", **final)
     progress.finish(
         f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "
         f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"

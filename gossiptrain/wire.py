@@ -35,10 +35,12 @@ if TYPE_CHECKING:
     # typing.Buffer is 3.12+: anything with the buffer protocol (bytes, memoryview, zmq.Frame).
     from typing_extensions import Buffer
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SWIM membership entries (state and suspector replace the heartbeat)
 
 KINDS: frozenset[str] = frozenset(
     {"join", "welcome", "refuse", "gossip", "leave", "report", "xreq", "xrep", "xnak", "xpush", "sreq", "srep", "snak"}
+    | {"sync", "ping", "ping-req", "ack"}  # SWIM membership (gossiptrain.membership)
+    | {"query", "roster", "stop", "fin"}  # the end of a run and tools outside the swarm (gossiptrain.finish)
 )
 
 #: The only tensor element types accepted on the wire, by their wire names.

@@ -22,14 +22,14 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 def fast_config(**overrides: object) -> RunConfig:
-    """Digits with a short heartbeat, so that failure detection takes seconds in tests.
+    """Digits with a short protocol period, so that failure detection takes seconds in tests.
 
-    Not shorter: on a loaded 2-core machine a peer's heartbeat may be late by
-    a second, and a fail timeout near that would make members flap.
+    Not shorter: on a loaded 2-core machine a peer may answer a probe a second
+    late, and a suspicion timeout near that would make members flap.
     """
     base = {
         "membership.heartbeat_interval": 0.25,
-        "membership.suspicion_mult": 4.0,
+        "membership.suspicion_mult": 8.0,
         "membership.report_interval": 0.5,
         "train.eval_every_seconds": 0.3,
     }

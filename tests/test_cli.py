@@ -36,7 +36,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--lr", "-1"], "train.lr"),
         (["--batch-size", "0"], "train.batch_size"),
         (["--set", "train.lrr=0.1"], "train.lrr"),
-        (["--set", "membership.fanout=many"], "membership.fanout"),
+        (["--set", "membership.indirect_probes=many"], "membership.indirect_probes"),
         (["--algorithm", "allreduce"], "gossip.algorithm"),
         (["--workload", "no_such_module:Workload"], "train.workload"),
     ],

@@ -31,7 +31,7 @@ def test_invalid_values_name_their_field(make: object, field: str) -> None:
 
 
 def test_dict_round_trip_and_fingerprint() -> None:
-    cfg = RunConfig().with_overrides({"train.lr": "0.1", "gossip.topology": "ring", "membership.fanout": 2})
+    cfg = RunConfig().with_overrides({"train.lr": "0.1", "gossip.topology": "ring", "membership.indirect_probes": 2})
     assert cfg.train.lr == 0.1 and cfg.gossip.topology == "ring"
     again = RunConfig.from_dict(cfg.to_dict())
     assert again == cfg and again.fingerprint() == cfg.fingerprint()
@@ -39,7 +39,7 @@ def test_dict_round_trip_and_fingerprint() -> None:
     assert cfg.diff(RunConfig()) == [
         "train.lr: 0.1 vs 0.05",
         "gossip.topology: 'ring' vs 'exponential'",
-        "membership.fanout: 2 vs 3",
+        "membership.indirect_probes: 2 vs 3",
     ]
 
 
@@ -67,8 +67,13 @@ def test_toml_file(tmp_path: Path) -> None:
         RunConfig.from_toml(tmp_path / "missing.toml")
 
 
-def test_fail_timeout_grows_with_the_swarm() -> None:
-    m = MembershipConfig(heartbeat_interval=0.5, suspicion_mult=3)
-    assert m.fail_timeout(1) == pytest.approx(1.5)
-    assert m.fail_timeout(3) == pytest.approx(3.0)
-    assert m.fail_timeout(1000) > 4 * m.fail_timeout(3)
+def test_failure_detection_timeouts_grow_with_the_swarm() -> None:
+    m = MembershipConfig(heartbeat_interval=0.5, suspicion_mult=4, suspicion_max_mult=6)
+    assert m.suspicion_timeout(1) == pytest.approx(2.0)
+    assert m.suspicion_timeout(10) == pytest.approx(2.0)
+    assert m.suspicion_timeout(1000) == pytest.approx(6.0)
+    assert m.suspicion_timeout_max(10) == pytest.approx(12.0)
+    assert m.dead_within(1000) > m.dead_within(8) > m.suspicion_timeout_max(8)
+    assert m.retransmits(8) == 4 and m.retransmits(1000) == 16
+
+

@@ -26,7 +26,7 @@ def test_a_report_is_answered_with_other_live_members_so_lonely_peers_meet() -> 
             b_t = SimTransport("sim://b:1", limits, network=network)
             async with c_t, a_t, b_t, Coordinator(run, c_t, clock=LoopClock(), seed=1):
                 for t, mid in ((a_t, "pa"), (b_t, "pb")):
-                    me = Member(mid, t.address, 0, 1, 1)
+                    me = Member(mid, t.address, 0, 1)
                     body = {"member": me.to_wire(), "spec": None}
                     t.send(c_t.address, encode(Message(REPORT, mid, t.address, run.fingerprint(), 0, body), limits))
                     await asyncio.sleep(0.01)

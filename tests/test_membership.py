@@ -1,8 +1,16 @@
-"""The membership state machine, driven in virtual time with no sockets."""
+"""The SWIM membership state machine, driven in virtual time with no sockets.
+
+``Cluster`` is a small discrete-event network: every message takes ``delay``
+seconds and is lost with probability ``loss``; each member is ticked at the
+time its machine asks for (``next_timer``), as the asyncio driver does.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
+from typing import Any, Callable
 
 import pytest
 from hypothesis import given, settings
@@ -11,153 +19,354 @@ from hypothesis import strategies as st
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.membership import (
+    ACK,
     ALIVE,
     DEAD,
     LEFT,
+    PING,
+    PING_REQ,
+    SUSPECT,
+    SYNC,
+    Ack,
     Digest,
     Leave,
     Member,
     MemberDown,
     Membership,
     MemberUp,
+    Ping,
+    PingReq,
     Send,
+    Suspected,
     Tick,
     least_loaded_shard,
     members_from_wire,
 )
 
-CONFIG = MembershipConfig(heartbeat_interval=1.0, fanout=2)
+CONFIG = MembershipConfig(heartbeat_interval=1.0)
+
+
+def event_for(src: Membership, a: Send) -> Any:
+    """The event a Send becomes at its recipient (what the node's decoder does)."""
+    sender, addr = src.me.id, src.me.addr
+    if a.kind == PING:
+        return Ping(sender, addr, a.seq, a.entries)
+    if a.kind == ACK:
+        return Ack(sender, a.seq, a.entries)
+    if a.kind == PING_REQ:
+        return PingReq(sender, addr, a.seq, a.target, a.target_addr, a.entries)
+    return Digest(a.entries, sender, addr, reply=a.kind == SYNC)
 
 
 class Cluster:
-    """n members gossiping through a perfect in-memory network, one round per virtual second."""
+    """n members on a simulated network with per-message delay and loss, all from one seed."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, *, loss: float = 0.0, delay: float = 0.01, config: MembershipConfig = CONFIG):
         self.rng = random.Random(seed)
+        self.config = config
+        self.loss, self.delay = loss, delay
         self.now = 0.0
         self.nodes: dict[str, Membership] = {}
         self.crashed: set[str] = set()
-        self.events: list[tuple[str, object]] = []
+        self.events: list[tuple[float, str, Any]] = []
+        self.blocked: Callable[[str, str], bool] = lambda src, dst: False
+        self._queue: list[tuple[float, int, str, Any]] = []
+        self._order = itertools.count()
+        self._generation: dict[str, int] = {}
         for i in range(n):
             self.add(f"m{i:03d}", incarnation=1)
 
     def add(self, mid: str, incarnation: int) -> Membership:
-        me = Member(mid, f"sim://{mid}", 0, incarnation, 0)
-        node = Membership(me, CONFIG, random.Random(self.rng.random()))
+        """Start (or restart) a member, joined through one live member as a welcome does."""
+        me = Member(mid, f"sim://{mid}", 0, incarnation)
+        node = Membership(me, self.config, random.Random(self.rng.random()))
+        seed = next((m for k, m in self.nodes.items() if k != mid and k not in self.crashed), None)
         self.nodes[mid] = node
         self.crashed.discard(mid)
-        seed = next((n for k, n in self.nodes.items() if k != mid and k not in self.crashed), None)
-        if seed is not None:  # joined through one live member, as a welcome does
-            self.deliver(mid, node.handle(Digest([seed.me]), self.now))
-            self.deliver(seed.me.id, seed.handle(Digest([me]), self.now))
+        self._generation[mid] = self._generation.get(mid, 0) + 1
+        if seed is not None:
+            self._carry(mid, node.handle(Digest([seed.me]), self.now))
+            self._carry(seed.me.id, seed.handle(Digest([me]), self.now))
+        self._push(self.now + self.rng.uniform(0, self.config.heartbeat_interval), "tick", (mid, self._generation[mid]))
         return node
 
-    def deliver(self, src: str, actions: list) -> None:
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self._queue, (at, next(self._order), kind, payload))
+
+    def _carry(self, src: str, actions: list) -> None:
         for a in actions:
             if isinstance(a, Send):
                 dst = a.addr.removeprefix("sim://")
-                if dst in self.nodes and dst not in self.crashed:
-                    self.deliver(dst, self.nodes[dst].handle(Digest(a.entries), self.now))
+                if self.blocked(src, dst) or self.rng.random() < self.loss:
+                    continue
+                self._push(self.now + self.delay, "msg", (dst, event_for(self.nodes[src], a)))
             else:
-                self.events.append((src, a))
+                self.events.append((self.now, src, a))
 
-    def rounds(self, k: int) -> None:
-        for _ in range(k):
-            self.now += CONFIG.heartbeat_interval
-            for mid, node in list(self.nodes.items()):
-                if mid not in self.crashed:
-                    self.deliver(mid, node.handle(Tick(), self.now))
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self._queue and self._queue[0][0] <= end:
+            at, _, kind, payload = heapq.heappop(self._queue)
+            self.now = at
+            if kind == "tick":
+                mid, generation = payload
+                if mid in self.crashed or generation != self._generation[mid]:
+                    continue
+                node = self.nodes[mid]
+                self._carry(mid, node.handle(Tick(), at))
+                self._push(max(node.next_timer(), at + 0.001), "tick", payload)
+            else:
+                dst, event = payload
+                if dst in self.nodes and dst not in self.crashed:
+                    self._carry(dst, self.nodes[dst].handle(event, at))
+        self.now = end
+
+    def crash(self, mid: str) -> None:
+        self.crashed.add(mid)
 
     def views(self) -> dict[str, set[str]]:
         return {mid: {m.id for m in n.alive()} for mid, n in self.nodes.items() if mid not in self.crashed}
+
+    def deaths(self) -> list[tuple[float, str, str]]:
+        """(when, observer, member) of every death verdict."""
+        return [(t, src, a.member.id) for t, src, a in self.events if isinstance(a, MemberDown) and a.reason == "dead"]
+
+
+def periods(n: int) -> float:
+    """Enough virtual seconds for news to reach n members: a sync, then log-many rounds of piggybacking."""
+    return CONFIG.heartbeat_interval * (4 * n.bit_length() + 8)
 
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(2, 24), seed=st.integers(0, 2**16))
 def test_views_converge_to_every_member(n: int, seed: int) -> None:
     c = Cluster(n, seed)
-    c.rounds(4 * n.bit_length() + 4)
+    c.run(periods(n))
     everyone = set(c.nodes)
     assert all(view == everyone for view in c.views().values())
+    assert not c.deaths()
 
 
 @settings(max_examples=15, deadline=None)
 @given(n=st.integers(3, 16), seed=st.integers(0, 2**16))
-def test_crashed_member_is_dropped_everywhere_then_readmitted(n: int, seed: int) -> None:
+def test_a_crashed_member_is_dropped_everywhere_within_the_bound_then_readmitted(n: int, seed: int) -> None:
     c = Cluster(n, seed)
-    c.rounds(4 * n.bit_length() + 4)
+    c.run(periods(n))
     victim = "m001"
-    c.crashed.add(victim)
-    bound = CONFIG.fail_timeout(n) / CONFIG.heartbeat_interval
-    c.rounds(int(bound) + 2 * n.bit_length() + 4)
+    c.crash(victim)
+    crashed_at = c.now
+    c.run(CONFIG.dead_within(n))
     assert all(victim not in view for view in c.views().values())
-    assert any(isinstance(a, MemberDown) and a.member.id == victim and a.reason == "dead" for _, a in c.events)
-    # It comes back (a restart: new incarnation) and everyone re-admits it.
+    verdicts = [(t, who) for t, who, m in c.deaths() if m == victim]
+    assert {who for _, who in verdicts} == set(c.nodes) - {victim}  # each decided for itself
+    assert max(t for t, _ in verdicts) - crashed_at <= CONFIG.dead_within(n)
+    assert all(m == victim for _, _, m in c.deaths())  # and nobody else was declared dead
+    # It comes back (a restart: a new incarnation) and everyone re-admits it.
     c.add(victim, incarnation=2)
-    c.rounds(4 * n.bit_length() + 4)
+    c.run(periods(n))
     assert all(view == set(c.nodes) for view in c.views().values())
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_one_percent_loss_never_kills_a_live_member(seed: int) -> None:
+    """Indirect probes and refutation absorb a lossy network: suspicions happen, deaths do not."""
+    c = Cluster(32, seed, loss=0.01)
+    c.run(120.0)
+    assert not c.deaths()
+    assert all(view == set(c.nodes) for view in c.views().values())
+
+
+def test_an_indirect_probe_saves_a_member_behind_one_broken_link() -> None:
+    c = Cluster(6, seed=3)
+    c.run(periods(6))
+    cut = {("m000", "m001"), ("m001", "m000")}
+    c.blocked = lambda src, dst: (src, dst) in cut
+    c.run(60.0)
+    prober = c.nodes["m000"]
+    assert prober.stats.indirect_probes > 0
+    assert not c.deaths()
+    assert "m001" in c.views()["m000"]
+
+
+def test_a_falsely_suspected_member_refutes_with_a_higher_incarnation() -> None:
+    c = Cluster(5, seed=2)
+    c.run(periods(5))
+    victim = c.nodes["m003"]
+    before = victim.me.incarnation
+    claim = Member("m003", "sim://m003", 0, before, SUSPECT, by="m000")
+    c._carry("m000", c.nodes["m000"].handle(Digest([claim], "m004", "sim://m004"), c.now))
+    assert c.nodes["m000"].get("m003").state == SUSPECT
+    c.run(CONFIG.suspicion_timeout_max(5))
+    assert victim.me.incarnation > before and victim.stats.refutations >= 1
+    assert all(n.get("m003").state == ALIVE for mid, n in c.nodes.items() if mid != "m003")
+    assert not c.deaths()
+
+
+def test_independent_suspicions_shorten_the_timeout_lifeguard() -> None:
+    def suspected_by(suspectors: str) -> Membership:
+        node = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+        node.handle(Digest([Member(x, f"sim://{x}", 0, 1) for x in "bcdefg"]), now=0.0)
+        for by in suspectors:
+            actions = node.handle(Digest([Member("b", "sim://b", 0, 1, SUSPECT, by=by)]), now=0.0)
+            assert by != suspectors[0] or any(isinstance(a, Suspected) for a in actions)
+        return node
+
+    lo, hi = CONFIG.suspicion_timeout(7), CONFIG.suspicion_timeout_max(7)
+    assert lo < hi
+    lone, confirmed = suspected_by("c"), suspected_by("cdef")
+    for node in (lone, confirmed):
+        node.handle(Tick(), now=lo + 0.01)
+    assert lone.get("b").state == SUSPECT  # a lone suspector may be the one in trouble: wait longer
+    assert confirmed.get("b").state == DEAD
+    lone.handle(Tick(), now=hi + 0.01)
+    assert lone.get("b").state == DEAD
+
+
+def test_the_probe_timeout_follows_measured_round_trips() -> None:
+    fast, slow = Cluster(4, seed=1, delay=0.002), Cluster(4, seed=1, delay=0.08)
+    for c in (fast, slow):
+        c.run(30.0)
+    t_fast = fast.nodes["m000"].probe_timeout()
+    t_slow = slow.nodes["m000"].probe_timeout()
+    assert CONFIG.min_probe_timeout <= t_fast < 2 * 0.004 * 4
+    assert 2 * 0.08 <= t_slow <= CONFIG.heartbeat_interval / 2
+    assert not fast.deaths() and not slow.deaths()
+
+
+def test_a_member_that_cannot_hear_raises_its_health_multiplier_and_kills_no_one() -> None:
+    """Lifeguard's local health: the deaf member's own probes fail; its lone suspicions are refuted."""
+    c = Cluster(8, seed=5)
+    c.run(periods(8))
+    c.blocked = lambda src, dst: dst == "m000"
+    c.run(20.0)
+    deaf = c.nodes["m000"]
+    assert deaf.health > 0 and deaf.period() > CONFIG.heartbeat_interval
+    assert all(who == "m000" or m == "m000" for _, who, m in c.deaths())  # only the deaf one and its own verdicts
 
 
 def test_a_partition_splits_the_views_and_they_merge_after_the_heal() -> None:
     c = Cluster(8, seed=4)
-    c.rounds(16)
+    c.run(periods(8))
     side_a = {f"m{i:03d}" for i in range(4)}
     side_b = set(c.nodes) - side_a
-    deliver = c.deliver
-
-    def partitioned(src: str, actions: list) -> None:
-        crossing = lambda a: isinstance(a, Send) and (src in side_a) != (a.addr.removeprefix("sim://") in side_a)
-        deliver(src, [a for a in actions if not crossing(a)])
-
-    c.deliver = partitioned  # type: ignore[method-assign]
-    c.rounds(int(CONFIG.fail_timeout(8)) + 10)
+    c.blocked = lambda src, dst: (src in side_a) != (dst in side_a)
+    c.run(CONFIG.dead_within(8))
     views = c.views()
     assert all(views[m] == side_a for m in side_a) and all(views[m] == side_b for m in side_b)
-    c.deliver = deliver  # type: ignore[method-assign]
-    c.rounds(4 * CONFIG.probe_dead_every + 10)
+    c.blocked = lambda src, dst: False
+    c.run(CONFIG.heartbeat_interval * (4 * CONFIG.probe_dead_every + 16))
     assert all(view == set(c.nodes) for view in c.views().values())
 
 
 def test_clean_leave_is_immediate_and_final() -> None:
     c = Cluster(6, seed=1)
-    c.rounds(12)
+    c.run(periods(6))
     leaver = c.nodes["m002"]
-    c.deliver("m002", leaver.handle(Leave(), c.now))
-    c.crashed.add("m002")
+    c._carry("m002", leaver.handle(Leave(), c.now))
+    c.crash("m002")
+    c.run(0.1)
     assert all("m002" not in view for view in c.views().values())
-    downs = [a for _, a in c.events if isinstance(a, MemberDown) and a.member.id == "m002"]
+    downs = [a for _, _, a in c.events if isinstance(a, MemberDown) and a.member.id == "m002"]
     assert downs and all(a.reason == "left" for a in downs)
-    c.rounds(20)  # stale gossip never brings it back
+    c.run(20.0)  # stale gossip never brings it back
     assert all("m002" not in view for view in c.views().values())
+    assert not c.deaths()
 
 
-def test_stale_gossip_does_not_resurrect_a_dead_member() -> None:
-    node = Membership(Member("a", "sim://a", 0, 1, 0), CONFIG, random.Random(0))
-    old = Member("b", "sim://b", 0, 1, 5)
+def test_stale_news_does_not_resurrect_a_dead_member() -> None:
+    node = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    old = Member("b", "sim://b", 0, 1)
     node.handle(Digest([old]), now=0.0)
-    node.handle(Tick(), now=CONFIG.fail_timeout(2) + 1)
+    node.handle(Digest([Member("b", "sim://b", 0, 1, SUSPECT, by="c")]), now=0.0)
+    node.handle(Tick(), now=CONFIG.suspicion_timeout_max(2) + 1)
     assert not node.is_alive("b")
     assert node.handle(Digest([old]), now=100.0) == []
     assert not node.is_alive("b")
-    newer = Member("b", "sim://b", 0, 1, 6)
+    newer = Member("b", "sim://b", 0, 2)  # it refuted, or restarted
     actions = node.handle(Digest([newer]), now=101.0)
     assert node.is_alive("b") and any(isinstance(a, MemberUp) for a in actions)
 
 
-def test_gossip_never_spreads_a_local_death_verdict() -> None:
-    node = Membership(Member("a", "sim://a", 0, 1, 0), CONFIG, random.Random(0))
-    node.handle(Digest([Member("b", "sim://b", 0, 1, 1), Member("c", "sim://c", 0, 1, 1)]), now=0.0)
-    node.handle(Digest([Member("c", "sim://c", 0, 1, 50)]), now=CONFIG.fail_timeout(3))
-    actions = node.handle(Tick(), now=CONFIG.fail_timeout(3) + 0.5)
+def test_a_death_verdict_spreads_and_blocks_resurrection_even_where_it_was_never_known() -> None:
+    node = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    node.handle(Digest([Member("b", "sim://b", 0, 1), Member("c", "sim://c", 0, 1)]), now=0.0)
+    node.handle(Digest([Member("b", "sim://b", 0, 1, SUSPECT, by="c")]), now=0.0)
+    node.handle(Tick(), now=0.0)
+    now = CONFIG.suspicion_timeout_max(3) + 0.5
+    sent = [a for a in node.handle(Tick(), now=now) if isinstance(a, Send)]
     assert node.get("b").state == DEAD
-    sent = [a for a in actions if isinstance(a, Send)]
-    assert sent and all(m.id != "b" for a in sent for m in a.entries)
+    told = [m for a in sent for m in a.entries if m.id == "b"]
+    assert told and all(m.state == DEAD for m in told)  # the verdict rides on our messages
+    # A member that never knew b takes the verdict as a tombstone: stale news of b cannot bring it in.
+    stranger = Membership(Member("d", "sim://d", 0, 1), CONFIG, random.Random(1))
+    assert not [a for a in stranger.handle(Digest([Member("b", "sim://b", 0, 1, DEAD)]), now=0.0) if isinstance(a, MemberUp)]
+    assert stranger.handle(Digest([Member("b", "sim://b", 0, 1)]), now=1.0) == []
+    assert not stranger.is_alive("b")
+    # A message from the dead member is answered with its verdict, so that it can refute if alive after all.
+    hint = node.handle(Digest([Member("b", "sim://b", 0, 1)], "b", "sim://b"), now=now + 50)
+    assert any(isinstance(a, Send) and a.addr == "sim://b" and any(m.id == "b" and m.state == DEAD for m in a.entries)
+               for a in hint)
 
 
-def test_a_member_refutes_a_newer_claim_about_itself() -> None:
-    node = Membership(Member("a", "sim://a", 0, 1, 3), CONFIG, random.Random(0))
-    node.handle(Digest([Member("a", "sim://a", 0, 1, 9, LEFT)]), now=0.0)
-    assert node.me.state == ALIVE and node.me.version > (1, 9)
+def test_a_member_we_hold_dead_hears_only_its_own_verdict_not_its_sides() -> None:
+    """After a partition heals, our probe of a 'dead' member must not condemn the members of its side."""
+    node = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    node.handle(Digest([Member(x, f"sim://{x}", 0, 1) for x in "bc"]), now=0.0)
+    for x in "bc":
+        node.handle(Digest([Member(x, f"sim://{x}", 0, 1, SUSPECT, by="z")]), now=0.0)
+    node.handle(Tick(), now=0.0)
+    start = CONFIG.suspicion_timeout_max(3) + 0.5
+    sent: list[Send] = []
+    for k in range(3 * CONFIG.probe_dead_every):
+        sent += [a for a in node.handle(Tick(), now=start + k) if isinstance(a, Send)]
+    probes = [a for a in sent if a.addr in ("sim://b", "sim://c")]
+    assert probes
+    for a in probes:
+        dead = {m.id for m in a.entries if m.state == DEAD}
+        assert dead == {a.addr.removeprefix("sim://")}
+
+
+def test_a_welcomed_member_is_not_probed_until_it_starts_and_dropped_if_it_never_does() -> None:
+    """A welcome adds the newcomer at incarnation 0; it may take a while to build its model and download state."""
+    node = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    node.handle(Digest([Member("late", "sim://late", 0, 0), Member("never", "sim://never", 0, 0)]), now=0.0)
+    sent: list[Send] = []
+    t = 0.0
+    while t < CONFIG.newcomer_grace / 2:
+        sent += [a for a in node.handle(Tick(), now=t) if isinstance(a, Send)]
+        t += CONFIG.heartbeat_interval
+    assert not [a for a in sent if a.kind == PING]
+    assert node.is_alive("late") and node.is_alive("never") and not node.suspects()
+    node.handle(Digest([Member("late", "sim://late", 0, 12345)]), now=t)  # it started: its own entry
+    pinged: set[str] = set()
+    downs = []
+    while t < 2 * CONFIG.newcomer_grace:
+        for a in node.handle(Tick(), now=t):
+            if isinstance(a, Send) and a.kind == PING:
+                pinged.add(a.addr)
+            elif isinstance(a, MemberDown):
+                downs.append(a.member.id)
+        t += CONFIG.heartbeat_interval
+    assert "sim://late" in pinged and "sim://never" not in pinged
+    assert "never" in downs and not node.is_alive("never")
+
+
+@pytest.mark.parametrize("state", [SUSPECT, DEAD, LEFT])
+def test_a_member_refutes_any_claim_against_its_incarnation(state: str) -> None:
+    node = Membership(Member("a", "sim://a", 0, 7), CONFIG, random.Random(0))
+    node.handle(Digest([Member("a", "sim://a", 0, 7, state)]), now=0.0)
+    assert node.me.state == ALIVE and node.me.incarnation == 8
+    node.handle(Digest([Member("a", "sim://a", 0, 5, SUSPECT)]), now=0.0)  # an older claim changes nothing
+    assert node.me.incarnation == 8
+
+
+def test_every_message_is_bounded() -> None:
+    c = Cluster(40, seed=9)
+    c.run(periods(40))
+    node = c.nodes["m000"]
+    sends = [a for a in node.handle(Ping("m001", "sim://m001", 1, ()), c.now) if isinstance(a, Send)]
+    assert sends and all(len(a.entries) <= 2 + CONFIG.max_piggyback for a in sends)
 
 
 @settings(max_examples=200, deadline=None)
@@ -169,9 +378,21 @@ def test_malformed_member_entries_raise_protocol_error_only(raw: object) -> None
         pass
 
 
-def test_member_wire_round_trip_and_limit() -> None:
-    m = Member("p0a1", "tcp://127.0.0.2:4000", 3, 17, 99, LEFT)
+@settings(max_examples=100, deadline=None)
+@given(
+    mid=st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True),
+    shard=st.integers(0, 2**63 - 1),
+    inc=st.integers(0, 2**63 - 1),
+    state=st.sampled_from([ALIVE, SUSPECT, DEAD, LEFT]),
+    by=st.sampled_from(["", "p0001"]),
+)
+def test_member_wire_round_trip(mid: str, shard: int, inc: int, state: str, by: str) -> None:
+    m = Member(mid, "tcp://127.0.0.2:4000", shard, inc, state, by)
     assert members_from_wire([m.to_wire()], limit=1) == [m]
+
+
+def test_member_limit_per_message() -> None:
+    m = Member("p0a1", "tcp://127.0.0.2:4000", 3, 17, LEFT)
     with pytest.raises(ProtocolError):
         members_from_wire([m.to_wire()] * 2, limit=1)
 

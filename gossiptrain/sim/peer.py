@@ -25,7 +25,7 @@ from ..algorithms import make_averaging
 from ..averaging import Averaging, ParamSpec
 from ..config import RunConfig
 from ..joining import JoinRequest, join_swarm
-from ..local_training import LocalTrainer, budget_spent
+from ..local_training import LocalTrainer, budget_spent, make_optimizer
 from ..membership import Member
 from ..node import PeerNode
 from ..safepoint import SafePoint
@@ -103,8 +103,8 @@ class SimPeer:
             config = welcome.config
             model = self.make_model() if self.make_model else None
             params = dict(model.named_parameters()) if model is not None else {}
-            # A restart must outrank the old heartbeats: virtual microseconds do, as wall ones do for Peer.
-            me = Member(welcome.member_id, transport.address, welcome.shard, int(self.clock.now() * 1e6) + 1, 0)
+            # A restart must outrank what is remembered of the old process: virtual microseconds do, as wall ones do for Peer.
+            me = Member(welcome.member_id, transport.address, welcome.shard, int(self.clock.now() * 1e6) + 1)
             node = self.node = PeerNode(
                 me=me,
                 config=config,
@@ -123,16 +123,20 @@ class SimPeer:
                 self.averaging = make_averaging(params, config.gossip, self.rng, me=node.me.id)
                 self.averaging.poison = self.spec.poison
                 safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
-                snapshots = SnapshotHook(node.state, model, node.state.offer_snapshot, self.clock)
+                optimizer = make_optimizer(config.train, model)
+                snapshots = SnapshotHook(node.state, model, node.state.offer_snapshot, self.clock, optimizer=optimizer)
                 if config.state.enabled and any(m != node.me.id for m in node.view()):
                     # As Peer does: the swarm's current state first, then training (virtual time passes meanwhile).
                     self.transfer, values = await catch_up(
-                        node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock
+                        node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock,
+                        optimizer=optimizer,
                     )
                     if values is not None:
                         install(snapshots.tensors, values)
+                        if self.transfer.optimizer_state is not None:
+                            optimizer.load_state_dict(self.transfer.optimizer_state)
                 node.state.mark_ready()
-                trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard)
+                trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer)
                 if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
                     trainer.steps = self.transfer.step
                 started = self.clock.now()
@@ -142,7 +146,7 @@ class SimPeer:
                     await asyncio.sleep(spec.step_time * spec.speed * spec.contention)  # the virtual time it costs
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
-                    snapshots(trainer.steps)
+                    snapshots(trainer.steps, trainer.samples_seen)
                     if spec.exchange_time > 0 and (ops := self._exchange_ops() - before):
                         await asyncio.sleep(ops * spec.exchange_time * spec.contention)
                 await node.leave()

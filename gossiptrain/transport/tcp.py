@@ -259,8 +259,10 @@ class TcpTransport(Transport):
         return self._push(dest.socket, item)
 
     def forget(self, address: str) -> None:
-        # LINGER 0: whatever is still queued to a member that left is discarded now.
-        self._drop(address, linger_ms=0)
+        # A short linger, not 0: closing with LINGER 0 while the I/O thread is halfway through a
+        # multipart message aborted the process inside libzmq 4.3.5 ("Resource temporarily
+        # unavailable (src/session_base.cpp:233)"), seen when members left as others pushed to them.
+        self._drop(address, linger_ms=CLOSE_LINGER_MS)
 
     def _drop(self, address: str, linger_ms: int) -> None:
         dest = self._destinations.pop(address, None)

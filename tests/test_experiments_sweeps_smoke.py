@@ -1,0 +1,116 @@
+"""The simulated sweeps (topologies, staleness, compression) run end to end in --quick mode.
+
+Smoke tests only, as tests/test_experiments_smoke.py: each script finishes,
+prints its headline keys as JSON on its last line, with sane values (finite
+numbers, accuracies in [0, 1], bytes > 0), and writes its CSV, summary and
+plots; never whether the numbers are good (those are benchmarks, run by
+hand). The quick modes simulate 4 peers for a fraction of a virtual second
+(about 10 s of CPU each) and start no real peers. Each script runs in its
+own process group, killed whole if it overruns.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .swarm import ROOT
+
+SCRIPT_TIMEOUT = 300  # seconds: generous, for a machine shared with other jobs (about 10 s of CPU each)
+
+
+def run_script(name: str, out: Path) -> dict[str, Any]:
+    """Run experiments/NAME.py --quick --out OUT; return its last line as JSON."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name}.py --quick ran over {SCRIPT_TIMEOUT} s:\n{output[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def assert_outputs(out: Path, pngs: list[str]) -> list[dict[str, str]]:
+    """results.csv, summary.md (with its regenerate line) and the plots exist; the CSV's rows."""
+    with open(out / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# ") and "Regenerate: `python experiments/" in summary and "| --- |" in summary
+    for png in pngs:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    return rows
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def accuracy(x: Any) -> bool:
+    return finite(x) and 0 <= x <= 1
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_topologies_quick(tmp_path: Path) -> None:
+    heads = run_script("topologies", tmp_path)
+    assert heads["best_topology_4"] in ("ring", "complete")
+    times, sent = heads["time_to_target_s"]["4"], heads["bytes_to_target"]["4"]
+    assert set(times) == set(sent) == {"ring", "complete"}
+    assert all(finite(t) and t > 0 for t in times.values())
+    assert all(finite(b) and b > 0 for b in sent.values())
+    assert heads["real_time_to_target_s"] == {}  # --quick starts no real peers
+    assert "file" in heads["skipped"]  # needs an edge-list file
+    rows = assert_outputs(tmp_path, ["consensus.png", "to_target.png"])
+    assert {r["topology"] for r in rows} == {"ring", "complete"}
+    assert all(float(r["consensus_at_target"]) > 0 for r in rows)
+    assert (tmp_path / "curves.csv").read_text().count("\n") > 2
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_staleness_quick(tmp_path: Path) -> None:
+    heads = run_script("staleness", tmp_path)
+    settings = {"constant/none", "polynomial:1/none"}
+    assert heads["best_setting"] in settings | {None}
+    for case in ("none", "straggler"):
+        assert set(heads["final_acc"][case]) == settings
+        assert all(accuracy(a) for a in heads["final_acc"][case].values())
+        assert all(t is None or (finite(t) and t > 0) for t in heads["time_to_target_s"][case].values())
+    rows = assert_outputs(tmp_path, ["staleness.png"])
+    assert len(rows) == 4
+    straggler = [r for r in rows if r["straggler"] == "straggler"]
+    assert all(float(r["staleness_mean"]) >= 0 for r in straggler)
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_compression_quick(tmp_path: Path) -> None:
+    heads = run_script("compression", tmp_path)
+    for key in ("bytes_saved_int8", "bytes_saved_topk"):
+        assert finite(heads[key]) and heads[key] > 1, key  # both send fewer bytes than the uncompressed run
+    for key in ("acc_gap_points_int8", "acc_gap_points_topk"):
+        assert finite(heads[key]) and abs(heads[key]) <= 100, key
+    assert all(accuracy(a) for per in heads["final_acc"].values() for a in per.values())
+    assert heads["real"] == {}
+    rows = assert_outputs(tmp_path, ["compression.png"])
+    assert {(r["algorithm"], r["codec"]) for r in rows} == {
+        ("pairwise", "none"), ("pairwise", "int8"), ("neighbor", "none"), ("neighbor", "topk:ratio=0.1"),
+    }
+    assert all(int(r["bytes_per_peer_total"]) > 0 for r in rows)
