@@ -296,7 +296,8 @@ def test_chaos_for_minutes_matches_a_churn_free_run(procs: Procs, coordinator_fa
 # -- the coordinator restarted mid-run -------------------------------------------------------
 
 
-@pytest.mark.timeout(420)  # 70-110 s here with other jobs loading the machine; the bound is generous
+@pytest.mark.slow  # 70-110 s; the default run has tests/test_swarm.py's shorter coordinator restart
+@pytest.mark.timeout(420)
 def test_coordinator_restarted_mid_run_training_goes_on_and_joins_resume(procs: Procs) -> None:
     """Three peers train through a coordinator outage; the restarted one relearns them and welcomes a newcomer."""
     host = next_host()
