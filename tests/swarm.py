@@ -130,3 +130,33 @@ class Procs:
 
     def __iter__(self) -> Iterator[Proc]:
         return iter(self.all)
+
+
+def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str, Any], str]:
+    """Run experiments/NAME.py --quick --out OUT; its last line as JSON, and its output.
+
+    The script runs in its own session, so an overrun kills its peers and
+    coordinator too; a non-zero exit or an overrun fails the test with the
+    output's tail.
+    """
+    import json
+
+    import pytest
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name}.py --quick ran over {timeout} s:\n{output[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads(output.strip().splitlines()[-1]), output

@@ -9,12 +9,7 @@ server process outlives a test.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -28,30 +23,14 @@ from experiments.baselines import param_server
 from gossiptrain.local_training import LocalTrainer
 from gossiptrain.workload import load_workload
 
-from .swarm import ROOT
+from .swarm import run_quick_experiment
 
 SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
 
 
 def run_script(name: str, out: Path) -> dict[str, Any]:
-    """Run experiments/NAME.py --quick; return its last line as JSON. Kills its whole process group on overrun."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{name}.py --quick ran over {SCRIPT_TIMEOUT} s:\n{output[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
-    return json.loads(output.strip().splitlines()[-1])
+    """Run experiments/NAME.py --quick; return its last line as JSON."""
+    return run_quick_experiment(name, out, SCRIPT_TIMEOUT)[0]
 
 
 def assert_outputs(out: Path, pngs: list[str]) -> None:

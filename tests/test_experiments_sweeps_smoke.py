@@ -12,41 +12,20 @@ own process group, killed whole if it overruns.
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .swarm import ROOT
+from .swarm import run_quick_experiment
 
 SCRIPT_TIMEOUT = 300  # seconds: generous, for a machine shared with other jobs (about 10 s of CPU each)
 
 
 def run_script(name: str, out: Path) -> dict[str, Any]:
-    """Run experiments/NAME.py --quick --out OUT; return its last line as JSON."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{name}.py --quick ran over {SCRIPT_TIMEOUT} s:\n{output[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
-    return json.loads(output.strip().splitlines()[-1])
+    """Run experiments/NAME.py --quick; return its last line as JSON."""
+    return run_quick_experiment(name, out, SCRIPT_TIMEOUT)[0]
 
 
 def assert_outputs(out: Path, pngs: list[str]) -> list[dict[str, str]]:
