@@ -4,28 +4,34 @@ For each topology, N peers train digits (one of them S times slower) until
 the peers' mean test accuracy reaches the target:
 
 - real: a coordinator and N `gossiptrain peer --wait-for N` processes on
-  127.0.0.1 (a start line, as the simulated peers start together), the
-  straggler started with `--slowdown S`;
-- simulated: `gossiptrain.sim` with the same run configuration, the
-  straggler's speed S, and a machine model calibrated here beforehand:
-  alone, the time of one local step and the CPU time of one exchange
-  operation including its ZeroMQ transfer on loopback, both slowed by how
-  many busy peers share this machine's cores; and, from a separate
-  calibration swarm of the same size (another seed, never reported), how
-  loaded the machine is: the effective number of cores that makes the
-  simulated peers step as fast as the real ones, and the delay a message
-  waits before its peer handles it (the network thread waiting for a core
-  and for the GIL behind the trainer), half the difference between that
-  swarm's exchange round trip and the simulator's (see calibrate_load).
+  127.0.0.1 (a start line), the straggler started with `--slowdown S`;
+- simulated: `gossiptrain.sim` with the same run configuration, the same
+  start line (`SimConfig.wait_for`), the straggler's speed S, and a machine
+  model calibrated here beforehand: alone, the time of one local step, of
+  one test-set evaluation (real peers evaluate every 0.25 s on their
+  training thread) and the CPU time of one exchange operation including its
+  ZeroMQ transfer on loopback, all slowed by how many busy peers share the
+  cores; and, from a separate calibration swarm of the same size (another
+  seed, never reported), how loaded the machine is: the effective number of
+  cores and the delay a message waits before its peer handles it (the
+  network thread waiting for a core and for the GIL behind the trainer),
+  fitted together so that the simulated calibration swarm steps and
+  exchanges as fast as the real one (see calibrate_load).
 
+Both sides are measured by the same function (``reached``) on the same
+kind of records: the real peers' metrics files, the simulator's samples.
 It reports the time to the target and the exchanges per peer at that time,
-both measured and predicted, and the relative errors. Nothing from the
-measured runs is fed to the simulator. Output: experiments/results/fidelity/
-(results.csv, summary.md); the last line printed is a JSON object with
-`time_error` and `exchanges_error` (the worst over the topologies).
+both measured and predicted (medians over seeds: one run's crossing of a
+flat accuracy curve moves by a second or more from seed to seed), and the
+relative errors. Nothing from the measured runs is fed to the simulator.
+Output: experiments/results/fidelity/ (results.csv, summary.md, the real
+peers' metrics, the simulated samples); the last line printed is a JSON
+object with `time_error` and `exchanges_error` (the worst over the
+topologies).
 
     python experiments/fidelity.py            # 8 peers, ring and exponential, one 4x straggler
     python experiments/fidelity.py --quick    # 4 peers, exponential only, target 0.9 (smoke test)
+    python experiments/fidelity.py --reuse-real   # the simulator again, against the real runs already there
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import argparse
 import asyncio
 import copy
 import csv
+import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -43,6 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from gossiptrain.averaging import XREP, XREQ, PairwiseAveraging, Received, Tick  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
+from gossiptrain.local_training import LocalTrainer  # noqa: E402
 from gossiptrain.metrics import read_metrics  # noqa: E402
 from gossiptrain.serve import BackgroundCoordinator  # noqa: E402
 from gossiptrain.sim import SimConfig, simulate  # noqa: E402
@@ -63,6 +73,9 @@ from gossiptrain.workload import load_workload  # noqa: E402
 
 EVAL_EVERY = 0.25  # seconds, real and virtual: both sides see accuracy at the same cadence
 HOLD = 3  # grid points the target must hold for
+EXTRA = 2.0  # seconds a run goes on after it reached the target, so that the runs' mean curve crosses it too
+CALIBRATION_ROUNDS = 8  # at most
+DAMPING = 0.5  # of each calibration round's correction to the message delay (the cores: the square root)
 LOOPBACK = LinkProfile(latency=0.0001, bandwidth=2.0e9)  # about what ZeroMQ moves on loopback here
 
 
@@ -82,31 +95,46 @@ def run_config(peers: int, topology: str, budget: float) -> RunConfig:
 # -- calibration -------------------------------------------------------------------------
 
 
-def measure_exchange_time(run: RunConfig, repeats: int = 40) -> float:
-    """CPU seconds per exchange operation, alone: snapshot, encode, the ZeroMQ transfer over
-    loopback (both ends' I/O threads count: this is process CPU time), decode and merge."""
+def measure_exchange_time(run: RunConfig, repeats: int = 40) -> tuple[float, float]:
+    """CPU seconds, alone, of (one exchange operation on the training thread, one message on the network side).
+
+    The operations (start: snapshot; serve: merge and snapshot; complete:
+    merge) run at the trainer's safe point and hold its loop; the messages
+    (encode, the ZeroMQ transfer over loopback with both ends' I/O threads,
+    decode) run on the network thread, beside training. Process CPU time.
+    """
     workload = load_workload(run.train.workload)
     model = workload.build_model(run.train.seed)
     a = PairwiseAveraging(dict(copy.deepcopy(model).named_parameters()), run.gossip, random.Random(0), me="A")
     b = PairwiseAveraging(dict(copy.deepcopy(model).named_parameters()), run.gossip, random.Random(1), me="B")
     limits = run.limits
 
-    async def main() -> float:
+    async def main() -> tuple[float, float]:
         async with listen("tcp://127.0.0.1:0", limits) as ta, listen("tcp://127.0.0.1:0", limits) as tb:
 
-            async def wire(src: Transport, dst: Transport, tensors: Any) -> Any:
+            async def wire(src: Transport, dst: Transport, tensors: Any) -> tuple[Any, float]:
+                c0 = time.process_time()
                 src.send(dst.address, encode(Message("xreq", "p", src.address, "fp", 0, {}, tensors), limits))
-                return decode(await dst.recv(), limits).tensors
+                got = decode(await dst.recv(), limits).tensors
+                return got, time.process_time() - c0
 
-            samples = []
+            operations, messages = [], []
             for i in range(repeats + 5):
                 c0 = time.process_time()
                 (req,) = a.handle(Tick(step=i + 1, partners=["B"]), float(i))
-                (rep,) = b.handle(Received("A", XREQ, req.xid, await wire(ta, tb, req.tensors)), float(i))
-                a.handle(Received("B", XREP, rep.xid, await wire(tb, ta, rep.tensors)), float(i))
+                start = time.process_time() - c0
+                got, there = await wire(ta, tb, req.tensors)
+                c0 = time.process_time()
+                (rep,) = b.handle(Received("A", XREQ, req.xid, got), float(i))
+                serve = time.process_time() - c0
+                got, back = await wire(tb, ta, rep.tensors)
+                c0 = time.process_time()
+                a.handle(Received("B", XREP, rep.xid, got), float(i))
+                complete = time.process_time() - c0
                 if i >= 5:  # after connections and the allocator have warmed up
-                    samples.append((time.process_time() - c0) / 3)  # three operations: start, serve, complete
-            return statistics.median(samples)
+                    operations.append((start + serve + complete) / 3)
+                    messages.append((there + back) / 2)
+            return statistics.median(operations), statistics.median(messages)
 
     return asyncio.run(main())
 
@@ -135,10 +163,10 @@ def real_run(run: RunConfig, peers: int, slowdown: float, target: float, timeout
                 )
                 log.close()
             deadline = time.monotonic() + timeout
+            extended = False
             while time.monotonic() < deadline:
-                result = reached(_records(workdir, peers), target)
-                if result is not None:
-                    break
+                if not extended and reached(_records(workdir, peers), target) is not None:
+                    deadline, extended = time.monotonic() + EXTRA, True  # a little more curve, for pooling
                 if any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"a peer exited early; see {workdir}")
                 time.sleep(0.25)
@@ -151,50 +179,84 @@ def real_run(run: RunConfig, peers: int, slowdown: float, target: float, timeout
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    result = reached(_records(workdir, peers), target)
-    if result is None:
-        raise RuntimeError(f"the real swarm did not reach {target} within {timeout} s; see {workdir}")
-    return result
+    return measured(_records(workdir, peers), target, f"the real swarm did not reach {target} within {timeout} s; see {workdir}")
+
+
+def measured(per_peer: list[list[dict[str, Any]]], target: float, failure: str) -> dict[str, Any]:
+    """One run's own crossing (``reached``) and its curve (for ``pooled``)."""
+    points = curve(per_peer)
+    got = first_held(points, target)
+    if got is None:
+        raise RuntimeError(failure)
+    return {**got, "curve": points}
 
 
 def _records(workdir: Path, peers: int) -> list[list[dict[str, Any]]]:
     return [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(peers)]
 
 
-def reached(per_peer: list[list[dict[str, Any]]], target: float) -> dict[str, Any] | None:
-    """When the peers' mean accuracy reached ``target`` and held it, in seconds from the median peer's start.
+Point = tuple[float, dict[str, float]]  # (seconds from the median start, the swarm's means at that grid point)
 
-    Both sides are read on the same grid: every EVAL_EVERY seconds, the mean
-    over peers of each one's latest accuracy; the target counts as reached at
-    the first grid point that starts HOLD points at or above it (one noisy
-    crossing is not convergence, as in the demo).
+
+def curve(per_peer: list[list[dict[str, Any]]]) -> list[Point]:
+    """The swarm on a grid: every EVAL_EVERY seconds from the median peer's start, means over peers of each one's latest
+    evaluation (accuracy, exchanges, steps) and the median round trip; points before every peer has one are left out.
+
+    Peers start with `--wait-for N` (a start line), but each sees the N-th
+    member when gossip brings it, up to a heartbeat or two apart; the
+    simulated ones likewise. The median start is the fair zero.
     """
     starts = [next((r["time"] for r in recs if r.get("event") == "start"), None) for recs in per_peer]
-    if any(s is None for s in starts):
-        return None
-    # Peers start with `--wait-for N` (a start line), but each sees the N-th member when gossip brings it,
-    # up to a heartbeat or two apart; the simulated ones start together. The median start is the fair zero.
-    t0 = statistics.median(s for s in starts if s is not None)
     evals = [[r for r in recs if r.get("event") == "eval"] for recs in per_peer]
-    end = min((e[-1]["time"] for e in evals if e), default=t0) if all(evals) else t0
-    grid: list[tuple[float, list[dict[str, Any]]]] = []
-    g = t0 + EVAL_EVERY
-    while g <= end:
+    if any(s is None for s in starts) or not all(evals):
+        return []
+    t0 = statistics.median(s for s in starts if s is not None)
+    end = min(e[-1]["time"] for e in evals)
+    points: list[Point] = []
+    k = 1
+    while t0 + k * EVAL_EVERY <= end:
+        g = t0 + k * EVAL_EVERY
         latest = [max((r for r in e if r["time"] <= g), key=lambda r: r["time"], default=None) for e in evals]
         if all(latest):
-            grid.append((g, latest))  # type: ignore[arg-type]
-        g += EVAL_EVERY
-    for k in range(len(grid) - HOLD + 1):
-        window = grid[k : k + HOLD]
-        if all(sum(r["test_acc"] for r in rows) / len(rows) >= target for _, rows in window):
-            g, rows = window[0]
-            return {
-                "time_to_target": g - t0,
+            rows: list[dict[str, Any]] = latest  # type: ignore[assignment]
+            points.append((k * EVAL_EVERY, {
+                "acc": sum(r["test_acc"] for r in rows) / len(rows),
                 "exchanges_per_peer": sum(r["exchanges"] for r in rows) / len(rows),
                 "steps_per_peer": sum(r["step"] for r in rows) / len(rows),
                 "rtt_ms": statistics.median(r["rtt_ms"] for r in rows),
-            }
+            }))
+        k += 1
+    return points
+
+
+def first_held(points: list[Point], target: float) -> dict[str, float] | None:
+    """The first grid point that starts HOLD points at or above ``target`` (one noisy crossing is not convergence)."""
+    for k in range(len(points) - HOLD + 1):
+        if all(p["acc"] >= target for _, p in points[k : k + HOLD]):
+            t, p = points[k]
+            return {"time_to_target": t, **{key: v for key, v in p.items() if key != "acc"}}
     return None
+
+
+def reached(per_peer: list[list[dict[str, Any]]], target: float) -> dict[str, Any] | None:
+    """When one swarm's mean accuracy reached ``target`` and held it, in seconds from the median peer's start."""
+    return first_held(curve(per_peer), target)
+
+
+def pooled(curves: list[list[Point]], target: float) -> dict[str, float] | None:
+    """``first_held`` on the mean of several runs' curves, over the grid points they all have.
+
+    One run's crossing of a flat accuracy curve moves by a second or more
+    from seed to seed; the mean curve's crossing moves much less. Real and
+    simulated runs are pooled alike.
+    """
+    common = set.intersection(*({round(t / EVAL_EVERY) for t, _ in c} for c in curves)) if curves else set()
+    by_point = [dict((round(t / EVAL_EVERY), p) for t, p in c) for c in curves]
+    mean: list[Point] = [
+        (k * EVAL_EVERY, {key: sum(b[k][key] for b in by_point) / len(by_point) for key in by_point[0][k]})
+        for k in sorted(common)
+    ]
+    return first_held(mean, target)
 
 
 # -- the simulated swarm -----------------------------------------------------------------
@@ -206,74 +268,122 @@ def sim_run(
     slowdown: float,
     target: float,
     timeout: float,
-    step_time: float,
-    exchange_time: float,
-    cores: float,
+    machine: Machine,
     seed: int,
-    delay: float = 0.0,
+    save: Path | None = None,
 ) -> dict[str, Any]:
+    """The simulated swarm, measured exactly as the real one: ``reached`` on its samples (kept in ``save``, JSON lines)."""
     config = SimConfig(
         peers=peers,
         run=run,
         duration=timeout,
         seed=seed,
-        step_time=step_time,
-        exchange_time=exchange_time,
-        cores=cores,
+        step_time=machine.step_time,
+        exchange_time=machine.exchange_time,
+        eval_time=machine.eval_time,
+        cores=machine.cores,
         speeds=tuple([slowdown] + [1.0] * (peers - 1)),
-        link=LinkProfile(latency=LOOPBACK.latency + delay, bandwidth=LOOPBACK.bandwidth),
-        join_spread=0.0,  # time to target counts from when all peers train, as in the real run
+        link=LinkProfile(latency=LOOPBACK.latency + machine.delay, bandwidth=LOOPBACK.bandwidth),
+        join_spread=0.0,
+        wait_for=peers,  # the real peers' start line (`--wait-for N`)
         sample_every=EVAL_EVERY,
         target_accuracy=target,
-        target_hold=HOLD,
+        target_hold=HOLD + round(EXTRA / EVAL_EVERY),  # past the crossing, as the real runs go on for EXTRA seconds
     )
     result = simulate(config)
-    ttt = result.summary["time_to_target"]
-    if ttt is None:
-        raise RuntimeError(f"the simulated swarm did not reach {target} within {timeout} virtual s")
-    at = [r for r in result.rows if r["time"] == ttt]
-    return {
-        "time_to_target": ttt,
-        "exchanges_per_peer": sum(r["exchanges"] for r in at) / len(at),
-        "steps_per_peer": sum(r["step"] for r in at) / len(at),
-        "rtt_ms": statistics.median(r["rtt_ms"] for r in at),
-        "wall_seconds": result.summary["wall_seconds"],
-        "contention": result.summary["contention"],
-    }
+    if save is not None:
+        save.parent.mkdir(parents=True, exist_ok=True)
+        save.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in result.rows))
+    got = measured(sim_records(result.rows, peers), target, f"the simulated swarm did not reach {target} within {timeout} virtual s")
+    return {**got, "wall_seconds": result.summary["wall_seconds"], "contention": result.summary["contention"]}
 
 
-def calibrate_load(args: argparse.Namespace, step_time: float, exchange_time: float) -> tuple[float, float]:
-    """(effective cores, message delay in seconds) of this machine loaded with the swarm.
+def sim_records(rows: list[dict[str, Any]], peers: int) -> list[list[dict[str, Any]]]:
+    """The simulator's samples as the metrics records real peers write: a start line, then evaluations."""
+    out: list[list[dict[str, Any]]] = [[] for _ in range(peers)]
+    for row in rows:
+        if "test_acc" not in row:
+            continue  # not training yet
+        recs = out[row["peer"]]
+        if not recs:
+            recs.append({"event": "start", "time": row["started"]})
+        recs.append({"event": "eval", **{k: row[k] for k in ("time", "test_acc", "exchanges", "step", "rtt_ms")}})
+    return out
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The simulator's model of this machine running the swarm (see calibrate_alone and calibrate_load)."""
+
+    step_time: float  # seconds per local step, alone on a core
+    exchange_time: float  # CPU seconds per exchange operation on the training thread, alone
+    eval_time: float  # seconds per test-set evaluation, alone
+    cores: float  # effective cores the peers share
+    delay: float = 0.0  # seconds a message waits before its peer's network side handles it
+    message_time: float = 0.0  # CPU seconds per message on the network side, alone (for the record: the simulator
+    # has no network thread; its cost shows in the effective cores and the delay)
+
+
+def calibrate_alone(run: RunConfig, cores: float) -> Machine:
+    """Step, exchange and evaluation costs measured on this machine, one peer alone (no swarm running)."""
+    workload = load_workload(run.train.workload)
+    model = workload.build_model(run.train.seed)
+    step_time = measure_step_time(workload, model, run)
+    trainer = LocalTrainer(workload, copy.deepcopy(model), run.train, shard=0)
+    trainer.evaluate()
+    evals = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        trainer.evaluate()
+        evals.append(time.perf_counter() - t0)
+    operation, message = measure_exchange_time(run)
+    return Machine(step_time, operation, statistics.median(evals), cores, message_time=message)
+
+
+def calibrate_load(args: argparse.Namespace, alone: Machine) -> Machine:
+    """``alone`` with the effective cores and the message delay of this machine loaded with the swarm.
 
     A real swarm of the same size and straggler (seed 1000, never reported)
     is run to the target. Two things it shows that the compute model alone
-    misses: its peers step slower than ``step_time`` x contention predicts
-    (evaluations, heartbeats, the network threads, the OS share the cores
-    too), which sets the effective number of cores; and its exchange round
-    trip, read as in the measured runs (the peers' smoothed round trips at
-    the target), is longer than the simulator's, because a message waits for
-    a core and for the GIL behind the trainer before its peer handles it:
-    half the difference (a round trip is two messages) is the delay.
+    misses: its peers step slower than the measured costs x contention
+    predict (heartbeats, the network threads, the OS share the cores too),
+    which sets the effective number of cores; and its exchange round trip,
+    read as in the measured runs (the peers' smoothed round trips at the
+    target), is longer than the simulator's, because a message waits for a
+    core and for the GIL behind the trainer before its peer handles it,
+    which sets the delay. The two interact, so they are fitted together:
+    the calibration swarm is simulated, both corrected, and again, until
+    the simulated step period and round trip match the real ones.
     """
     topology = args.topologies[-1]
     run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": 1000})
-    real = real_run(run, args.peers, args.slowdown, args.target, args.timeout, args.out / "calibration")
+    workdir = args.out / "calibration"
+    real = reached(_records(workdir, args.peers), args.target) if args.reuse_real and workdir.exists() else None
+    if real is None:
+        real = real_run(run, args.peers, args.slowdown, args.target, args.timeout, workdir)
 
     def period(r: dict[str, Any]) -> float:  # seconds per local step of the mean peer
         return r["time_to_target"] / r["steps_per_peer"]
 
-    first = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, args.cores, 1000)
-    cores = args.cores * period(first) / period(real)
-    second = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, cores, 1000)
-    delay = max(0.0, (real["rtt_ms"] - second["rtt_ms"]) / 2 / 1000)
-    print(
-        f"calibration swarm ({topology}, seed 1000): step period real {period(real) * 1e3:.1f} ms, "
-        f"simulated {period(first) * 1e3:.1f} ms on {args.cores:g} cores: {cores:.2f} effective cores; "
-        f"exchange round trip real {real['rtt_ms']:.0f} ms, simulated {second['rtt_ms']:.0f} ms: "
-        f"message delay {delay * 1e3:.1f} ms",
-        flush=True,
-    )
-    return cores, delay
+    # A longer round trip means fewer exchanges, so more time for steps: damped fixed-point iteration from
+    # "all cores, no delay" (undamped, it oscillates).
+    machine = alone
+    for attempt in range(1, CALIBRATION_ROUNDS + 1):
+        sim = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, machine, 1000, workdir / "sim.jsonl")
+        cores = machine.cores * math.sqrt(period(sim) / period(real))
+        delay = max(0.0, machine.delay + DAMPING * (real["rtt_ms"] - sim["rtt_ms"]) / 2 / 1000)
+        print(
+            f"calibration round {attempt} ({topology}, seed 1000): step period real {period(real) * 1e3:.1f} ms, "
+            f"simulated {period(sim) * 1e3:.1f} ms on {machine.cores:.2f} cores; exchange round trip real "
+            f"{real['rtt_ms']:.0f} ms, simulated {sim['rtt_ms']:.0f} ms with {machine.delay * 1e3:.1f} ms delay -> "
+            f"{cores:.2f} cores, {delay * 1e3:.1f} ms",
+            flush=True,
+        )
+        settled = abs(cores / machine.cores - 1) < 0.03 and abs(delay - machine.delay) < 0.003
+        machine = dataclasses.replace(machine, cores=cores, delay=delay)
+        if settled:
+            break
+    return machine
 
 
 # -- main --------------------------------------------------------------------------------
@@ -287,30 +397,43 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--cores", type=float, default=float(os.cpu_count() or 1))
-    parser.add_argument("--seeds", type=int, default=3, help="runs per topology; medians are reported")
+    parser.add_argument("--seeds", type=int, default=8, help="real runs per topology; medians are reported")
+    parser.add_argument("--sim-seeds", type=int, default=10, help="simulated runs per topology; medians are reported")
+    parser.add_argument("--reuse-real", action="store_true",
+                        help="take the real runs already under --out (when they reached the target) instead of running "
+                             "them again: to try a change to the simulator against the same measurements")
     parser.add_argument("--quick", action="store_true", help="4 peers, exponential, target 0.9, one seed: a smoke test")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fidelity")
     args = parser.parse_args()
     if args.quick:
-        args.peers, args.topologies, args.target, args.seeds = 4, ["exponential"], 0.9, 1
+        args.peers, args.topologies, args.target, args.seeds, args.sim_seeds = 4, ["exponential"], 0.9, 1, 1
     torch.set_num_threads(1)
-    calib_run = run_config(args.peers, "exponential", args.timeout)
-    workload = load_workload("digits")
-    step_time = measure_step_time(workload, workload.build_model(calib_run.train.seed), calib_run)
-    exchange_time = measure_exchange_time(calib_run)
-    print(f"calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms; "
-          f"{args.cores:g} cores", flush=True)
+    alone = calibrate_alone(run_config(args.peers, "exponential", args.timeout), args.cores)
+    print(f"calibrated alone: step {alone.step_time * 1e3:.2f} ms, exchange operation {alone.exchange_time * 1e3:.2f} ms "
+          f"(training thread) + {alone.message_time * 1e3:.2f} ms per message (network side), "
+          f"evaluation {alone.eval_time * 1e3:.2f} ms; {args.cores:g} cores", flush=True)
 
-    cores, delay = calibrate_load(args, step_time, exchange_time)
+    machine = calibrate_load(args, alone)
     rows = []
     for topology in args.topologies:
         real, sim = [], []
-        for seed in range(args.seeds):  # medians over seeds: one run's threshold crossing is noisy
+        for seed in range(args.seeds):  # several seeds: one run's threshold crossing is noisy
             run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
-            real.append(real_run(run, args.peers, args.slowdown, args.target, args.timeout, args.out / f"real-{topology}-{seed}"))
-            sim.append(
-                sim_run(run, args.peers, args.slowdown, args.target, args.timeout, step_time, exchange_time, cores, seed, delay)
-            )
+            workdir = args.out / f"real-{topology}-{seed}"
+            if args.reuse_real and workdir.exists() and reached(_records(workdir, args.peers), args.target):
+                real.append(measured(_records(workdir, args.peers), args.target, ""))
+            else:
+                real.append(real_run(run, args.peers, args.slowdown, args.target, args.timeout, workdir))
+        for seed in range(args.sim_seeds):
+            run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
+            save = args.out / f"sim-{topology}" / f"seed-{seed}.jsonl"
+            sim.append(sim_run(run, args.peers, args.slowdown, args.target, args.timeout, machine, seed, save))
+
+        real_pool = pooled([r["curve"] for r in real], args.target)
+        sim_pool = pooled([r["curve"] for r in sim], args.target)
+        if real_pool is None or sim_pool is None:
+            side = "real" if real_pool is None else "simulated"
+            raise RuntimeError(f"the mean curve of the {side} {topology} runs does not hold {args.target} where all have data")
 
         def med(runs: list[dict[str, Any]], key: str) -> float:
             return statistics.median(r[key] for r in runs)
@@ -319,14 +442,19 @@ def main() -> None:
             "topology": topology,
             "peers": args.peers,
             "seeds": args.seeds,
-            "real_time": round(med(real, "time_to_target"), 3),
-            "sim_time": round(med(sim, "time_to_target"), 3),
-            "real_exchanges": round(med(real, "exchanges_per_peer"), 1),
-            "sim_exchanges": round(med(sim, "exchanges_per_peer"), 1),
-            "real_steps": round(med(real, "steps_per_peer"), 1),
-            "sim_steps": round(med(sim, "steps_per_peer"), 1),
-            "real_rtt_ms": round(med(real, "rtt_ms"), 2),
-            "sim_rtt_ms": round(med(sim, "rtt_ms"), 2),
+            "sim_seeds": args.sim_seeds,
+            "real_time": round(real_pool["time_to_target"], 3),
+            "sim_time": round(sim_pool["time_to_target"], 3),
+            "real_exchanges": round(real_pool["exchanges_per_peer"], 1),
+            "sim_exchanges": round(sim_pool["exchanges_per_peer"], 1),
+            "real_steps": round(real_pool["steps_per_peer"], 1),
+            "sim_steps": round(sim_pool["steps_per_peer"], 1),
+            "real_rtt_ms": round(real_pool["rtt_ms"], 2),
+            "sim_rtt_ms": round(sim_pool["rtt_ms"], 2),
+            "real_median_time": round(med(real, "time_to_target"), 3),
+            "sim_median_time": round(med(sim, "time_to_target"), 3),
+            "real_times": " ".join(f"{r['time_to_target']:.2f}" for r in real),
+            "sim_times": " ".join(f"{r['time_to_target']:.2f}" for r in sim),
             "sim_wall_seconds": round(sum(r["wall_seconds"] for r in sim), 1),
         }
         row["time_error"] = round(abs(row["sim_time"] - row["real_time"]) / row["real_time"], 4)
@@ -336,33 +464,32 @@ def main() -> None:
             f"{topology:>12}: time to {args.target} real {row['real_time']:.2f} s, simulated {row['sim_time']:.2f} s "
             f"(error {row['time_error']:.1%}); exchanges/peer real {row['real_exchanges']:.0f}, "
             f"simulated {row['sim_exchanges']:.0f} (error {row['exchanges_error']:.1%}); "
+            f"steps/peer real {row['real_steps']:.0f}, simulated {row['sim_steps']:.0f}; "
             f"exchange round trip real {row['real_rtt_ms']:.0f} ms, simulated {row['sim_rtt_ms']:.0f} ms "
-            f"(medians of {args.seeds} seeds)",
+            f"(mean curves of {args.seeds} real and {args.sim_seeds} simulated runs; each run's own time: real "
+            f"{row['real_times']} (median {row['real_median_time']:.2f}), simulated {row['sim_times']} "
+            f"(median {row['sim_median_time']:.2f}))",
             flush=True,
         )
-    write_results(args.out, rows, args, step_time, exchange_time, cores, delay)
+    write_results(args.out, rows, args, machine)
     print(json.dumps({
         "time_error": max(r["time_error"] for r in rows),
         "exchanges_error": max(r["exchanges_error"] for r in rows),
         "peers": args.peers,
         "target": args.target,
-        "step_time_ms": round(step_time * 1e3, 3),
-        "exchange_time_ms": round(exchange_time * 1e3, 3),
-        "message_delay_ms": round(delay * 1e3, 3),
-        "effective_cores": round(cores, 3),
-        "topologies": {r["topology"]: {k: r[k] for k in ("real_time", "sim_time", "real_exchanges", "sim_exchanges")} for r in rows},
+        "step_time_ms": round(machine.step_time * 1e3, 3),
+        "exchange_time_ms": round(machine.exchange_time * 1e3, 3),
+        "eval_time_ms": round(machine.eval_time * 1e3, 3),
+        "message_delay_ms": round(machine.delay * 1e3, 3),
+        "effective_cores": round(machine.cores, 3),
+        "topologies": {
+            r["topology"]: {k: r[k] for k in ("real_time", "sim_time", "real_exchanges", "sim_exchanges", "real_steps", "sim_steps")}
+            for r in rows
+        },
     }))
 
 
-def write_results(
-    out: Path,
-    rows: list[dict[str, Any]],
-    args: argparse.Namespace,
-    step_time: float,
-    exchange_time: float,
-    cores: float,
-    delay: float,
-) -> None:
+def write_results(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, machine: Machine) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -372,10 +499,12 @@ def write_results(
         "# Simulator fidelity",
         "",
         f"{args.peers} peers, digits, one peer {args.slowdown:g}x slower, target mean test accuracy {args.target}; "
-        f"compute model calibrated alone: step {step_time * 1e3:.2f} ms, exchange operation {exchange_time * 1e3:.2f} ms, "
-        f"{args.cores:g} cores shared; from a separate calibration swarm (seed 1000): {cores:.2f} effective cores, "
-        f"message delay under load {delay * 1e3:.1f} ms; "
-        f"medians of {args.seeds} seeds; the target must hold for {HOLD} evaluations.",
+        f"compute model calibrated alone: step {machine.step_time * 1e3:.2f} ms, exchange operation "
+        f"{machine.exchange_time * 1e3:.2f} ms, evaluation {machine.eval_time * 1e3:.2f} ms, {args.cores:g} cores shared; "
+        f"from a separate calibration swarm (seed 1000): {machine.cores:.2f} effective cores, "
+        f"message delay under load {machine.delay * 1e3:.1f} ms. Both sides measured alike: each run on a {EVAL_EVERY} s "
+        f"grid from the peers' median training start, the mean of {args.seeds} real and of {args.sim_seeds} simulated "
+        f"runs' curves, the first grid point that starts {HOLD} at or above the target.",
         "",
         "| topology | real time (s) | simulated (s) | error | real exchanges/peer | simulated | error | real RTT (ms) | simulated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -386,6 +515,8 @@ def write_results(
             f"{r['real_exchanges']:.0f} | {r['sim_exchanges']:.0f} | {r['exchanges_error']:.1%} | "
             f"{r['real_rtt_ms']:.0f} | {r['sim_rtt_ms']:.0f} |"
         )
+    lines += ["", "Each run's own time to the target (s):", ""]
+    lines += [f"- {r['topology']}: real {r['real_times']}; simulated {r['sim_times']}" for r in rows]
     lines += ["", "Regenerate: `python experiments/fidelity.py`"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 

@@ -41,6 +41,12 @@ class SafePoint:
         self.submit = submit
         gossip = node.config.gossip
         self.quarantine = Quarantine(gossip.quarantine_after, gossip.quarantine_seconds)
+        # Gossip rounds this peer has started (ticks that sent a request or a push, or found no partner it
+        # may use in this round's graph). A time-varying topology advances by these, not by local steps: a
+        # peer that starts an exchange every k steps would otherwise see the same phase of a period-k graph
+        # every time (one-peer-exponential at 8 peers, where a round trip takes about 3 steps, split the
+        # swarm into two halves that never met).
+        self.rounds = 0
 
     def __call__(self, step: int) -> None:
         """Run the safe point after local step ``step``."""
@@ -60,8 +66,11 @@ class SafePoint:
                     actions.append(SendExchange(event.sender, averaging.XNAK, event.xid, {}))
                 continue
             actions += self.averaging.handle(event, now)
-        partners = [p for p in node.partners(step) if not quarantine.blocks(p, now)]
-        actions += self.averaging.handle(averaging.Tick(step, partners), now)
+        partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
+        started = self.averaging.handle(averaging.Tick(step, partners), now)
+        if not partners or any(isinstance(a, SendExchange) and a.kind in (averaging.XREQ, averaging.XPUSH) for a in started):
+            self.rounds += 1
+        actions += started
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)

@@ -219,6 +219,8 @@ def _train(
             "exchanges": exchanges,
             "exchanges_per_s": round(rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
+            "refused": stats["refused"],  # our requests the partner turned down (busy with its own)
+            "declined": stats["crossed"] + stats["busy"],  # requests we turned down
             "staleness_mean": round(stats["staleness_mean"], 3),
             "staleness_hist": stats["staleness_hist"],
             "rtt_ms": round(stats["rtt_ms"], 2),

@@ -104,13 +104,14 @@ def test_simulate_command_prints_a_json_summary(tmp_path: Any) -> None:
     out = tmp_path / "series.csv"
     result = run_cli(
         "simulate", "--peers", "4", "--workload", "logreg", "--duration", "5", "--step-time", "0.01",
-        "--stragglers", "0.25:4", "--out", str(out), "--json", timeout=120,
+        "--stragglers", "0.25:4", "--wait-for", "4", "--eval-time", "0.002", "--step-jitter", "0.2", "--out", str(out), "--json",
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["peers"] == 4 and summary["virtual_seconds"] == pytest.approx(5.0)
     header = out.read_text().splitlines()[0].split(",")
-    assert {"time", "peer", "step", "test_acc", "consensus_distance", "bytes_sent", "staleness_mean"} <= set(header)
+    assert {"time", "peer", "step", "test_acc", "consensus_distance", "bytes_sent", "staleness_mean", "started", "refused"} <= set(header)
 
 
 def test_a_very_slow_peer_refuses_what_it_cannot_take_and_blocks_no_one() -> None:
@@ -131,3 +132,34 @@ def test_a_topology_that_cannot_exist_at_this_size_is_refused_before_anything_st
     with pytest.raises(ConfigError, match="random-regular.*degree=6 needs at least 7 peers"):
         SimConfig(peers=4, run=logreg(**{"gossip.topology": "random-regular:degree=6"}))
     SimConfig(peers=4, run=members_only(**{"gossip.topology": "random-regular:degree=6"}), membership_only=True)
+
+
+def test_with_wait_for_no_peer_trains_before_the_swarm_is_complete() -> None:
+    # Peers join over 2 virtual s; with the start line each waits for all four, as `peer --wait-for 4` does.
+    base = dict(peers=4, run=logreg(**{"train.shards": 4}), duration=4, step_time=0.01, seed=2, join_spread=2.0, sample_every=0.25)
+    free = simulate(SimConfig(**base)).rows
+    lined = simulate(SimConfig(**base, wait_for=4)).rows
+    starts_free = {r["peer"]: r["started"] for r in free if "started" in r}
+    starts_lined = {r["peer"]: r["started"] for r in lined if "started" in r}
+    assert len(starts_lined) == 4
+    assert min(starts_free.values()) < 1.0  # without it the first peer starts alone
+    assert min(starts_lined.values()) >= 1.5  # the last one joins at 1.5 s
+    assert max(starts_lined.values()) - min(starts_lined.values()) < 0.5
+
+
+def test_evaluation_time_and_step_jitter_cost_virtual_time_and_stay_reproducible() -> None:
+    base = dict(peers=3, run=logreg(**{"train.shards": 3, "train.eval_every_seconds": 0.1}), duration=4, step_time=0.01, seed=4)
+    plain = steps_by_peer(simulate(SimConfig(**base)).rows)
+    evaluating = steps_by_peer(simulate(SimConfig(**base, eval_time=0.05)).rows)
+    # an evaluation every 0.1 s costing 0.05 s: about a third of the time goes to evaluating
+    assert all(evaluating[p] < 0.8 * plain[p] for p in plain)
+    jittery = SimConfig(**base, step_jitter=0.5)
+    first, second = simulate(jittery), simulate(jittery)
+    assert first.rows == second.rows
+    jittered = steps_by_peer(first.rows)
+    assert jittered != plain  # step times vary...
+    assert all(0.7 * plain[p] < jittered[p] < 1.3 * plain[p] for p in plain)  # ...around the same mean
+    with pytest.raises(ConfigError, match="step_jitter"):
+        SimConfig(step_jitter=-1)
+    with pytest.raises(ConfigError, match="wait_for"):
+        SimConfig(peers=2, wait_for=3)

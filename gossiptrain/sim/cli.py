@@ -27,7 +27,13 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--step-time", type=float, metavar="SECONDS", help="virtual seconds per local step (default: measured here)")
     p.add_argument("--exchange-time", type=float, default=0.0, metavar="SECONDS",
                    help="computation charged per exchange operation (snapshot or merge); default 0")
+    p.add_argument("--step-jitter", type=float, default=0.0, metavar="CV",
+                   help="spread of a step's time: coefficient of variation of a gamma distribution (default 0: all alike)")
+    p.add_argument("--eval-time", type=float, default=0.0, metavar="SECONDS",
+                   help="computation charged per test-set evaluation, every train.eval_every_seconds; default 0")
     p.add_argument("--cores", type=float, default=0.0, help="cores the peers share (default 0: one each)")
+    p.add_argument("--wait-for", type=int, default=0, metavar="N",
+                   help="as `peer --wait-for`: peers train once N members are in their view (default 0: at once)")
     p.add_argument("--stragglers", metavar="FRACTION[:SLOWDOWN]", default="0", help="e.g. 0.25:4 slows a quarter of the peers 4x")
     p.add_argument("--latency", type=float, default=LinkProfile.latency, help="one-way link latency, seconds")
     p.add_argument("--bandwidth", type=float, default=LinkProfile.bandwidth, help="link bandwidth, bytes per second")
@@ -72,7 +78,10 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         seed=run.train.seed if args.sim_seed is None else args.sim_seed,
         step_time=args.step_time,
         exchange_time=args.exchange_time,
+        step_jitter=args.step_jitter,
+        eval_time=args.eval_time,
         cores=args.cores,
+        wait_for=args.wait_for,
         stragglers=stragglers,
         slowdown=factor,
         link=LinkProfile(latency=args.latency, bandwidth=args.bandwidth, loss=args.loss),

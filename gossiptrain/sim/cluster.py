@@ -59,6 +59,9 @@ class SimConfig:
     churn_trace: tuple[ChurnEvent, ...] = ()  # explicit crash/join events (added to the Poisson ones)
     exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (0: free)
     cores: float = 0.0  # cores the peers share (0: one each); fewer cores than busy peers slow everyone
+    step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed, mean 1; 0: every step alike)
+    eval_time: float = 0.0  # virtual seconds of one test-set evaluation, charged every train.eval_every_seconds (0: free)
+    wait_for: int = 0  # as `peer --wait-for N`: a peer trains once N members (itself included) are in its view
     join_spread: float = 1.0  # virtual seconds over which the initial peers start (evenly spaced)
     sample_every: float = 1.0  # virtual seconds between samples of every peer
     membership_only: bool = False  # no model, no training: just the membership protocol
@@ -85,6 +88,9 @@ class SimConfig:
         need(self.exchange_time >= 0, "exchange_time", "must be >= 0")
         need(self.join_spread >= 0, "join_spread", "must be >= 0")
         need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
+        need(self.eval_time >= 0, "eval_time", "must be >= 0")
+        need(0 <= self.step_jitter <= 10, "step_jitter", "is a coefficient of variation in [0, 10]")
+        need(0 <= self.wait_for <= self.peers, "wait_for", f"is a member count in [0, peers={self.peers}]")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         need(self.target_hold >= 1, "target_hold", "must be >= 1")
         need(all(0 <= i < self.peers for i in self.rogue), "rogue", f"names a peer outside 0..{self.peers - 1}")
@@ -178,6 +184,9 @@ class Cluster:
             self.config.exchange_time,
             self.contention,
             poison=self.config.rogue_scale if slot in self.config.rogue else 1.0,
+            eval_time=self.config.eval_time,
+            step_jitter=self.config.step_jitter,
+            wait_for=self.config.wait_for,
         )
         peer = SimPeer(
             spec,

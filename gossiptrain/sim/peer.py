@@ -46,6 +46,9 @@ class SimPeerSpec:
     exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (snapshot or merge)
     contention: float = 1.0  # peers per core: computation is slowed by this when cores are shared
     poison: float = 1.0  # a rogue peer sends valid parameters scaled by this (1: honest)
+    step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed with mean 1)
+    eval_time: float = 0.0  # virtual seconds of one test-set evaluation (a real peer evaluates on its training thread)
+    wait_for: int = 0  # train only once this many members (itself included) are in the view, as `peer --wait-for`
 
     @property
     def name(self) -> str:
@@ -73,6 +76,7 @@ class SimPeer:
         self.workload = workload
         self.make_model = make_model
         self.rng = random.Random(seed)
+        self.jitter_rng = random.Random(seed ^ 0x5EED)  # its own stream: jitter on or off leaves the protocol's draws alone
         self.clock = LoopClock()
         self.node: PeerNode | None = None
         self.trainer: LocalTrainer | None = None
@@ -80,6 +84,7 @@ class SimPeer:
         self.transport: SimTransport | None = None
         self.joined_at: float | None = None
         self.transfer: TransferResult | None = None  # how its state download went (None: there was none)
+        self.started_at: float | None = None  # virtual time its training began
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -136,21 +141,35 @@ class SimPeer:
                         if self.transfer.optimizer_state is not None:
                             optimizer.load_state_dict(self.transfer.optimizer_state)
                 node.state.mark_ready()
+                while len(node.view()) < self.spec.wait_for:  # the rendezvous, polled as the peer command polls it
+                    await asyncio.sleep(0.05)
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer)
                 if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
                     trainer.steps = self.transfer.step
-                started = self.clock.now()
+                started = self.started_at = self.clock.now()
                 spec = self.spec
+                next_eval = started + config.train.eval_every_seconds
                 while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
                     trainer.step()  # real computation, no virtual time
-                    await asyncio.sleep(spec.step_time * spec.speed * spec.contention)  # the virtual time it costs
+                    await asyncio.sleep(spec.step_time * spec.speed * spec.contention * self._jitter())  # the virtual time it costs
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
                     snapshots(trainer.steps, trainer.samples_seen)
                     if spec.exchange_time > 0 and (ops := self._exchange_ops() - before):
                         await asyncio.sleep(ops * spec.exchange_time * spec.contention)
+                    if spec.eval_time > 0 and self.clock.now() >= next_eval:  # the cluster samples accuracy; this is its cost
+                        await asyncio.sleep(spec.eval_time * spec.contention)
+                        next_eval = self.clock.now() + config.train.eval_every_seconds
                 await node.leave()
                 await asyncio.Event().wait()  # finished: stay reachable until the simulation ends
+
+    def _jitter(self) -> float:
+        """A step's time relative to the mean: gamma with mean 1 and the spec's coefficient of variation."""
+        cv = self.spec.step_jitter
+        if cv <= 0:
+            return 1.0
+        shape = 1.0 / (cv * cv)
+        return self.jitter_rng.gammavariate(shape, 1.0 / shape)
 
     def _exchange_ops(self) -> int:
         """Exchange operations so far that cost computation: snapshots sent and merges applied."""
@@ -160,6 +179,8 @@ class SimPeer:
     def stats(self) -> dict[str, float]:
         """Counters for the time series (zeros before the peer has joined)."""
         out: dict[str, float] = {"members": len(self.node.view()) if self.node else 0}
+        if self.started_at is not None:
+            out["started"] = self.started_at
         if self.transport is not None:
             out["bytes_sent"] = self.transport.stats.bytes_sent
             out["bytes_received"] = self.transport.stats.bytes_received
@@ -170,6 +191,8 @@ class SimPeer:
             out.update(
                 exchanges=s.completed + s.served,
                 timeouts=s.timeouts,
+                refused=s.refused,
+                declined=s.crossed + s.busy,
                 staleness_mean=s.to_dict()["staleness_mean"],
                 rtt_ms=s.rtt_ms,
             )

@@ -1,0 +1,56 @@
+"""The safe point's round counter: a time-varying topology advances by gossip rounds started, not by local steps."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from gossiptrain import averaging
+from gossiptrain.averaging import SendExchange, Tick
+from gossiptrain.config import RunConfig
+from gossiptrain.safepoint import SafePoint
+
+
+class StoppedClock:
+    def now(self) -> float:
+        return 0.0
+
+    async def sleep(self, seconds: float) -> None:
+        raise AssertionError("the safe point never sleeps")
+
+
+class GraphNode:
+    """What SafePoint reads of a PeerNode: a period-3 graph that offers one partner per round."""
+
+    def __init__(self) -> None:
+        self.config = RunConfig()
+        self.exchanges: queue.Queue[Any] = queue.Queue()
+        self.step = 0
+
+    def partners(self, round: int) -> list[str]:
+        return [f"p{round % 3}"]
+
+
+class EveryThirdStep:
+    """An averaging that can start an exchange only every third step (a round trip of about 3 steps)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def handle(self, event: Any, now: float) -> list[averaging.Action]:
+        if isinstance(event, Tick) and event.step % 3 == 0 and event.partners:
+            self.asked.append(event.partners[0])
+            return [SendExchange(event.partners[0], averaging.XREQ, event.step, {})]
+        return []
+
+
+def test_a_peer_that_starts_every_third_step_still_visits_every_phase_of_a_period_3_graph() -> None:
+    sent: list[SendExchange] = []
+    algo = EveryThirdStep()
+    point = SafePoint(GraphNode(), algo, StoppedClock(), sent.append)  # type: ignore[arg-type]
+    for step in range(1, 31):
+        point(step)
+    # Rounds taken from the step would be 3, 6, 9, ...: always p0, and the swarm splits into cliques.
+    assert algo.asked[:3] == ["p0", "p1", "p2"]
+    assert {a.to for a in sent} == {"p0", "p1", "p2"} and len(sent) == 10
+    assert point.rounds == 10
