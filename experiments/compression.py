@@ -200,11 +200,9 @@ def write_summary(
         "",
         *harness.markdown_table(header, table),
         "",
-        "Reading the `neighbor` rows: its dense merge, x <- (1 - sum_j w_j) x + sum_j w_j x_j, takes models sent before "
-        "the peer's latest local step, so it also scales that step down, to 1/(1 + degree) of plain SGD's progress "
-        "(0.51 with two peers in a check with a constant gradient; pairwise keeps 1.00). Top-k's CHOCO update adds "
-        "differences of references instead and keeps the step, so `topk` learns faster than dense `neighbor` here: its "
-        "negative accuracy gap comes from that, not from compression. Compare top-k's bytes, not its accuracy.",
+        "Reading the `neighbor` rows: it pushes its model to every neighbour each round, so it sends several times "
+        "pairwise's bytes for the same progress; its dense merge mixes the neighbours' models against the one it sent "
+        "them and keeps its own steps since (x <- x + sum_j w_j (x_j - s)), as top-k's CHOCO update does with references.",
     ]
     if real:
         lines += [

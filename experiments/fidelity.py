@@ -368,7 +368,7 @@ def calibrate_load(args: argparse.Namespace, alone: Machine) -> Machine:
     # A longer round trip means fewer exchanges, so more time for steps: damped fixed-point iteration from
     # "all cores, no delay" (undamped, it oscillates).
     machine = alone
-    for attempt in range(1, CALIBRATION_ROUNDS + 1):
+    for attempt in range(1, args.calibration_rounds + 1):
         sim = sim_run(run, args.peers, args.slowdown, args.target, args.timeout, machine, 1000, workdir / "sim.jsonl")
         cores = machine.cores * math.sqrt(period(sim) / period(real))
         delay = max(0.0, machine.delay + DAMPING * (real["rtt_ms"] - sim["rtt_ms"]) / 2 / 1000)
@@ -399,6 +399,8 @@ def main() -> None:
     parser.add_argument("--cores", type=float, default=float(os.cpu_count() or 1))
     parser.add_argument("--seeds", type=int, default=8, help="real runs per topology; medians are reported")
     parser.add_argument("--sim-seeds", type=int, default=10, help="simulated runs per topology; medians are reported")
+    parser.add_argument("--calibration-rounds", type=int, default=CALIBRATION_ROUNDS,
+                        help="at most this many simulations of the calibration swarm to fit cores and delay")
     parser.add_argument("--reuse-real", action="store_true",
                         help="take the real runs already under --out (when they reached the target) instead of running "
                              "them again: to try a change to the simulator against the same measurements")
@@ -407,6 +409,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.peers, args.topologies, args.target, args.seeds, args.sim_seeds = 4, ["exponential"], 0.9, 1, 1
+        args.calibration_rounds = min(args.calibration_rounds, 3)
     torch.set_num_threads(1)
     alone = calibrate_alone(run_config(args.peers, "exponential", args.timeout), args.cores)
     print(f"calibrated alone: step {alone.step_time * 1e3:.2f} ms, exchange operation {alone.exchange_time * 1e3:.2f} ms "

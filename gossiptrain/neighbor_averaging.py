@@ -3,12 +3,15 @@
 Every round (``exchange_every_steps`` local steps) a peer pushes its model to
 all its current topology neighbours. Models that arrive are kept, the newest
 per sender, and merged at the next safe point all at once with
-Metropolis-Hastings weights, ``x <- (1 - sum_j w_j) x + sum_j w_j x_j`` with
+Metropolis-Hastings weights, ``x <- x + sum_j w_j (x_j - s)`` with
 ``w_j = f(staleness_j) / (1 + max(d_i, d_j))`` (``d`` is a peer's degree,
-sent with its model). On an undirected graph in synchronous rounds this is
-exactly ``x <- W x`` with the library's mixing matrix; asynchronously, a
-neighbour that sent nothing since the last merge simply leaves its weight
-with us, so the update stays a convex combination and never waits.
+sent with its model) and ``s`` the model we sent at our last round (moved by
+the merges since): the neighbours' models are mixed with the one they got
+from us, and the local steps we took since are kept whole. On an undirected
+graph in synchronous rounds this is exactly ``x <- W x`` plus the local
+update, with the library's mixing matrix; asynchronously, a neighbour that
+sent nothing since the last merge simply leaves its weight with us, so the
+update never waits.
 
 ``LocalSGD`` is the same exchange every ``local_steps`` (H) steps, with an
 optional outer optimizer in the style of DiLoCo (Douillard et al. 2023):
@@ -60,6 +63,9 @@ class NeighborAveraging(Averaging):
         self._degree = 0  # our out-degree at the last round
         self.choco = ChocoEdges(self.codec, self._like()) if self.codec.name == "topk" else None
         self._latest: dict[str, Received] = {}  # top-k: the last message per in-edge (step, degree)
+        # Our model as the neighbours got it at our last round, moved by every merge since: params - _sent
+        # is our own training since we sent (None until our first round). See _merge_weighted.
+        self._sent: list[torch.Tensor] | None = None
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, Tick):
@@ -114,7 +120,7 @@ class NeighborAveraging(Averaging):
         encoded = self._encode_own(self._snapshot())  # a copy: the trainer moves on while it is sent
         if encoded is None:
             return actions
-        wire = encoded[0]
+        wire, self._sent = encoded
         return actions + [SendExchange(p, XPUSH, xid, wire, meta) for p in partners]
 
     def _merge(self) -> list[Action]:
@@ -147,11 +153,25 @@ class NeighborAveraging(Averaging):
         return refused
 
     def _merge_weighted(self, total: float, merged: list[tuple[float, _Held]]) -> None:
+        """x <- x + sum_j w_j (x_j - s), s what we sent: mix the models the neighbours mix, keep our own steps.
+
+        The neighbours' models were sent before our latest local steps, so
+        ``(1 - total) x + sum_j w_j x_j`` would scale those steps down by
+        ``1 - total`` (0.51 of plain SGD's progress with two peers under a
+        constant gradient). Mixing against what we sent (D-PSGD's
+        ``W x^t`` plus the gradient, Lian et al. 2017) keeps them whole, and
+        on a symmetric graph the swarm's sum moves only by training. ``s``
+        moves with each merge, so a fast neighbour's next model adds only
+        what changed, never its difference twice.
+        """
         with torch.no_grad():
-            # x <- (1 - total) x + sum_j w_j x_j, all at once (sequential lerps would not be W x)
-            torch._foreach_mul_(self.params, 1.0 - total)
+            base = self._sent if self._sent is not None else [p.detach().clone() for p in self.params]
+            delta = torch._foreach_mul(base, -total)  # all at once (sequential lerps would not be W x)
             for w, held in merged:
-                torch._foreach_add_(self.params, held.tensors, alpha=w)
+                torch._foreach_add_(delta, held.tensors, alpha=w)  # delta = sum_j w_j (x_j - s)
+            torch._foreach_add_(self.params, delta)
+            if self._sent is not None:
+                self._sent = torch._foreach_add(self._sent, delta)  # new tensors: the sent ones may still be on the wire
 
     def _merge_robust(self, total: float, models: list[list[torch.Tensor]]) -> None:
         """x <- x + total * c * (trimmed_mean(x, models) - x): the same share, but no single model decides."""

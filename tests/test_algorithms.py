@@ -205,6 +205,48 @@ def test_neighbor_keeps_only_the_newest_model_per_sender() -> None:
     assert nb.stats.late == 1 and nb.stats.served == 1
 
 
+@pytest.mark.parametrize("algorithm", ["neighbor", "pairwise"])
+def test_averaging_keeps_the_local_steps_taken_since_the_model_was_sent(algorithm: str) -> None:
+    """Two peers, the same constant gradient: the mean must move as plain SGD does, whatever arrives late.
+
+    Each peer's messages reach the other one step later. Mixing in the older
+    models directly (the previous neighbour merge) kept only 0.51 of the
+    progress; both algorithms now apply differences and keep all of it.
+    """
+    cfg = GossipConfig(algorithm=algorithm, topology="complete")
+    ids = ["a", "b"]
+    params = [{"x": torch.zeros(4, dtype=torch.float64)} for _ in ids]
+    peers = [make_averaging(params[i], cfg, random.Random(i), me=ids[i]) for i in range(2)]
+    lr, steps = 0.1, 50
+    in_flight: list[tuple[int, SendExchange]] = []
+    for step in range(1, steps + 1):
+        for p in params:
+            p["x"] -= lr  # a local step with gradient 1 everywhere
+        out: list[tuple[int, SendExchange]] = []
+        for i, peer in enumerate(peers):
+            for src, msg in [m for m in in_flight if m[1].to == ids[i]]:
+                got = peer.handle(Received(ids[src], msg.kind, msg.xid, msg.tensors, step - 1, dict(msg.meta)), float(step))
+                out += [(i, a) for a in got if isinstance(a, SendExchange)]
+            partners = [ids[1 - i]] if algorithm == "neighbor" or i == 0 else []
+            out += [(i, a) for a in peer.handle(Tick(step, partners), float(step)) if isinstance(a, SendExchange)]
+        in_flight = out
+    mean = sum(float(p["x"].mean()) for p in params) / 2
+    assert mean == pytest.approx(-lr * steps, rel=1e-6)
+    assert abs(float(params[0]["x"][0]) - float(params[1]["x"][0])) < 2 * lr  # and they stay together
+
+
+def test_neighbor_merges_a_fast_neighbours_models_without_overshooting() -> None:
+    """Several models from one neighbour before our next round: each adds only what changed since the last."""
+    params = {"x": torch.tensor([0.0])}
+    nb = NeighborAveraging(params, gossip("neighbor", "ring"), random.Random(0), me="A")
+    nb.handle(Tick(1, ["B"]), 0.0)  # our round: we send x = 0
+    for step, theirs in enumerate([4.0, 4.0, 4.0, 4.0], start=2):
+        nb.handle(Received("B", XPUSH, step, {"x": torch.tensor([theirs])}, meta={"deg": 1, "ver": step}), 0.0)
+        nb.handle(Tick(step, []), 0.0)  # merge only (no partners: no round)
+    # 0 -> 2 -> 3 -> 3.5 -> 3.75: towards B's 4, never past it
+    assert float(params["x"]) == pytest.approx(3.75)
+
+
 def test_local_sgd_exchanges_every_h_steps() -> None:
     cfg = GossipConfig(topology="ring", algorithm="local-sgd", local_steps=4)
     m = make_averaging({"x": torch.tensor([1.0])}, cfg, random.Random(0), me="A")
