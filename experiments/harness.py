@@ -57,6 +57,7 @@ HOLD = 3  # evaluations in a row at or above the target: one noisy crossing is n
 STRAGGLER = 0  # index of the slowed worker (gossip peer, DDP rank, PS worker)
 WORKLOAD = "digits"
 POLL = 0.2  # seconds between looks at a run's metrics
+STARTUP = 300.0  # seconds a run's processes may take to report a first point (imports, joining) on a loaded machine
 STOP_GRACE = 10.0  # seconds a stopped process gets before SIGKILL
 
 
@@ -293,13 +294,19 @@ def poll_run(
 ) -> list[Point]:
     """Poll ``read`` until the target holds (``target`` None: until ``done``), a process fails, or ``timeout``.
 
-    With ``min_seconds`` a run that reaches the target early goes on until it
-    has trained that long, so that its throughput is measured over a window
-    of at least that length.
+    With a target, ``timeout`` counts from the first point: start-up (up to
+    STARTUP seconds: imports and joining take a minute or more on a loaded
+    2-core machine) does not eat the training time. With ``min_seconds`` a
+    run that reaches the target early goes on until it has trained that
+    long, so that its throughput is measured over a window of at least that
+    length.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + (STARTUP if target is not None else 0.0)
+    first_point = False
     while True:
         points = read()
+        if points and not first_point:
+            first_point, deadline = True, time.monotonic() + timeout
         if target is not None and time_to_target(points, target) is not None and points[-1].elapsed >= min_seconds:
             return points
         if done is not None and done():
