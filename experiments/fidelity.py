@@ -194,6 +194,16 @@ def measured(per_peer: list[list[dict[str, Any]]], target: float, failure: str) 
     return {**got, "curve": points}
 
 
+def stored_run(workdir: Path, peers: int, target: float) -> dict[str, Any] | None:
+    """A real run already in ``workdir`` (``--reuse-real``), measured as ``measured`` does; None if absent or short."""
+    if not workdir.exists():
+        return None
+    try:
+        return measured(_records(workdir, peers), target, "")
+    except RuntimeError:
+        return None  # it did not reach the target: run it again
+
+
 def _records(workdir: Path, peers: int) -> list[list[dict[str, Any]]]:
     return [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(peers)]
 
@@ -361,7 +371,7 @@ def calibrate_load(args: argparse.Namespace, alone: Machine) -> Machine:
     topology = args.topologies[-1]
     run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": 1000})
     workdir = args.out / "calibration"
-    real = reached(_records(workdir, args.peers), args.target) if args.reuse_real and workdir.exists() else None
+    real = stored_run(workdir, args.peers, args.target) if args.reuse_real else None
     if real is None:
         real = real_run(run, args.peers, args.slowdown, args.target, args.timeout, workdir)
 
@@ -426,10 +436,8 @@ def main() -> None:
         for seed in range(args.seeds):  # several seeds: one run's threshold crossing is noisy
             run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
             workdir = args.out / f"real-{topology}-{seed}"
-            if args.reuse_real and workdir.exists() and reached(_records(workdir, args.peers), args.target):
-                real.append(measured(_records(workdir, args.peers), args.target, ""))
-            else:
-                real.append(real_run(run, args.peers, args.slowdown, args.target, args.timeout, workdir))
+            stored = stored_run(workdir, args.peers, args.target) if args.reuse_real else None
+            real.append(stored or real_run(run, args.peers, args.slowdown, args.target, args.timeout, workdir))
         for seed in range(args.sim_seeds):
             run = run_config(args.peers, topology, args.timeout + 30).with_overrides({"train.seed": seed})
             save = args.out / f"sim-{topology}" / f"seed-{seed}.jsonl"
