@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT))
 from experiments import harness  # noqa: E402
 from experiments.harness import EVAL_EVERY, HOLD, POLL, Point  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
-from gossiptrain.metrics import MetricsTail  # noqa: E402
+from gossiptrain.train.metrics import MetricsTail  # noqa: E402
 
 FINAL_WINDOW = 5.0  # seconds at the end of a run whose mean accuracy is its final accuracy
 STALL_FACTOR = 2.0  # "no stall": the churn run's longest per-peer stall within this factor of the churn-free run's
@@ -323,7 +323,7 @@ def sim_time_ratio(args: argparse.Namespace, downtime: float) -> dict[str, Any]:
     """The simulator's time to target with the same churn policy (each crash down ``downtime``), and without."""
     from gossiptrain.sim import SimConfig, simulate
     from gossiptrain.sim.cluster import measure_step_time
-    from gossiptrain.workload import load_workload
+    from gossiptrain.train.workload import load_workload
 
     run = harness.run_config(args.peers, 0, max_seconds=0.0)
     workload = load_workload(run.train.workload)

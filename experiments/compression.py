@@ -82,7 +82,7 @@ def short(codec: str) -> str:
 
 def sweep(args: argparse.Namespace) -> dict[tuple[str, str], list[SimRun]]:
     """Every (algorithm, codec) over the seeds; one progress line per configuration."""
-    from gossiptrain.transport.sim import LinkProfile
+    from gossiptrain.net.transport.sim import LinkProfile
 
     link = LinkProfile(latency=args.latency, bandwidth=args.bandwidth)
     runs: dict[tuple[str, str], list[SimRun]] = {}

@@ -4,7 +4,7 @@ For models of 1, 4, 16 and 64 MiB (one float32 tensor each), on 127.0.0.1,
 between two processes:
 
 - gossip exchange: the runtime's own path. This process and a responder
-  process each run a tcp:// transport (gossiptrain.transport, ZeroMQ on
+  process each run a tcp:// transport (gossiptrain.net.transport, ZeroMQ on
   asyncio); one round is an ``xreq`` carrying the model, encoded by the wire
   codec, and the responder's ``xrep`` carrying its own model of the same
   size, each decoded by the receiver. Tensors over ``limits.chunk_bytes``
@@ -52,9 +52,9 @@ import zmq  # noqa: E402
 
 from experiments import harness  # noqa: E402
 from gossiptrain.config import Limits  # noqa: E402
-from gossiptrain.loop_thread import new_event_loop  # noqa: E402
-from gossiptrain.transport import listen  # noqa: E402
-from gossiptrain.wire import Message, decode, encode  # noqa: E402
+from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
+from gossiptrain.net.transport import listen  # noqa: E402
+from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
 
 MiB = 1 << 20
 SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")

@@ -62,17 +62,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gossiptrain.averaging import XREP, XREQ, PairwiseAveraging, Received, Tick  # noqa: E402
+from gossiptrain.protocol.averaging import XREP, XREQ, PairwiseAveraging, Received, Tick  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
-from gossiptrain.local_training import LocalTrainer  # noqa: E402
-from gossiptrain.metrics import read_metrics  # noqa: E402
-from gossiptrain.serve import BackgroundCoordinator  # noqa: E402
+from gossiptrain.train.local_trainer import LocalTrainer  # noqa: E402
+from gossiptrain.train.metrics import read_metrics  # noqa: E402
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator  # noqa: E402
 from gossiptrain.sim import SimConfig, simulate  # noqa: E402
 from gossiptrain.sim.cluster import measure_step_time  # noqa: E402
-from gossiptrain.transport import Transport, listen  # noqa: E402
-from gossiptrain.transport.sim import LinkProfile  # noqa: E402
-from gossiptrain.wire import Message, decode, encode  # noqa: E402
-from gossiptrain.workload import load_workload  # noqa: E402
+from gossiptrain.net.transport import Transport, listen  # noqa: E402
+from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
+from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
+from gossiptrain.train.workload import load_workload  # noqa: E402
 
 EVAL_EVERY = 0.25  # seconds, real and virtual: both sides see accuracy at the same cadence
 HOLD = 3  # grid points the target must hold for

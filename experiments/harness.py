@@ -49,8 +49,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gossiptrain.config import RunConfig, TrainConfig  # noqa: E402
-from gossiptrain.metrics import read_metrics  # noqa: E402
-from gossiptrain.workload import Workload, batches, load_workload  # noqa: E402
+from gossiptrain.train.metrics import read_metrics  # noqa: E402
+from gossiptrain.train.workload import Workload, batches, load_workload  # noqa: E402
 
 EVAL_EVERY = 0.25  # seconds between test-set evaluations, in every system
 HOLD = 3  # evaluations in a row at or above the target: one noisy crossing is not convergence
@@ -501,8 +501,8 @@ def gossip_peer_main(argv: list[str]) -> None:
     from safetensors.torch import save_file
 
     from gossiptrain import Peer
-    from gossiptrain.local_training import LocalTrainer
-    from gossiptrain.metrics import MetricsLog
+    from gossiptrain.train.local_trainer import LocalTrainer
+    from gossiptrain.train.metrics import MetricsLog
 
     p = argparse.ArgumentParser(prog="python -m experiments.harness gossip-peer")
     p.add_argument("--join", required=True)
@@ -591,7 +591,7 @@ def run_sim(
     """
     from gossiptrain.sim import Cluster, SimConfig
     from gossiptrain.sim.vtime import run_virtual
-    from gossiptrain.transport.sim import LinkProfile
+    from gossiptrain.net.transport.sim import LinkProfile
 
     run = RunConfig().with_overrides({**run_overrides(peers, seed), **overrides})
     config = SimConfig(

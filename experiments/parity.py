@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
-from gossiptrain.workload import load_workload  # noqa: E402
+from gossiptrain.train.workload import load_workload  # noqa: E402
 
 TARGET_GAP = 0.3  # points
 

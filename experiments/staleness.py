@@ -11,7 +11,7 @@ exponential graph, for each combination of
   simulator's `--stragglers 0.125:4`).
 
 Staleness is the step difference between the two ends of an exchange
-(gossiptrain.staleness); pairwise uses one weight for both ends. Each run
+(gossiptrain.protocol.staleness); pairwise uses one weight for both ends. Each run
 lasts `--horizon` virtual seconds (a local step: 6 ms at speed 1, links of
 0.5 ms and 1 GB/s, one core per peer), sampled every 0.05 s. Reported per
 setting, medians over `--seeds` seeds: time to the target (mean test

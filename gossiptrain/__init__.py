@@ -11,21 +11,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import GossipConfig, Limits, MembershipConfig, RunConfig, TrainConfig
-from .errors import ConfigError, GossipError, JoinError, MismatchError, ProtocolError, WorkloadError
+from gossiptrain.config import GossipConfig, Limits, MembershipConfig, RunConfig, TrainConfig
+from gossiptrain.errors import ConfigError, GossipError, JoinError, MismatchError, ProtocolError, WorkloadError
 
 if TYPE_CHECKING:
-    from .evaluation import EvalResult
-    from .peer import Peer
-    from .workload import Workload, load_workload
+    from gossiptrain.train.evaluation import EvalResult
+    from gossiptrain.runtime.peer import Peer
+    from gossiptrain.train.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Peer": "gossiptrain.peer",
-    "Workload": "gossiptrain.workload",
-    "load_workload": "gossiptrain.workload",
-    "EvalResult": "gossiptrain.evaluation",
+    "Peer": "gossiptrain.runtime.peer",
+    "Workload": "gossiptrain.train.workload",
+    "load_workload": "gossiptrain.train.workload",
+    "EvalResult": "gossiptrain.train.evaluation",
 }
 
 

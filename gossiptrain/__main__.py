@@ -1,5 +1,5 @@
 """`python -m gossiptrain` is the `gossiptrain` command."""
 
-from .cli import console_main
+from gossiptrain.cli.main import console_main
 
 console_main()

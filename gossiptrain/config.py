@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from gossiptrain.errors import ConfigError
 
-#: Algorithms the averaging layer offers (see gossiptrain.algorithms).
+#: Algorithms the averaging layer offers (see gossiptrain.protocol.algorithms).
 ALGORITHMS = ("pairwise", "push-sum", "neighbor", "local-sgd")
 #: Algorithms that keep per-edge references and so can send top-k compressed differences.
 _EDGE_ALGORITHMS = ("neighbor", "local-sgd")
@@ -81,7 +81,7 @@ class SecurityConfig:
     `gossiptrain keys new` and a directory of the public keys allowed to
     connect to it. ZeroMQ then encrypts every connection and admits only
     those keys; see SECURITY.md. Files are read when the transport is built
-    (gossiptrain.keys), so a missing or malformed one fails at start, named.
+    (gossiptrain.net.keys), so a missing or malformed one fails at start, named.
     """
 
     secret_key_file: Path  # this member's NAME.key_secret (holds its public key too)
@@ -119,7 +119,7 @@ class TrainConfig:
     max_steps: int = 2000  # budget: a peer finishes after this many steps (0 = none)
     max_seconds: float = 0.0  # budget: a peer finishes after this long (0 = none)
     eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
-    partition: str = "iid"  # how shards split the data: iid, dirichlet, classes-per-peer (gossiptrain.partition)
+    partition: str = "iid"  # how shards split the data: iid, dirichlet, classes-per-peer (gossiptrain.train.partition)
     partition_alpha: float = 0.5  # dirichlet concentration: small = few classes per shard, large = near iid
     partition_classes: int = 2  # classes-per-peer: classes each shard holds (shards * this >= classes)
 
@@ -134,7 +134,7 @@ class TrainConfig:
         _require(self.max_steps >= 0, f"{s}.max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.max_seconds >= 0, f"{s}.max_seconds", f"must be >= 0, got {self.max_seconds}")
         _require(self.eval_every_seconds > 0, f"{s}.eval_every_seconds", "must be > 0")
-        # gossiptrain.partition.SCHEMES, spelled out: importing it would pull torch into config.
+        # gossiptrain.train.partition.SCHEMES, spelled out: importing it would pull torch into config.
         schemes = ("iid", "dirichlet", "classes-per-peer")
         _require(
             self.partition in schemes,
@@ -197,7 +197,7 @@ class GossipConfig:
             0 < self.outer_lr <= 2 and math.isfinite(self.outer_lr), f"{s}.outer_lr", f"must be in (0, 2], got {self.outer_lr}"
         )
         _require(0 <= self.outer_momentum < 1, f"{s}.outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
-        # gossiptrain.staleness.WEIGHTINGS, spelled out: config does not import the runtime.
+        # gossiptrain.protocol.staleness.WEIGHTINGS, spelled out: config does not import the runtime.
         _require(
             self.staleness_weighting in ("constant", "polynomial"),
             f"{s}.staleness_weighting",
@@ -232,7 +232,7 @@ class GossipConfig:
             f"use fp16, bf16 or int8 with {self.algorithm}",
         )
         if codec != "none":  # parameters too (ratio=, stochastic=); local: compression imports torch
-            from .compression import get_codec
+            from gossiptrain.protocol.compression import get_codec
 
             get_codec(self.compression, f"{s}.compression")
 
@@ -319,7 +319,7 @@ class MembershipConfig:
 
 @dataclass(frozen=True)
 class StateConfig:
-    """State transfer: a newcomer downloads a live member's model before training (gossiptrain.state_transfer)."""
+    """State transfer: a newcomer downloads a live member's model before training (gossiptrain.protocol.state_transfer)."""
 
     enabled: bool = True  # download when another member is alive; off: newcomers start from the initial weights
     chunk_bytes: int = 4 << 20  # bytes per chunk request (one round trip each); the same for every member
@@ -357,7 +357,7 @@ class StateConfig:
 
 @dataclass(frozen=True)
 class FinalConfig:
-    """The end of a run (gossiptrain.finish): wait for the others, average without training, merge, leave."""
+    """The end of a run (gossiptrain.protocol.finish): wait for the others, average without training, merge, leave."""
 
     wait_seconds: float = 10.0  # a peer whose budget is spent keeps averaging until every live member is done, this long at most
     consensus_seconds: float = 1.0  # then everyone averages this long without local steps

@@ -1,7 +1,7 @@
 """Built-in workloads: what a peer trains (model, data shard, loss, evaluation).
 
 Each module holds one workload written against the public protocol in
-``gossiptrain.workload``; the runtime imports them by module path only when a
+``gossiptrain.train.workload``; the runtime imports them by module path only when a
 run asks for one. Nothing here may import the rest of gossiptrain.
 """
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gossiptrain.evaluation import EvalResult, evaluate_classifier
-from gossiptrain.workload import WorkloadError, shard_indices
+from gossiptrain.train.evaluation import EvalResult, evaluate_classifier
+from gossiptrain.train.workload import WorkloadError, shard_indices
 from peers import init_linears
 
 __all__ = ["LogRegWorkload"]
@@ -88,7 +88,7 @@ class LogRegWorkload:
         """Shard ``index`` of ``count``: inputs (n, dim) float32, targets (n,) int64.
 
         ``partition`` and its parameters pick how labels spread over shards
-        (``gossiptrain.workload.shard_indices``).
+        (``gossiptrain.train.workload.shard_indices``).
         """
         x, y = self._train
         chosen = shard_indices(

@@ -6,7 +6,7 @@ from typing import Iterator
 import pytest
 
 from gossiptrain.config import RunConfig
-from gossiptrain.serve import BackgroundCoordinator
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 
 from .swarm import Procs, next_host
 

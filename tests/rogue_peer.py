@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-import gossiptrain.peer as peer_module
-from gossiptrain.cli import main
+import gossiptrain.runtime.peer as peer_module
+from gossiptrain.cli.main import main
 
 _make = peer_module.make_averaging
 

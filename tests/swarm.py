@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-from gossiptrain.metrics import read_metrics
+from gossiptrain.train.metrics import read_metrics
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topologies
-from gossiptrain.algorithms import make_averaging
-from gossiptrain.averaging import XNAK, XPUSH, Received, SendExchange, Tick
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import XNAK, XPUSH, Received, SendExchange, Tick
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.neighbor_averaging import NeighborAveraging
-from gossiptrain.push_sum import PushSum
+from gossiptrain.protocol.neighbor import NeighborAveraging
+from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.rounds import Lockstep
 
 PROPERTY = settings(deadline=None, max_examples=40)
@@ -284,7 +284,7 @@ def test_compressed_exchanges_still_reach_consensus(algorithm: str, codec: str) 
 
 def test_compressed_pushes_are_smaller_on_the_wire() -> None:
     from gossiptrain.config import Limits
-    from gossiptrain.wire import Message, encode
+    from gossiptrain.net.wire import Message, encode
 
     sizes = {}
     for codec in ("none", "fp16", "int8"):
@@ -326,8 +326,8 @@ def test_topk_with_edge_references_reaches_consensus_and_keeps_the_mean(algorith
 
 
 def test_topk_pushes_after_the_first_are_small() -> None:
-    from gossiptrain.choco import ChocoEdges
-    from gossiptrain.compression import get_codec
+    from gossiptrain.protocol.choco import ChocoEdges
+    from gossiptrain.protocol.compression import get_codec
 
     x = {"w": torch.randn(1000)}
     edges = ChocoEdges(get_codec("topk:ratio=0.01"), x)
@@ -340,8 +340,8 @@ def test_topk_pushes_after_the_first_are_small() -> None:
 
 
 def test_topk_edge_recovers_from_a_lost_message_at_the_next_resync() -> None:
-    from gossiptrain.choco import RESYNC_EVERY, ChocoEdges
-    from gossiptrain.compression import get_codec
+    from gossiptrain.protocol.choco import RESYNC_EVERY, ChocoEdges
+    from gossiptrain.protocol.compression import get_codec
 
     codec = get_codec("topk:ratio=0.5")
     x = {"w": torch.randn(8)}
@@ -364,6 +364,6 @@ def test_topk_edge_recovers_from_a_lost_message_at_the_next_resync() -> None:
 def test_staleness_histogram_buckets() -> None:
     from collections import Counter
 
-    from gossiptrain.averaging import staleness_buckets
+    from gossiptrain.protocol.averaging import staleness_buckets
 
     assert staleness_buckets(Counter({0: 5, 1: 2, 2: 1, 3: 1, 9: 4})) == {"0": 5, "1": 2, "2-3": 2, "8-15": 4}

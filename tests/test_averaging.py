@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.averaging import (
+from gossiptrain.protocol.averaging import (
     XNAK,
     XREP,
     XREQ,

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from gossiptrain.config import RunConfig
-from gossiptrain.metrics import MetricsTail
+from gossiptrain.train.metrics import MetricsTail
 
 from .conftest import fast_config
 from .swarm import Proc, Procs, describe, next_host, wait_for

@@ -17,18 +17,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.checkpoint import Checkpointer, latest_good, list_checkpoints, read_checkpoint, restore
+from gossiptrain.state.checkpoint import Checkpointer, latest_good, list_checkpoints, read_checkpoint, restore
 from gossiptrain.config import RunConfig, TrainConfig
 from gossiptrain.errors import CheckpointError, GossipError
-from gossiptrain.local_training import LocalTrainer
-from gossiptrain.trainer import PeerOptions, run_peer
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.train.peer_loop import PeerOptions, run_peer
 from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
 from .conftest import fast_config
 from .swarm import ROOT, Procs, next_host
 
-LOG = "gossiptrain.checkpoint"
+LOG = "gossiptrain.state.checkpoint"
 
 
 def small_model(seed: int, hidden: int = 16) -> torch.nn.Module:
@@ -147,7 +147,7 @@ def test_local_trainer_continues_its_counters(tmp_path: Path) -> None:
 
 CRASH_DURING_SAVE = """
 import os, sys, torch
-from gossiptrain.checkpoint import Checkpointer
+from gossiptrain.state.checkpoint import Checkpointer
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 ck = Checkpointer(sys.argv[1])

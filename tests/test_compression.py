@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossiptrain import wire
-from gossiptrain.compression import (
+from gossiptrain.net import wire
+from gossiptrain.protocol.compression import (
     CODECS,
     Bf16Codec,
     Codec,

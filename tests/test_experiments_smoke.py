@@ -20,8 +20,8 @@ import torch
 
 from experiments import harness
 from experiments.baselines import param_server
-from gossiptrain.local_training import LocalTrainer
-from gossiptrain.workload import load_workload
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.train.workload import load_workload
 
 from .swarm import run_quick_experiment
 

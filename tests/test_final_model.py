@@ -18,15 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from gossiptrain import final_model as fm
-from gossiptrain.cli import main
+from gossiptrain.state import merged_model as fm
+from gossiptrain.cli.main import main
 from gossiptrain.config import FinalConfig, RunConfig
 from gossiptrain.errors import CheckpointError, ConfigError, ProtocolError
-from gossiptrain.finish import DONE, FIN, QUERY, ROSTER, STOP, WRITTEN, FinalPhase, FinishEndpoint
-from gossiptrain.membership import Member
-from gossiptrain.peer import Peer
-from gossiptrain.wire import Message
-from gossiptrain.workload import load_workload
+from gossiptrain.protocol.finish import DONE, FIN, QUERY, ROSTER, STOP, WRITTEN, FinalPhase, FinishEndpoint
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.peer import Peer
+from gossiptrain.net.wire import Message
+from gossiptrain.train.workload import load_workload
 
 from .conftest import fast_config
 from .swarm import Procs, next_host, wait_for

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.membership import (
+from gossiptrain.protocol.membership import (
     ACK,
     ALIVE,
     DEAD,

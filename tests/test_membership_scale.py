@@ -14,7 +14,7 @@ from gossiptrain.config import RunConfig
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
-from gossiptrain.transport.sim import LinkProfile
+from gossiptrain.net.transport.sim import LinkProfile
 
 
 def check_lossy_swarm(peers: int, crash_at: float, settle: float) -> None:

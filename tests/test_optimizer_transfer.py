@@ -17,14 +17,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from gossiptrain import state_transfer as st
-from gossiptrain.clock import REAL_CLOCK
+from gossiptrain.protocol import state_transfer as st
+from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.peer import Peer
+from gossiptrain.runtime.peer import Peer
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
-from gossiptrain.wire import DTYPES, Message, decode, encode
+from gossiptrain.net.wire import DTYPES, Message, decode, encode
 
 from .conftest import fast_config
 from .swarm import next_host
@@ -175,7 +175,7 @@ def test_without_the_setting_only_the_parameters_come() -> None:
 
 
 def test_another_optimizer_is_named_and_the_parameters_alone_are_installed(caplog: Any) -> None:
-    caplog.set_level(logging.INFO, logger="gossiptrain.state_transfer")
+    caplog.set_level(logging.INFO, logger="gossiptrain.protocol.state_transfer")
     donor, donor_opt = trained(1, adam)
     newcomer = model(2)
     new_opt = sgd(newcomer)

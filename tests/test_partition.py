@@ -18,9 +18,9 @@ from torch import Tensor
 
 from gossiptrain.config import RunConfig, TrainConfig
 from gossiptrain.errors import ConfigError, WorkloadError
-from gossiptrain.local_training import LocalTrainer
-from gossiptrain.partition import SCHEMES, class_histogram, partition_indices
-from gossiptrain.workload import shard_indices
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.train.partition import SCHEMES, class_histogram, partition_indices
+from gossiptrain.train.workload import shard_indices
 from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
@@ -229,7 +229,7 @@ def test_config_knows_every_scheme_and_takes_them_from_strings() -> None:
 
 def test_trainer_exposes_and_logs_the_shard_histogram(caplog: pytest.LogCaptureFixture) -> None:
     config = TrainConfig(partition="dirichlet", partition_alpha=0.1, shards=4, seed=5, batch_size=8)
-    with caplog.at_level(logging.INFO, logger="gossiptrain.local_training"):
+    with caplog.at_level(logging.INFO, logger="gossiptrain.train.local_trainer"):
         trainer = LocalTrainer(DIGITS, DIGITS.build_model(0), config, shard=1)
     _, targets = DIGITS.train_shard(1, 4, 5, partition="dirichlet", alpha=0.1, classes_per_peer=2)
     assert len(trainer.class_histogram) == 10

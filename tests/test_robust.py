@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.algorithms import make_averaging
-from gossiptrain.averaging import XNAK, XREQ, Received, Rejected, SendExchange
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import XNAK, XREQ, Received, Rejected, SendExchange
 from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.quarantine import Quarantine
-from gossiptrain.robust import HISTORY, WARMUP, NormClip, trimmed_mean
+from gossiptrain.protocol.quarantine import Quarantine
+from gossiptrain.protocol.robust import HISTORY, WARMUP, NormClip, trimmed_mean
 from gossiptrain.sim.cluster import SimConfig, simulate
 
 from .conftest import fast_config

@@ -5,10 +5,10 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from gossiptrain import averaging
-from gossiptrain.averaging import SendExchange, Tick
+from gossiptrain.protocol import averaging
+from gossiptrain.protocol.averaging import SendExchange, Tick
 from gossiptrain.config import RunConfig
-from gossiptrain.safepoint import SafePoint
+from gossiptrain.runtime.safepoint import SafePoint
 
 
 class StoppedClock:

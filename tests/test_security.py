@@ -27,18 +27,18 @@ import torch
 import zmq
 import zmq.auth
 
-from gossiptrain.cli import main
+from gossiptrain.cli.main import main
 from gossiptrain.config import Limits, RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, JoinError
-from gossiptrain.joining import JoinRequest
-from gossiptrain.keys import read_keypair, read_public_key
-from gossiptrain.peer import Peer
-from gossiptrain.security import JoinLimiter, join_source
-from gossiptrain.serve import BackgroundCoordinator
-from gossiptrain.service import Status
-from gossiptrain.transport import TcpTransport
-from gossiptrain.transport.tcp import ReceivedFrames, split_curve_address
-from gossiptrain.wire import Message, decode, encode
+from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.net.keys import read_keypair, read_public_key
+from gossiptrain.runtime.peer import Peer
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
+from gossiptrain.runtime.service import Status
+from gossiptrain.net.transport import TcpTransport
+from gossiptrain.net.transport.tcp import ReceivedFrames, split_curve_address
+from gossiptrain.net.wire import Message, decode, encode
 
 from .conftest import fast_config
 from .swarm import Proc, Procs, next_host, wait_for
@@ -241,7 +241,7 @@ def test_every_member_checks_keys_not_only_the_coordinator(ring: Keyring, coordi
 
 
 def test_an_open_swarm_warns_at_start(coordinators: Any, caplog: Any) -> None:
-    caplog.set_level(logging.WARNING, logger="gossiptrain.security")
+    caplog.set_level(logging.WARNING, logger="gossiptrain.protocol.admission")
     coord = coordinators(fast_config(**EXTERNAL))
     with Peer(model(), join_of(coord), bind=f"{next_host()}:0"):
         pass

@@ -17,8 +17,8 @@ import pytest
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError, TransportClosed
-from gossiptrain.transport import listen
-from gossiptrain.transport.sim import LinkProfile, SimNetwork, SimTransport
+from gossiptrain.net.transport import listen
+from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
 
 # loop.call_at may run a timer up to the clock's resolution early.
 EPS = 1e-6

@@ -17,16 +17,16 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from gossiptrain import state_transfer as st
+from gossiptrain.protocol import state_transfer as st
 from gossiptrain.config import Limits, RunConfig, StateConfig
 from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
-from gossiptrain.state_transfer import (
+from gossiptrain.protocol.state_transfer import (
     CLOSE, ChunkRequest, Donor, Expire, Fetcher, Manifest, RequestChunk, Snapshot, SnapshotHook, SnapshotTaken, Tick,
 )
-from gossiptrain.wire import Message, decode, encode
+from gossiptrain.net.wire import Message, decode, encode
 
 from .conftest import fast_config
 from .swarm import Procs

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import zmq
 
-from gossiptrain.joining import parse_hostport
+from gossiptrain.protocol.joining import parse_hostport
 
 from .conftest import fast_config
 from .swarm import Procs, next_host

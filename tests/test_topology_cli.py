@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import topologies
-from gossiptrain.topology_cli import add_parser, cmd_topology
+from gossiptrain.cli.topology import add_parser, cmd_topology
 
 
 def run(*argv: str) -> int:

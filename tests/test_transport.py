@@ -19,11 +19,11 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 
 import pytest
 
-import gossiptrain.transport as transport
+import gossiptrain.net.transport as transport
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError, TransportClosed
-from gossiptrain.transport import TcpTransport, Transport, listen
-from gossiptrain.transport.sim import SimNetwork, SimTransport
+from gossiptrain.net.transport import TcpTransport, Transport, listen
+from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 
 try:
     import uvloop

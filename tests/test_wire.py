@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.wire import (
+from gossiptrain.net.wire import (
     DTYPES,
     KINDS,
     MAX_BODY_DEPTH,

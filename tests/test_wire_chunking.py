@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.transport import listen
-from gossiptrain.wire import DTYPES, Message, decode, encode, message_nbytes
+from gossiptrain.net.transport import listen
+from gossiptrain.net.wire import DTYPES, Message, decode, encode, message_nbytes
 
 MiB = 1 << 20
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from sklearn import metrics
 
 from gossiptrain.errors import WorkloadError
-from gossiptrain.evaluation import EvalResult, classification_eval
-from gossiptrain.workload import Workload, batches, builtin_workloads, load_workload
+from gossiptrain.train.evaluation import EvalResult, classification_eval
+from gossiptrain.train.workload import Workload, batches, builtin_workloads, load_workload
 from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
@@ -335,7 +335,7 @@ def test_importing_the_runtime_does_not_import_peers() -> None:
     import subprocess
     import sys
 
-    code = "import sys, gossiptrain.workload; print('peers' in sys.modules)"
+    code = "import sys, gossiptrain.train.workload; print('peers' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from experiments.harness import Straggler, build_model, run_config, shard_batches, sgd
-from gossiptrain.metrics import MetricsLog
-from gossiptrain.workload import load_workload
+from gossiptrain.train.metrics import MetricsLog
+from gossiptrain.train.workload import load_workload
 
 
 class GradsReady:

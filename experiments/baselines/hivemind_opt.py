@@ -125,8 +125,8 @@ from experiments.harness import (  # noqa: E402
     EVAL_EVERY, STOP_GRACE, Point, Procs, Run, Straggler, build_model, fresh_dir, gossip_series, poll_run, python_m,
     run_config, shard_batches, slowdown_of,
 )
-from gossiptrain.metrics import MetricsLog, read_metrics  # noqa: E402
-from gossiptrain.workload import load_workload  # noqa: E402
+from gossiptrain.train.metrics import MetricsLog, read_metrics  # noqa: E402
+from gossiptrain.train.workload import load_workload  # noqa: E402
 
 SYSTEM = "hivemind"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -42,8 +42,8 @@ import torch
 import zmq
 
 from experiments.harness import Straggler, build_model, flat_views, run_config, sgd, shard_batches
-from gossiptrain.metrics import MetricsLog
-from gossiptrain.workload import load_workload
+from gossiptrain.train.metrics import MetricsLog
+from gossiptrain.train.workload import load_workload
 
 log = logging.getLogger("param_server")
 

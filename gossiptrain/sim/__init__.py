@@ -11,8 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .cluster import Cluster, SimConfig, SimResult, simulate
-    from .faults import ChurnEvent, PartitionSpec
+    from gossiptrain.sim.cluster import Cluster, SimConfig, SimResult, simulate
+    from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
 
 _LAZY = {
     "Cluster": "gossiptrain.sim.cluster",

@@ -25,15 +25,15 @@ import torch
 
 import topologies
 
-from ..config import RunConfig
-from ..coordinator import Coordinator
-from ..errors import ConfigError
-from ..local_training import LocalTrainer
-from ..transport.sim import LinkProfile, SimNetwork, SimTransport
-from ..workload import Workload, load_workload
-from .faults import ChurnEvent, PartitionSpec, churn_schedule
-from .peer import SimPeer, SimPeerSpec
-from .vtime import LoopClock, run_virtual
+from gossiptrain.config import RunConfig
+from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.errors import ConfigError
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
+from gossiptrain.train.workload import Workload, load_workload
+from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_schedule
+from gossiptrain.sim.peer import SimPeer, SimPeerSpec
+from gossiptrain.sim.vtime import LoopClock, run_virtual
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from gossiptrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .cluster import SimConfig
+    from gossiptrain.sim.cluster import SimConfig
 
 CRASH, JOIN = "crash", "join"
 

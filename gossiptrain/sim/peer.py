@@ -21,18 +21,18 @@ from typing import Callable
 
 import torch
 
-from ..algorithms import make_averaging
-from ..averaging import Averaging, ParamSpec
-from ..config import RunConfig
-from ..joining import JoinRequest, join_swarm
-from ..local_training import LocalTrainer, budget_spent, make_optimizer
-from ..membership import Member
-from ..node import PeerNode
-from ..safepoint import SafePoint
-from ..state_transfer import SnapshotHook, TransferResult, catch_up, install
-from ..transport.sim import SimNetwork, SimTransport
-from ..workload import Workload
-from .vtime import LoopClock
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import Averaging, ParamSpec
+from gossiptrain.config import RunConfig
+from gossiptrain.protocol.joining import JoinRequest, join_swarm
+from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.safepoint import SafePoint
+from gossiptrain.protocol.state_transfer import SnapshotHook, TransferResult, catch_up, install
+from gossiptrain.net.transport.sim import SimNetwork, SimTransport
+from gossiptrain.train.workload import Workload
+from gossiptrain.sim.vtime import LoopClock
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class SimPeer:
             out["bytes_sent"] = self.transport.stats.bytes_sent
             out["bytes_received"] = self.transport.stats.bytes_received
         if self.averaging is not None and self.trainer is None:
-            out["step"] = 0  # still downloading its state (gossiptrain.state_transfer): no step taken yet
+            out["step"] = 0  # still downloading its state (gossiptrain.protocol.state_transfer): no step taken yet
         if self.averaging is not None:
             s = self.averaging.stats
             out.update(

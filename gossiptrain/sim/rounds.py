@@ -22,9 +22,9 @@ import torch
 
 import topologies
 
-from ..algorithms import make_averaging
-from ..averaging import Averaging, Received, SendExchange, Tick
-from ..config import GossipConfig
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import Averaging, Received, SendExchange, Tick
+from gossiptrain.config import GossipConfig
 
 
 class Lockstep:

@@ -17,7 +17,7 @@ import asyncio
 import selectors
 from typing import Any, Coroutine, Mapping, TypeVar
 
-from ..errors import GossipError
+from gossiptrain.errors import GossipError
 
 T = TypeVar("T")
 

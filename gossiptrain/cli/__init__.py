@@ -1,0 +1,1 @@
+"""The ``gossiptrain`` command: one module per subcommand; nothing imports this package."""

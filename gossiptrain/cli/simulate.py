@@ -1,0 +1,165 @@
+"""`gossiptrain simulate`: a whole swarm in this process, in virtual time."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from gossiptrain.config import RunConfig
+from gossiptrain.errors import ConfigError
+from gossiptrain.train.progress import Progress
+from gossiptrain.net.transport.sim import LinkProfile
+from gossiptrain.sim.faults import PartitionSpec, load_trace
+
+if TYPE_CHECKING:  # the cluster pulls in torch: imported when a simulation runs, not for --help
+    from gossiptrain.sim.cluster import SimConfig, SimResult
+
+
+def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """The `simulate` sub-command's flags; the caller sets what it runs."""
+    p = sub.add_parser("simulate", help="run a swarm of simulated peers in virtual time, in this process")
+    p.add_argument("--peers", type=int, default=8, help="number of peers (default 8)")
+    p.add_argument("--duration", type=float, default=60.0, help="virtual seconds to simulate (default 60)")
+    p.add_argument("--step-time", type=float, metavar="SECONDS", help="virtual seconds per local step (default: measured here)")
+    p.add_argument("--exchange-time", type=float, default=0.0, metavar="SECONDS",
+                   help="computation charged per exchange operation (snapshot or merge); default 0")
+    p.add_argument("--step-jitter", type=float, default=0.0, metavar="CV",
+                   help="spread of a step's time: coefficient of variation of a gamma distribution (default 0: all alike)")
+    p.add_argument("--eval-time", type=float, default=0.0, metavar="SECONDS",
+                   help="computation charged per test-set evaluation, every train.eval_every_seconds; default 0")
+    p.add_argument("--cores", type=float, default=0.0, help="cores the peers share (default 0: one each)")
+    p.add_argument("--wait-for", type=int, default=0, metavar="N",
+                   help="as `peer --wait-for`: peers train once N members are in their view (default 0: at once)")
+    p.add_argument("--stragglers", metavar="FRACTION[:SLOWDOWN]", default="0", help="e.g. 0.25:4 slows a quarter of the peers 4x")
+    p.add_argument("--latency", type=float, default=LinkProfile.latency, help="one-way link latency, seconds")
+    p.add_argument("--bandwidth", type=float, default=LinkProfile.bandwidth, help="link bandwidth, bytes per second")
+    p.add_argument("--loss", type=float, default=0.0, help="probability a message is lost")
+    p.add_argument("--split", action="append", default=[], metavar="START:HEAL[:FRACTION]",
+                   help="a network partition: cut the swarm in two from START to HEAL (virtual seconds)")
+    p.add_argument("--churn", type=float, default=0.0, metavar="RATE", help="crashes per virtual second across the swarm (Poisson)")
+    p.add_argument("--churn-downtime", type=float, default=5.0, metavar="SECONDS", help="how long a crashed peer stays down")
+    p.add_argument("--churn-trace", metavar="CSV", help="crash/join events: lines 'time,peer,event'")
+    p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
+    p.add_argument("--rogue", metavar="PEERS[:SCALE]", default="",
+                   help="peers (comma-separated indexes) that send valid parameters scaled by SCALE (default 100)")
+    p.add_argument("--target", type=float, default=0.0, help="stop once the mean test accuracy reaches this")
+    p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
+    p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
+    p.add_argument("--out", metavar="FILE", help="write the time series: .csv or .jsonl")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    add_run_flags(p)
+    return p
+
+
+def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
+    from gossiptrain.sim.cluster import SimConfig
+
+    fraction, _, slowdown = args.stragglers.partition(":")
+    try:
+        stragglers, factor = float(fraction), float(slowdown or 4.0)
+    except ValueError:
+        raise ConfigError(f"--stragglers {args.stragglers!r} must look like FRACTION[:SLOWDOWN], e.g. 0.25:4") from None
+    indexes, _, scale = args.rogue.partition(":")
+    try:
+        rogue = tuple(int(i) for i in indexes.split(",") if i.strip())
+        rogue_scale = float(scale or 100.0)
+    except ValueError:
+        raise ConfigError(f"--rogue {args.rogue!r} must look like PEERS[:SCALE], e.g. 0,3:100") from None
+    return SimConfig(
+        rogue=rogue,
+        rogue_scale=rogue_scale,
+        peers=args.peers,
+        run=run,
+        duration=args.duration,
+        seed=run.train.seed if args.sim_seed is None else args.sim_seed,
+        step_time=args.step_time,
+        exchange_time=args.exchange_time,
+        step_jitter=args.step_jitter,
+        eval_time=args.eval_time,
+        cores=args.cores,
+        wait_for=args.wait_for,
+        stragglers=stragglers,
+        slowdown=factor,
+        link=LinkProfile(latency=args.latency, bandwidth=args.bandwidth, loss=args.loss),
+        partitions=tuple(PartitionSpec.parse(p) for p in args.split),
+        churn_rate=args.churn,
+        churn_downtime=args.churn_downtime,
+        churn_trace=load_trace(args.churn_trace) if args.churn_trace else (),
+        sample_every=args.sample_every,
+        membership_only=args.membership_only,
+        target_accuracy=args.target,
+    )
+
+
+def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
+    """Simulate ``run`` as the flags describe; print the summary (and the JSON line with --json)."""
+    from gossiptrain.sim.cluster import simulate
+
+    config = sim_config(args, run)
+    progress = Progress(plain_every=10.0)
+    wall = time.monotonic()
+
+    def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
+        accs = [r["test_acc"] for r in rows if "test_acc" in r]
+        acc = f" | mean acc {sum(accs) / len(accs):.3f}" if accs else ""
+        members = sum(r["members"] for r in rows) / len(rows) if rows else 0
+        done = min(1.0, now / config.duration)
+        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        progress.update(
+            f"[{bar}] virtual {now:7.1f}/{config.duration:.0f} s | wall {time.monotonic() - wall:6.1f} s | "
+            f"live {len(rows)}/{config.peers} | mean view {members:.1f}{acc}"
+        )
+
+    result = simulate(config, on_sample)
+    progress.finish()
+    if args.out:
+        write_rows(result, Path(args.out))
+    print(format_summary(result), flush=True)
+    if args.json:
+        print(json.dumps(result.summary, separators=(",", ":")), flush=True)
+    return 0
+
+
+def write_rows(result: SimResult, path: Path) -> None:
+    """The time series as CSV (one column per key seen) or JSON lines, chosen by the file's suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        with open(path, "w", encoding="utf-8") as fh:
+            for row in result.rows:
+                fh.write(json.dumps(row, separators=(",", ":")) + "\n")
+        return
+    if path.suffix != ".csv":
+        raise ConfigError(f"--out {path}: use a .csv or .jsonl file name")
+    columns: list[str] = []
+    for row in result.rows:
+        columns += [k for k in row if k not in columns]
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(result.rows)
+
+
+def format_summary(result: SimResult) -> str:
+    s = result.summary
+    lines = [
+        f"simulated {s['virtual_seconds']:.1f} virtual s of {s['peers']} peers in {s['wall_seconds']:.1f} wall s "
+        f"(step time {s['step_time'] * 1000:.2f} ms, seed {s['seed']})",
+        f"live peers at the end: {s['live_peers']}, crashes: {s['crashes']}, mean view size: {s['mean_members']}",
+    ]
+    if "mean_test_acc" in s and s["mean_test_acc"] is not None:
+        ttt = f", reached the target at {s['time_to_target']:.1f} s" if s.get("time_to_target") is not None else ""
+        lines.append(
+            f"mean test accuracy {_num(s['mean_test_acc'], '.4f')}, mean steps {_num(s['mean_step'], '.0f')}, "
+            f"exchanges per peer {_num(s['exchanges_per_peer'], '.0f')}, "
+            f"consensus distance {_num(s['consensus_distance'], '.4g')}{ttt}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str) -> str:
+    """A summary number, or "n/a" where no peer had one (all diverged to NaN, say)."""
+    return "n/a" if value is None else format(value, spec)

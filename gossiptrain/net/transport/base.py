@@ -1,0 +1,187 @@
+"""The transport interface every backend implements, and the inbox they share.
+
+A transport moves whole multipart messages between endpoints, like
+datagrams: ``send`` never blocks and may drop, ``recv`` yields one message's
+frames. It knows nothing of message contents (the sender's identity travels
+in the header, which the wire codec owns). Code above this layer talks only
+to ``Transport``, so ``tcp://`` and ``sim://`` are interchangeable and one
+conformance suite (tests/test_transport.py) holds both to the same contract.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from gossiptrain.config import Limits
+from gossiptrain.errors import TransportClosed
+from gossiptrain.runtime.service import Service, Status
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class TransportStats:
+    """Counters a transport keeps; drops are counted, never raised."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    send_dropped: int = 0  # destination queue full, or not reachable in time
+    oversize_dropped: int = 0  # over max_frames / max_frame_bytes / max_message_bytes (either side)
+    handshake_failures: int = 0  # a connection that never became a valid peer (e.g. garbage bytes)
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def frame_nbytes(frame: bytes | memoryview) -> int:
+    """Size in bytes; ``len`` of a memoryview counts items, not bytes."""
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def oversize(limits: Limits, sizes: Sequence[int]) -> bool:
+    """Whether a message with these frame sizes breaks ``limits``."""
+    return (
+        len(sizes) > limits.max_frames
+        or max(sizes, default=0) > limits.max_frame_bytes
+        or sum(sizes) > limits.max_message_bytes
+    )
+
+
+class Inbox:
+    """A bounded FIFO of received messages whose readers wake with an error on close.
+
+    Backends put complete, already validated messages here; ``Transport.recv``
+    takes them out. Waiters are woken all at once and re-check, so a reader
+    cancelled right after its wake-up (``wait_for`` timeouts) cannot strand
+    another reader.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._messages: deque[list[memoryview]] = deque()
+        self._readers: list[asyncio.Future[None]] = []
+        self._writers: list[asyncio.Future[None]] = []
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def full(self) -> bool:
+        return len(self._messages) >= self.capacity
+
+    def put_nowait(self, message: list[memoryview]) -> bool:
+        """Queue a message; False (nothing queued) if full or closed."""
+        if self.closed or self.full():
+            return False
+        self._messages.append(message)
+        _wake(self._readers)
+        return True
+
+    async def wait_not_full(self) -> None:
+        """Wait for room: a backend with backpressure (tcp) reads no more until then."""
+        while self.full() and not self.closed:
+            await self._wait(self._writers)
+
+    async def get(self) -> list[memoryview]:
+        while not self._messages:
+            if self.closed:
+                raise TransportClosed("transport closed")
+            await self._wait(self._readers)
+        message = self._messages.popleft()
+        _wake(self._writers)
+        return message
+
+    def close(self) -> None:
+        """Drop queued messages and wake everyone; readers then raise TransportClosed."""
+        self.closed = True
+        self._messages.clear()
+        _wake(self._readers)
+        _wake(self._writers)
+
+    @staticmethod
+    async def _wait(waiters: list[asyncio.Future[None]]) -> None:
+        future = asyncio.get_running_loop().create_future()
+        waiters.append(future)
+        try:
+            await future
+        finally:
+            if future in waiters:
+                waiters.remove(future)
+
+
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    for future in waiters:
+        if not future.done():
+            future.set_result(None)
+    waiters.clear()
+
+
+class Transport(Service, abc.ABC):
+    """One inbound endpoint plus outgoing connections made on demand.
+
+    Backends fill ``self.inbox`` with validated messages and close it in
+    ``_close``; ``recv`` is shared. ``address`` is the URL given until
+    ``start`` binds, then the resolved one (port 0 replaced by the real port).
+    """
+
+    def __init__(self, url: str, limits: Limits) -> None:
+        super().__init__()
+        self.address: str = url
+        self.limits = limits
+        self.stats = TransportStats()
+        self.inbox = Inbox(limits.inbox_messages)
+
+    def send(self, address: str, frames: Sequence[bytes | memoryview]) -> bool:
+        """Queue one message for the transport listening at ``address``; never blocks.
+
+        True if queued. A destination not yet connected holds the message
+        until it connects (backend-defined grace); if it never does, the
+        message is counted in ``stats.send_dropped`` later. False, counted,
+        if the destination's queue is full, it is known unreachable, or the
+        message breaks ``limits`` (``oversize_dropped``). Never raises for an
+        unreachable or malformed peer address; raises TransportClosed if this
+        transport is closed. Frames are not copied: do not modify a buffer
+        after passing it here.
+        """
+        self._check_open()
+        message = list(frames)
+        if not message:
+            raise ValueError("a message needs at least one frame")
+        sizes = [frame_nbytes(f) for f in message]
+        if oversize(self.limits, sizes):
+            self.stats.oversize_dropped += 1
+            log.debug("not sending to %s: %d frames, %d bytes break the limits", address, len(sizes), sum(sizes))
+            return False
+        if not self._send(address, message, sum(sizes)):
+            self.stats.send_dropped += 1
+            return False
+        return True
+
+    @abc.abstractmethod
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        """Hand over a message that passed the checks; False if it was dropped (``send`` counts it)."""
+
+    @abc.abstractmethod
+    def forget(self, address: str) -> None:
+        """Drop the outgoing connection to ``address`` (a member that left) and its queue."""
+
+    async def recv(self) -> list[memoryview]:
+        """The frames of the next whole message. Raises TransportClosed once closed."""
+        if self.status is Status.CREATED:
+            raise RuntimeError(f"{type(self).__name__} is not started")
+        return await self.inbox.get()
+
+    def _check_open(self) -> None:
+        if self.status is Status.CREATED:
+            raise RuntimeError(f"{type(self).__name__} is not started")
+        if self.status is not Status.RUNNING:
+            raise TransportClosed(f"transport {self.address} is {self.status.value}")

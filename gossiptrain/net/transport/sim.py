@@ -1,0 +1,354 @@
+"""The simulated backend: ``sim://`` transports on one event loop, joined by a modelled network.
+
+The simulator runs many peers in one process on one (usually virtual-time)
+event loop. Their transports talk through a ``SimNetwork`` that models each
+directed link's latency, bandwidth, loss and jitter, plus partitions, and
+delivers with ``loop.call_at``. Only the running loop's clock is read, so the
+same code runs unchanged on a real loop and on the virtual one, and with the
+network's own seeded RNG a run is reproducible.
+
+Messages are copied at send and checked against the receiver's limits at
+delivery, as tcp:// does, so nothing above the transport can tell the two
+apart except by timing.
+
+Fate of a message sent with ``SimTransport.send`` (each outcome is counted
+once in ``SimNetwork.stats``):
+
+- refused at send (``send`` returns False, sender's ``send_dropped``):
+  nothing listens at the destination now, or the link's send queue is full;
+- ``partitioned``: sender and destination are on different sides of a
+  partition at send time; the message never leaves;
+- ``lost``: dropped on the wire with the link's ``loss`` probability (it
+  still used the link's bandwidth);
+- ``unreachable``: the transport that listened when it was sent has closed
+  (crashed, or restarted at the same address) by the time it arrives;
+- ``inbox_full``: the receiver's inbox is full on arrival;
+- ``oversize``: breaks the receiver's limits (receiver's ``oversize_dropped``);
+- ``delivered``: put into the receiver's inbox.
+
+Partitions and loss cannot be seen by the sender (``send`` returned True);
+``unreachable`` and ``inbox_full`` are also added to the sender's
+``send_dropped``, like tcp's messages that never got through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import re
+import types
+from collections import deque
+from contextvars import ContextVar
+from dataclasses import dataclass, field, fields
+from typing import Collection, Iterator, Literal, Mapping, Sequence
+
+from gossiptrain.config import Limits
+from gossiptrain.errors import ConfigError
+from gossiptrain.net.transport.base import Transport, oversize
+
+log = logging.getLogger(__name__)
+
+#: The network ``listen("sim://...")`` attaches to; the simulator sets it and
+#: asyncio tasks inherit it with their context.
+current_network: ContextVar[SimNetwork] = ContextVar("gossiptrain_sim_network")
+
+#: Ports handed out for ``sim://name:0`` start here (like an ephemeral range).
+FIRST_PORT = 40000
+
+#: What became of a message that reached its destination: a ``NetworkStats`` field.
+Outcome = Literal["delivered", "inbox_full", "oversize"]
+
+_URL = re.compile(r"sim://([A-Za-z0-9_.-][A-Za-z0-9_.:-]*)")
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """How one directed link behaves; the same profile both ways unless set otherwise."""
+
+    latency: float = 0.0005  # seconds one way, after the last byte is sent
+    bandwidth: float = 1.0e9  # bytes/s; a message of B bytes holds the link for B/bandwidth (inf: no cost)
+    loss: float = 0.0  # probability that a message is dropped on the wire
+    jitter: float = 0.0  # extra latency, uniform in [0, jitter] seconds; never reorders a link
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ConfigError(f"link.{f.name} must be a number, got {value!r}")
+        _require(math.isfinite(self.latency) and self.latency >= 0, "latency", "must be >= 0 and finite", self.latency)
+        _require(self.bandwidth > 0, "bandwidth", "must be > 0 (bytes/s; inf for no cost)", self.bandwidth)
+        _require(0.0 <= self.loss <= 1.0, "loss", "must be in [0, 1]", self.loss)
+        _require(math.isfinite(self.jitter) and self.jitter >= 0, "jitter", "must be >= 0 and finite", self.jitter)
+
+
+def _require(ok: bool, name: str, message: str, value: float) -> None:
+    if not ok:
+        raise ConfigError(f"link.{name} {message}, got {value!r}")
+
+
+@dataclass
+class NetworkStats:
+    """What became of every message the network accepted (see the module docstring)."""
+
+    sent: int = 0  # accepted: send returned True
+    refused: int = 0  # send returned False: unknown destination or link queue full
+    delivered: int = 0
+    lost: int = 0
+    partitioned: int = 0
+    unreachable: int = 0
+    inbox_full: int = 0
+    oversize: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def settled(self) -> int:
+        """Accepted messages whose fate is known; ``sent - settled()`` are in flight."""
+        return self.delivered + self.lost + self.partitioned + self.unreachable + self.inbox_full + self.oversize
+
+
+@dataclass(eq=False)
+class _InFlight:
+    target: SimTransport
+    frames: list[memoryview]
+    nbytes: int
+    sender: SimTransport | None
+
+
+@dataclass(eq=False)
+class _Link:
+    """The state of one directed link: when its transmitter is free, and what is on the wire."""
+
+    free_at: float = 0.0
+    last_arrival: float = 0.0
+    sending_until: deque[float] = field(default_factory=deque)  # end of transmission, per queued message
+    wire: deque[_InFlight] = field(default_factory=deque)  # in arrival order
+
+
+class SimNetwork:
+    """Links between ``sim://`` addresses on one event loop, with a seeded RNG for loss and jitter."""
+
+    def __init__(self, default: LinkProfile = LinkProfile(), seed: int = 0) -> None:
+        self.default = default
+        self.stats = NetworkStats()
+        self._rng = random.Random(seed)
+        self._profiles: dict[tuple[str, str], LinkProfile] = {}
+        self._links: dict[tuple[str, str], _Link] = {}
+        self._transports: dict[str, SimTransport] = {}
+        self._groups: dict[str, int] = {}
+        self._next_port = FIRST_PORT
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[SimNetwork]:
+        """Make ``listen("sim://...")`` use this network within the block (and tasks started in it)."""
+        token = current_network.set(self)
+        try:
+            yield self
+        finally:
+            current_network.reset(token)
+
+    def set_link(self, a: str, b: str, profile: LinkProfile, both_ways: bool = True) -> None:
+        """Give the link a -> b (and b -> a unless ``both_ways`` is False) its own profile.
+
+        Takes effect for messages sent from now on; those in flight keep their arrival time.
+        """
+        self._profiles[(a, b)] = profile
+        if both_ways:
+            self._profiles[(b, a)] = profile
+
+    def link(self, a: str, b: str) -> LinkProfile:
+        """The profile of the directed link a -> b."""
+        return self._profiles.get((a, b), self.default)
+
+    def partition(self, groups: Sequence[Collection[str]]) -> None:
+        """Cut the network: addresses in different groups cannot reach each other.
+
+        Replaces any earlier partition. An address in no group is not cut off
+        from anyone. Checked at send time: messages already in flight arrive.
+        """
+        where: dict[str, int] = {}
+        for i, group in enumerate(groups):
+            for address in group:
+                if where.setdefault(address, i) != i:
+                    raise ConfigError(f"partition groups overlap: {address!r} is in groups {where[address]} and {i}")
+        self._groups = where
+
+    def heal(self) -> None:
+        """Undo ``partition``: everyone can reach everyone again."""
+        self._groups = {}
+
+    def reachable(self, src: str, dst: str) -> bool:
+        """Whether the current partition lets ``src`` reach ``dst``."""
+        a, b = self._groups.get(src), self._groups.get(dst)
+        return a is None or b is None or a == b
+
+    @property
+    def transports(self) -> Mapping[str, SimTransport]:
+        """The transports listening now, by address (read-only)."""
+        return types.MappingProxyType(self._transports)
+
+    @property
+    def in_flight(self) -> int:
+        """Messages accepted and not yet arrived."""
+        return self.stats.sent - self.stats.settled()
+
+    # -- delivery --------------------------------------------------------------------------
+
+    def deliver(self, src: str, dst: str, frames: Sequence[bytes | memoryview], nbytes: int) -> bool:
+        """Put one message on the link src -> dst; False (refused) if it cannot be accepted.
+
+        Refused when nothing listens at ``dst`` now, or when the link already
+        has the sender's ``limits.send_queue_messages`` messages waiting to be
+        transmitted (ZeroMQ's SNDHWM: a slow link pushes back). Otherwise
+        accepted: partition and loss are decided now, and the message arrives
+        at max(now, link free) + nbytes / bandwidth + latency (+ jitter), never
+        before an earlier message on the same link.
+        """
+        loop = self._bind_loop()
+        now = loop.time()
+        target = self._transports.get(dst)
+        sender = self._transports.get(src)
+        if target is None:
+            self.stats.refused += 1
+            return False
+        key = (src, dst)
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = _Link(free_at=now, last_arrival=now)
+        while link.sending_until and link.sending_until[0] <= now:
+            link.sending_until.popleft()
+        if sender is not None and len(link.sending_until) >= sender.limits.send_queue_messages:
+            self.stats.refused += 1
+            return False
+        self.stats.sent += 1
+        if not self.reachable(src, dst):
+            self.stats.partitioned += 1
+            return True
+        profile = self.link(src, dst)
+        link.free_at = max(now, link.free_at) + nbytes / profile.bandwidth
+        link.sending_until.append(link.free_at)
+        # Draw only for features in use: a lossless, jitter-free run takes no
+        # randomness, and one RNG in send order keeps every run reproducible.
+        if profile.loss > 0 and self._rng.random() < profile.loss:
+            self.stats.lost += 1
+            return True
+        arrival = link.free_at + profile.latency
+        if profile.jitter > 0:
+            arrival += self._rng.uniform(0.0, profile.jitter)
+        # FIFO per link, as over a TCP connection: jitter delays, never reorders.
+        arrival = link.last_arrival = max(arrival, link.last_arrival)
+        link.wire.append(_InFlight(target, [memoryview(bytes(f)) for f in frames], nbytes, sender))
+        loop.call_at(arrival, self._arrive, link)
+        return True
+
+    def _arrive(self, link: _Link) -> None:
+        # Each timer takes the head, not "its own" message: timers at equal
+        # times may fire in any order, the head is always the earliest.
+        item = link.wire.popleft()
+        target = item.target
+        if self._transports.get(target.address) is not target:
+            self.stats.unreachable += 1
+            if item.sender is not None:
+                item.sender.stats.send_dropped += 1
+            return
+        outcome = target._accept(item.frames, item.nbytes)
+        if outcome == "inbox_full" and item.sender is not None:
+            item.sender.stats.send_dropped += 1
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop; a network serves one loop at a time (link times are in its clock)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return loop
+        if self._loop is not None and not self._loop.is_closed() and (self._transports or self.in_flight):
+            raise RuntimeError("this SimNetwork is in use on another event loop")
+        # A closed loop's timers never fire and its transports can never close:
+        # what was on the wire is lost, and their addresses are free again.
+        self.stats.unreachable += sum(len(link.wire) for link in self._links.values())
+        self._links.clear()
+        self._transports.clear()
+        self._loop = loop
+        return loop
+
+    # -- membership of transports ----------------------------------------------------------
+
+    def _register(self, transport: SimTransport, url: str) -> str:
+        self._bind_loop()
+        name = url.removeprefix("sim://")
+        host, sep, port = name.rpartition(":")
+        if sep and port == "0":
+            while f"sim://{host}:{self._next_port}" in self._transports:
+                self._next_port += 1
+            address = f"sim://{host}:{self._next_port}"
+            self._next_port += 1
+        else:
+            address = url
+        if address in self._transports:
+            raise ConfigError(f"cannot listen on {url}: address in use")
+        self._transports[address] = transport
+        return address
+
+    def _unregister(self, transport: SimTransport) -> None:
+        if self._transports.get(transport.address) is transport:
+            del self._transports[transport.address]
+
+
+class SimTransport(Transport):
+    """Transport on a ``SimNetwork``; ``url`` is sim://NAME, and sim://NAME:0 gets a fresh port.
+
+    The network is ``network`` if given, else the one active in this context
+    (``SimNetwork.activate``), looked up here so ``listen`` fails early.
+    """
+
+    def __init__(self, url: str, limits: Limits, *, network: SimNetwork | None = None) -> None:
+        if not _URL.fullmatch(url):
+            raise ConfigError(f"invalid transport URL {url!r}: expected sim://NAME (letters, digits, _.:-; NAME:0 picks a port)")
+        if network is None:
+            network = current_network.get(None)
+            if network is None:
+                raise ConfigError(
+                    f"cannot listen on {url!r}: sim:// needs a simulated network "
+                    "(gossiptrain.sim sets one up; or use SimNetwork.activate())"
+                )
+        super().__init__(url, limits)
+        self.network = network
+        self._url = url
+
+    async def _start(self) -> None:
+        self.address = self.network._register(self, self._url)
+        log.debug("listening on %s", self.address)
+
+    async def _close(self) -> None:
+        # Unregistered first: whatever is still in flight to us is counted unreachable.
+        self.network._unregister(self)
+        self.inbox.close()
+
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        if not self.network.deliver(self.address, address, message, nbytes):
+            return False
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += nbytes
+        return True
+
+    def forget(self, address: str) -> None:
+        # No connection to tear down: links hold no per-destination state worth dropping.
+        pass
+
+    def _accept(self, frames: list[memoryview], nbytes: int) -> Outcome:
+        """Take one arriving message; the ``NetworkStats`` field that says what became of it."""
+        if oversize(self.limits, [f.nbytes for f in frames]):
+            self.stats.oversize_dropped += 1
+            return "oversize"
+        if not self.inbox.put_nowait(frames):
+            return "inbox_full"
+        self.stats.messages_received += 1
+        self.stats.bytes_received += nbytes
+        return "delivered"

@@ -1,0 +1,463 @@
+"""The real network backend: ZeroMQ over TCP (IPv4 and IPv6), on asyncio or uvloop.
+
+One ROUTER socket receives from everyone; one DEALER per destination sends,
+created on first use. ZeroMQ gives us framing, reconnection and per-pipe
+queues; this module adds what it lacks for untrusted peers: limits checked
+frame by frame, drops counted instead of raised, and a bounded wait for a
+new destination to connect (ZMQ_IMMEDIATE would otherwise refuse the first
+message to every new peer).
+
+With a ``SecurityConfig`` the transport is secure (CURVE): the ROUTER is a
+CURVE server that admits only client keys in the allow-list directory
+(checked by pyzmq's ZAP authenticator, with ZAP_ENFORCE_DOMAIN so that a
+missing authenticator fails closed), and each DEALER is a CURVE client with
+our own keypair. A client must know the public key of the server it dials,
+so a secure transport's address carries it: ``tcp://host:port?curve=<64 hex
+digits>`` (hex, because Z85 text contains ``?``, ``#`` and ``/``). Layers
+above keep addresses as opaque strings; only ``_connect`` reads the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import logging
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from gossiptrain.config import Limits, SecurityConfig
+from gossiptrain.errors import ConfigError
+from gossiptrain.net.keys import CurveKeys, load_curve
+from gossiptrain.net.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+#: ZMQ_MAXMSGSIZE is set this far above limits.max_frame_bytes. A frame over
+#: MAXMSGSIZE makes libzmq drop the whole connection (and the messages behind
+#: it); a frame a little over the limit is instead read and dropped here, counted.
+MAXMSGSIZE_SLACK = 4096
+
+#: On close, queued messages (a leave announcement, say) get this long to go out;
+#: the context's termination waits at most this, so close stays prompt.
+CLOSE_LINGER_MS = 200
+
+#: Seconds a new destination has to connect before its first messages are dropped.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+# One context per transport, so this inproc name cannot collide.
+_MONITOR_ENDPOINT = "inproc://handshakes"
+# While a new destination connects, its handshake events say why it failed, for error messages.
+_CONNECT_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+#: A secure member's address ends in this, then its CURVE public key in hex.
+CURVE_QUERY = "?curve="
+_CURVE_HEX = re.compile(r"[0-9a-f]{64}")
+
+_Message = tuple[list[bytes | memoryview], int]  # frames, total bytes
+
+
+class ReceivedFrames(list):  # type: ignore[type-arg]
+    """The frames of one received message, and the IP its connection came from (ZeroMQ's Peer-Address)."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, frames: list[memoryview], source: str | None) -> None:
+        super().__init__(frames)
+        self.source = source
+
+
+def received_from(frames: Sequence[object]) -> str | None:
+    """The IP a message received by a tcp:// transport came from; None for other transports."""
+    return frames.source if isinstance(frames, ReceivedFrames) else None
+
+
+def curve_address(url: str, public_key: bytes) -> str:
+    """``url`` with a CURVE public key (Z85, as in key files) attached: how a secure member is addressed."""
+    return f"{url}{CURVE_QUERY}{z85.decode(public_key).hex()}"
+
+
+def split_curve_address(address: str) -> tuple[str, bytes | None]:
+    """(plain URL, the server's Z85 public key or None); ValueError if the key part is malformed."""
+    url, sep, key = address.partition(CURVE_QUERY)
+    if not sep:
+        return address, None
+    if not _CURVE_HEX.fullmatch(key):
+        raise ValueError(f"the key after {CURVE_QUERY!r} must be 64 lowercase hex digits")
+    return url, z85.encode(bytes.fromhex(key))
+
+
+@dataclass(eq=False)
+class _Destination:
+    socket: zmq.asyncio.Socket
+    # Messages waiting for the first connection; None once it is settled
+    # (connected, or given up on), after which sends go straight to ZeroMQ.
+    pending: deque[_Message] | None = field(default_factory=deque)
+    connecting: asyncio.Task[None] | None = None
+    monitor: zmq.asyncio.Socket | None = None  # handshake events, while connecting
+    failure: str | None = None  # why the handshake failed, if it did
+
+
+def check_url(url: str) -> None:
+    """Raise ConfigError unless ``url`` is tcp://host:port (IPv6 hosts in brackets)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"invalid transport URL {url!r}: {e}") from None
+    if (
+        parts.scheme != "tcp"
+        or not parts.hostname
+        or port is None
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ConfigError(f"invalid transport URL {url!r}: expected tcp://host:port (port 0 picks a free one)")
+
+
+def _unmap_ipv4(endpoint: str) -> str:
+    """tcp://[::ffff:10.0.0.1]:7070 -> tcp://10.0.0.1:7070.
+
+    With ZMQ_IPV6 on (needed for IPv6 hosts), libzmq reports IPv4 binds as
+    IPv4-mapped IPv6; peers should be given the plain form.
+    """
+    parts = urlsplit(endpoint)
+    try:
+        mapped = ipaddress.ip_address(parts.hostname or "")
+    except ValueError:
+        return endpoint
+    if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+        return f"tcp://{mapped.ipv4_mapped}:{parts.port}"
+    return endpoint
+
+
+class TcpTransport(Transport):
+    """Transport over ZeroMQ; ``url`` is the address to bind, e.g. tcp://0.0.0.0:7070.
+
+    With ``security`` it is secure (see the module docstring): the keys are
+    read here, so a bad key file is a ConfigError before anything listens.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        limits: Limits,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        security: SecurityConfig | None = None,
+    ) -> None:
+        check_url(url)
+        if not connect_timeout > 0:
+            raise ConfigError(f"connect_timeout must be > 0, got {connect_timeout}")
+        super().__init__(url, limits)
+        self.connect_timeout = connect_timeout
+        self.curve: CurveKeys | None = load_curve(security) if security is not None else None
+        self.port = 0  # the bound port, once started
+        self._url = url
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._destinations: dict[str, _Destination] = {}
+        self._monitors = itertools.count()
+
+    def reachable_at(self, url: str) -> str:
+        """``url`` (this endpoint under another host name, e.g. the advertised one) as others must dial it."""
+        return curve_address(url, self.curve.public) if self.curve is not None else url
+
+    def connect_failure(self, address: str) -> str | None:
+        """Why the handshake with ``address`` failed (wrong key, not allowed, ...), if it did."""
+        dest = self._destinations.get(address)
+        return dest.failure if dest is not None else None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._ctx = zmq.Context()
+        router = self._router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.asyncio.Socket)
+        router.setsockopt(zmq.IPV6, 1)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, self.limits.inbox_messages)
+        router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + MAXMSGSIZE_SLACK)
+        if self.curve is not None:
+            self._start_curve_server(router, self.curve)
+        try:
+            router.bind(self._url)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"cannot listen on {self._url}: {e.strerror}") from None
+        plain = _unmap_ipv4(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.port = urlsplit(plain).port or 0
+        self.address = self.reachable_at(plain)
+        router.monitor(_MONITOR_ENDPOINT, _HANDSHAKE_FAILED)
+        self._monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.asyncio.Socket)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(_MONITOR_ENDPOINT)
+        self.spawn(self._read(), "read")
+        self.spawn(self._count_handshake_failures(), "monitor")
+        log.debug("listening on %s%s", self.address, " (CURVE)" if self.curve else "")
+
+    def _start_curve_server(self, router: zmq.asyncio.Socket, curve: CurveKeys) -> None:
+        """Make ``router`` a CURVE server whose clients the ZAP authenticator checks (before bind)."""
+        assert self._ctx is not None
+        # The authenticator binds inproc://zeromq.zap.01 in our own context, so transports never share one.
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".zap"))
+        self._auth.start()
+        self._auth.configure_curve(domain=curve.domain, location=curve.allow_dir)
+        if not self._auth.certs.get(curve.domain):  # pyzmq logs, rather than raises, a failed load
+            raise ConfigError(f"security.allow_dir {curve.allow_dir}: no public key could be loaded")
+        router.curve_server = True
+        router.curve_secretkey = curve.secret
+        router.curve_publickey = curve.public
+        router.zap_domain = curve.domain.encode()
+        # Fail closed: with no ZAP handler answering, refuse every client instead of admitting all.
+        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+    async def _close(self) -> None:
+        self.inbox.close()
+        for address in list(self._destinations):
+            self._drop(address, linger_ms=CLOSE_LINGER_MS)
+        if self._router is not None:
+            if self._monitor is not None:
+                self._router.disable_monitor()
+                self._monitor.close(linger=0)
+            self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()  # joins its thread; it closes its sockets
+            self._auth = None
+        if self._ctx is not None:
+            # Sockets are closed with LINGER 0 or CLOSE_LINGER_MS, so this
+            # returns promptly even with messages queued to dead peers.
+            self._ctx.term()
+        self._router = self._monitor = self._ctx = None
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        item = (message, nbytes)
+        dest = self._destinations.get(address) or self._connect(address)
+        if dest is None:
+            return False
+        if dest.pending is not None:
+            if len(dest.pending) >= self.limits.send_queue_messages:
+                return False
+            dest.pending.append(item)
+            return True
+        return self._push(dest.socket, item)
+
+    def forget(self, address: str) -> None:
+        # A short linger, not 0: closing with LINGER 0 while the I/O thread is halfway through a
+        # multipart message aborted the process inside libzmq 4.3.5 ("Resource temporarily
+        # unavailable (src/session_base.cpp:233)"), seen when members left as others pushed to them.
+        self._drop(address, linger_ms=CLOSE_LINGER_MS)
+
+    def _drop(self, address: str, linger_ms: int) -> None:
+        dest = self._destinations.pop(address, None)
+        if dest is None:
+            return
+        if dest.pending:
+            self.stats.send_dropped += len(dest.pending)
+        dest.pending = None
+        if dest.connecting is not None:
+            dest.connecting.cancel()
+        if dest.monitor is not None:  # closed now: the context's termination waits for every socket
+            dest.monitor.close(linger=0)
+        dest.socket.close(linger=linger_ms)
+
+    def _connect(self, address: str) -> _Destination | None:
+        assert self._ctx is not None
+        # Addresses come from other peers; only tcp:// may reach a DEALER
+        # (inproc:// would reach into this very context).
+        if not address.startswith("tcp://"):
+            log.warning("not sending to %r: not a tcp:// address", address)
+            return None
+        try:
+            url, server_key = split_curve_address(address)
+        except ValueError as e:
+            log.warning("not sending to %r: %s", address[:200], e)
+            return None
+        if self.curve is not None and server_key is None:
+            log.warning("not sending to %s: this member is secure (--secure) and the address carries no CURVE key", url)
+            return None
+        if self.curve is None and server_key is not None:
+            log.warning("not sending to %s: it is a secure member (its address has a CURVE key); run with --secure", url)
+            return None
+        sock = monitor = None
+        try:
+            sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.asyncio.Socket)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self.limits.send_queue_messages)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+            if self.curve is not None and server_key is not None:
+                sock.curve_secretkey = self.curve.secret
+                sock.curve_publickey = self.curve.public
+                sock.curve_serverkey = server_key
+            monitor_at = f"inproc://connect-{next(self._monitors)}"
+            sock.monitor(monitor_at, _CONNECT_EVENTS)
+            monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.asyncio.Socket)
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.connect(monitor_at)
+            sock.connect(url)
+        except zmq.ZMQError as e:  # a bad address, or out of sockets (ZMQ_MAX_SOCKETS, file descriptors)
+            if monitor is not None:
+                monitor.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
+            log.warning("not sending to %r: %s", address[:200], e.strerror)
+            return None
+        dest = self._destinations[address] = _Destination(sock, monitor=monitor)
+        dest.connecting = self.spawn(self._await_connection(address, dest), f"connect {url}")
+        return dest
+
+    async def _await_connection(self, address: str, dest: _Destination) -> None:
+        """Hand the messages sent before ``address`` connected to ZeroMQ once it has, in order."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        try:
+            while dest.pending:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                # With ZMQ_IMMEDIATE, POLLOUT means connected (handshake done) and with room.
+                # Waking every 100 ms at most reads the handshake events as they come.
+                if not await dest.socket.poll(min(left, 0.1) * 1000, zmq.POLLOUT):
+                    self._read_handshake_events(address, dest)
+                    continue
+                while dest.pending and self._push(dest.socket, dest.pending[0]):
+                    dest.pending.popleft()
+        finally:
+            self._read_handshake_events(address, dest)
+            if dest.pending:
+                self.stats.send_dropped += len(dest.pending)
+                log.debug("dropped %d messages: %s did not connect in time", len(dest.pending), address)
+            dest.pending = None
+            dest.connecting = None
+            if dest.monitor is not None:
+                if not dest.socket.closed:
+                    dest.socket.disable_monitor()
+                dest.monitor.close(linger=0)
+                dest.monitor = None
+
+    def _read_handshake_events(self, address: str, dest: _Destination) -> None:
+        """Note why the handshake with ``address`` failed, from the events queued so far."""
+        monitor = dest.monitor
+        while monitor is not None and not monitor.closed:
+            try:
+                frames = monitor.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            kind, value = int(event["event"]), int(event["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                dest.failure = None
+            elif kind & _HANDSHAKE_FAILED:
+                failure = _describe_handshake_failure(address, kind, value, self.curve is not None)
+                if failure != dest.failure:
+                    log.info("%s", failure)  # a join reports it as its error; exchanges count their drops
+                dest.failure = failure
+
+    def _push(self, sock: zmq.asyncio.Socket, item: _Message) -> bool:
+        """Hand one message to ZeroMQ without waiting; False if its queue is full or unconnected."""
+        frames, nbytes = item
+        # copy=False: pyzmq still copies frames under zmq.COPY_THRESHOLD, and
+        # shares the caller's buffer for the big ones.
+        future = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        if not future.done():  # pyzmq queued it behind another waiter: we never wait
+            future.cancel()
+            return False
+        try:
+            future.result()
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            log.warning("send failed: %s", e.strerror)
+            return False
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += nbytes
+        return True
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        """Move whole messages from the ROUTER to the inbox, dropping those over the limits.
+
+        Frames are checked one at a time so that an oversize message is
+        discarded as it is read. While the inbox is full nothing is read and
+        ZeroMQ's own queues push back on senders.
+        """
+        assert self._router is not None
+        router, limits, stats = self._router, self.limits, self.stats
+        while True:
+            await self.inbox.wait_not_full()
+            routing_id = await router.recv(copy=False)  # added by the ROUTER; the header names the sender
+            more = routing_id.more
+            frames: list[zmq.Frame] = []
+            total = 0
+            dropped = False
+            while more:
+                frame = await router.recv(copy=False)
+                more = frame.more
+                if dropped:
+                    continue
+                size = len(frame)
+                total += size
+                if len(frames) == limits.max_frames or size > limits.max_frame_bytes or total > limits.max_message_bytes:
+                    dropped = True
+                    frames.clear()
+                    continue
+                frames.append(frame)
+            if dropped:
+                stats.oversize_dropped += 1
+                log.debug("dropped an incoming message over the limits")
+                continue
+            if not frames:
+                continue
+            try:
+                source: str | None = frames[0].get("Peer-Address")
+            except zmq.ZMQError:  # no connection metadata (cannot happen over tcp://; never fatal)
+                source = None
+            self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source))
+            stats.messages_received += 1
+            stats.bytes_received += total
+
+    async def _count_handshake_failures(self) -> None:
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if int(event["event"]) & _HANDSHAKE_FAILED:
+                self.stats.handshake_failures += 1
+                log.debug("handshake failed on %s: event %s, errno %s", self.address, event["event"], event["value"])
+
+
+def _describe_handshake_failure(address: str, kind: int, value: int, secure: bool) -> str:
+    """A sentence naming the likely cause of a failed handshake with ``address``."""
+    url = address.partition(CURVE_QUERY)[0]
+    if kind & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"{url} refused our CURVE key (ZAP status {value}): our public key (NAME.key) "
+            "is not in its allow-list directory (--allow)"
+        )
+    if kind & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if secure:
+            return f"{url} does not run with --secure, or is not a gossiptrain member"
+        return f"{url} is a secure member (--secure) and we are not: run with --secure and a key it allows"
+    if secure:
+        return (
+            f"the secure handshake with {url} failed: the server key we dial it with (--server-key, or the key "
+            "in its address) is not the key of the member listening there"
+        )
+    return f"the handshake with {url} failed: it is not a gossiptrain member, or it runs with --secure"

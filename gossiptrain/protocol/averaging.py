@@ -1,0 +1,489 @@
+"""The averaging layer's vocabulary, and asynchronous pairwise averaging (AD-PSGD).
+
+Every algorithm (see ``gossiptrain.protocol.algorithms``) is a sans-IO state machine
+with ``handle(event, now) -> actions``; this module defines the events,
+actions, statistics and the shared base (validation, compression, staleness),
+and the default algorithm, pairwise averaging:
+
+One exchange: the initiator snapshots its parameters ``s_a`` and sends them
+to a partner; the partner replies with its own snapshot ``s_b`` and moves to
+the average at once; when the reply arrives the initiator adds
+``(s_b - s_a) / 2``. Adding the difference instead of overwriting with the
+average keeps the local steps the initiator took while the exchange was in
+flight (Lian et al., AD-PSGD). The two changes sum to zero, so the swarm's
+mean parameter is conserved by every completed exchange.
+
+At most one exchange is in flight per peer. Its timeout adapts to measured
+round trips (as TCP's RTO does), so a dead or slow partner costs one timeout
+and is then avoided for a while; it never blocks training.
+
+The machine is driven at the trainer's safe points (between optimizer
+steps): it reads and writes the live parameters there and nowhere else, and
+returns ``SendExchange`` actions for the driver to put on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from gossiptrain.protocol.compression import get_codec
+from gossiptrain.config import GossipConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.robust import NormClip, norms
+from gossiptrain.protocol.staleness import StalenessPolicy
+
+log = logging.getLogger(__name__)
+
+XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
+XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
+EXCHANGE_KINDS = (XREQ, XREP, XNAK, XPUSH)
+
+#: Scalars an exchange message may carry besides its xid, and their allowed ranges (checked by
+#: the node before an event reaches an algorithm): push-sum weight, pairwise mixing weight,
+#: sender's out-degree (Metropolis-Hastings weights), sender's model version, edge sequence number.
+META_RANGES: dict[str, tuple[type, float, float]] = {
+    "w": (float, 0.0, float(1 << 24)),
+    "a": (float, 0.0, 0.5),
+    "deg": (int, 0, 1 << 24),
+    "ver": (int, 0, (1 << 63) - 1),
+    "seq": (int, 0, (1 << 63) - 1),  # top-k neighbour averaging: message number on its edge (0: dense reset)
+}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Names, dtypes and shapes of the parameters a swarm averages; all peers must agree."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor]) -> "ParamSpec":
+        return cls(tuple((n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in params.items()))
+
+    def to_wire(self) -> list[list[object]]:
+        return [[n, d, list(s)] for n, d, s in self.entries]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> "ParamSpec":
+        if not isinstance(raw, list):
+            raise ProtocolError("parameter spec must be a list")
+        out = []
+        for e in raw:
+            if (
+                not isinstance(e, list)
+                or len(e) != 3
+                or not isinstance(e[0], str)
+                or not isinstance(e[1], str)
+                or not isinstance(e[2], list)
+                or not all(type(d) is int and d >= 0 for d in e[2])
+            ):
+                raise ProtocolError("malformed parameter spec entry")
+            out.append((e[0], e[1], tuple(e[2])))
+        return cls(tuple(out))
+
+    def mismatch(self, other: "ParamSpec") -> str | None:
+        """A sentence naming the first difference, or None if the specs agree."""
+        mine = {n: (d, s) for n, d, s in self.entries}
+        theirs = {n: (d, s) for n, d, s in other.entries}
+        for name in mine:  # in model order, so the same models always give the same sentence
+            if name not in theirs:
+                return f"parameter {name!r} exists here but not in the swarm's model"
+        for name in theirs:
+            if name not in mine:
+                return f"parameter {name!r} exists in the swarm's model but not here"
+        for name, (d, s) in mine.items():
+            td, ts = theirs[name]
+            if s != ts:
+                return f"parameter {name!r} has shape {list(s)} here but {list(ts)} in the swarm"
+            if d != td:
+                return f"parameter {name!r} has dtype {d} here but {td} in the swarm"
+        return None
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A safe point after local step ``step``; ``partners`` are the topology's neighbours now."""
+
+    step: int
+    partners: Sequence[str]
+
+
+@dataclass(frozen=True)
+class Received:
+    """An exchange message from ``sender`` (kind xreq, xrep or xnak), already decoded."""
+
+    sender: str
+    kind: str
+    xid: int
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    step: int = 0  # the sender's local step when it sent this
+    meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
+
+
+Event = Tick | Received
+
+# -- actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendExchange:
+    """Put an exchange message on the wire to member ``to``."""
+
+    to: str
+    kind: str
+    xid: int
+    tensors: Mapping[str, torch.Tensor]
+    meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An update was refused before touching the model; ``reason`` says why (for counters and logs)."""
+
+    sender: str
+    reason: str
+
+
+Action = SendExchange | Rejected
+
+
+@dataclass
+class AveragingStats:
+    started: int = 0
+    completed: int = 0  # exchanges we initiated and applied
+    served: int = 0  # exchanges others initiated and we applied
+    timeouts: int = 0
+    refused: int = 0  # partner answered xnak (busy)
+    late: int = 0  # replies that arrived after their timeout
+    crossed: int = 0  # requests refused because we had asked the same partner at the same time
+    busy: int = 0  # requests refused because we had already served one while ours was in flight
+    rejected: int = 0  # updates refused by validation
+    stale_dropped: int = 0  # updates refused for being beyond the staleness bound
+    unsendable: int = 0  # times our own model could not be sent (non-finite values)
+    clipped: int = 0  # robust: updates whose difference was scaled down (likely poisoned, or far behind)
+    lost: int = 0  # push-sum: pushes that could not be delivered (their mass was taken back)
+    rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
+    # staleness (our step minus the sender's step, floored at 0) -> applied updates
+    staleness: Counter[int] = field(default_factory=Counter)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "staleness"}
+        out["staleness_mean"] = mean_staleness(self.staleness)
+        out["staleness_hist"] = staleness_buckets(self.staleness)
+        return out
+
+
+def mean_staleness(histogram: Counter[int]) -> float:
+    total = sum(histogram.values())
+    return sum(s * n for s, n in histogram.items()) / total if total else 0.0
+
+
+def staleness_buckets(histogram: Counter[int]) -> dict[str, int]:
+    """The histogram in power-of-two buckets ("0", "1", "2-3", "4-7", ...): small enough for every metrics line."""
+    out: dict[str, int] = {}
+    for s, n in sorted(histogram.items()):
+        lo = 0 if s == 0 else 1 << (s.bit_length() - 1)
+        hi = 0 if s == 0 else (lo << 1) - 1
+        key = str(lo) if lo == hi else f"{lo}-{hi}"
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+@dataclass
+class _InFlight:
+    xid: int
+    partner: str
+    snapshot: list[torch.Tensor]
+    sent_at: float
+    deadline: float
+    served_meanwhile: int = 0  # requests we served while this one was in flight (at most one: see _serve)
+
+
+class RttEstimator:
+    """Smoothed round-trip time and variance (RFC 6298) giving an adaptive timeout."""
+
+    def __init__(self, floor: float, ceiling: float) -> None:
+        self.floor, self.ceiling = floor, ceiling
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+
+    def observe(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def timeout(self) -> float:
+        if self.srtt is None:
+            guess = max(self.floor, min(self.ceiling, 2.0))
+            return guess
+        return max(self.floor, min(self.ceiling, self.srtt + 4 * self.rttvar))
+
+    def backoff(self) -> None:
+        """After a timeout, be more patient next time (the partner or network may be slow)."""
+        self.srtt = min(self.ceiling, (self.srtt or self.floor) * 2)
+
+
+class Averaging:
+    """What every algorithm shares: the live parameters, validation, compression and staleness.
+
+    Subclasses implement ``handle``. ``busy`` says an exchange is in flight;
+    ``version`` counts merges applied to the local model (sent with pushes so a
+    receiver can drop an older model from a sender it already has a newer one of).
+    """
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
+    ) -> None:
+        self.me = me  # our member id (breaks ties between peers)
+        self.names = list(params)
+        self.params = [p for p in params.values()]
+        self.spec = ParamSpec.of(params)
+        self.config = config
+        self.rng = rng
+        self.stats = AveragingStats()
+        self.codec = get_codec(config.compression, "gossip.compression")
+        self.lossless = self.codec.name == "none"
+        self.staleness = StalenessPolicy(config.staleness_weighting, config.staleness_exponent, config.staleness_bound)
+        self.clip = NormClip(config.robust_clip) if config.robust else None
+        # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
+        # scales what it sends by this factor. 1.0, honest, everywhere else.
+        self.poison = 1.0
+        self.version = 0
+        self._next_xid = rng.getrandbits(31)
+        self._step = 0  # our latest local step, from the last Tick
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    # -- helpers for subclasses --------------------------------------------------------------
+
+    def _like(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.params))
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.params]
+
+    def _encode(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Wire tensors for ``values``, and what a receiver will decode from them."""
+        if self.poison != 1.0:  # a rogue member: valid tensors, scaled; it keeps its own model sane
+            return self.codec.encode({n: v * self.poison for n, v in zip(self.names, values)}), list(values)
+        wire = self.codec.encode(dict(zip(self.names, values)))
+        if self.lossless:
+            return wire, list(values)
+        decoded = self.codec.decode(wire, like=self._like())
+        return wire, [decoded[n] for n in self.names]
+
+    def _encode_own(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
+        """``_encode``, or None if our own model cannot be sent (non-finite: training diverged)."""
+        try:
+            return self._encode(values)
+        except ProtocolError as e:
+            self.stats.unsendable += 1
+            if self.stats.unsendable & (self.stats.unsendable - 1) == 0:  # 1st, 2nd, 4th, ...: not every step
+                log.error("not sending our model (%d times so far): %s; has training diverged?", self.stats.unsendable, e)
+            return None
+
+    def _new_xid(self) -> int:
+        self._next_xid = (self._next_xid + 1) % (1 << 31)
+        return self._next_xid
+
+    def _validated(self, msg: Received) -> list[torch.Tensor] | Rejected:
+        """The remote tensors in parameter order, decoded and checked, or why they cannot touch the model.
+
+        The codec's decode checks names, dtypes, shapes and finiteness against
+        our own parameters before anything is written.
+        """
+        try:
+            decoded = self.codec.decode(msg.tensors, like=self._like())
+        except ProtocolError as e:
+            self.stats.rejected += 1
+            return Rejected(msg.sender, str(e))
+        return [decoded[n] for n in self.names]
+
+    def _staleness_weight(self, msg: Received, symmetric: bool = False) -> float | None:
+        """The policy's factor for ``msg`` (None: drop it); counts the drop."""
+        s = abs(self._step - msg.step) if symmetric else self._step - msg.step
+        weight = self.staleness.weight(s)
+        if weight is None:
+            self.stats.stale_dropped += 1
+        return weight
+
+    def _clip_factor(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> float | None:
+        """Robust mode: the scale (0, 1] for moving by ``remote - own``, None to refuse it; 1 when robust is off."""
+        if self.clip is None:
+            return 1.0
+        factor = self.clip.factor(*norms(remote, own))
+        if factor is None:
+            self.stats.rejected += 1
+        elif factor < 1.0:
+            self.stats.clipped += 1
+        return factor
+
+    def _record_staleness(self, msg: Received) -> None:
+        self.stats.staleness[max(0, self._step - msg.step)] += 1
+
+
+class PairwiseAveraging(Averaging):
+    """AD-PSGD pairwise averaging over the live ``params`` (mutated in place at safe points).
+
+    Both ends of an exchange move by the same mixing weight ``a`` toward each
+    other (0.5 without staleness weighting): the server picks it from the
+    step difference and sends it with its reply, so the two changes still
+    sum to zero. With a lossy codec each end moves toward what the other
+    decoded, ``x += a * (D(C(x_remote)) - D(C(x_own)))``, which keeps the
+    sum zero too.
+    """
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
+    ) -> None:
+        super().__init__(params, config, rng, me)
+        self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
+        self._inflight: _InFlight | None = None
+        self._last_start_step = -(10**9)
+        self._avoid_until: dict[str, float] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if isinstance(event, Tick):
+            return self._tick(event, now)
+        if isinstance(event, Received):
+            if event.kind == XREQ:
+                return self._serve(event)
+            if event.kind == XREP:
+                return self._complete(event, now)
+            if event.kind == XNAK:
+                return self._refused(event, now)
+            return []  # another algorithm's message (a misconfigured sender): ignore
+        raise TypeError(f"unknown event {event!r}")
+
+    # -- initiating ------------------------------------------------------------------------
+
+    def _tick(self, tick: Tick, now: float) -> list[Action]:
+        self._step = tick.step
+        inflight = self._inflight
+        if inflight is not None:
+            if now < inflight.deadline:
+                return []
+            self.stats.timeouts += 1
+            self.rtt.backoff()
+            self._avoid(inflight.partner, now)
+            self._inflight = None
+        if tick.step - self._last_start_step < self.config.exchange_every_steps:
+            return []
+        partner = self._pick(tick.partners, now)
+        if partner is None:
+            return []
+        encoded = self._encode_own(self._snapshot())
+        if encoded is None:
+            return []
+        wire, sent = encoded
+        xid = self._new_xid()
+        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout())
+        self._last_start_step = tick.step
+        self.stats.started += 1
+        return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
+
+    def _pick(self, partners: Sequence[str], now: float) -> str | None:
+        if not partners:
+            return None
+        fresh = [p for p in partners if self._avoid_until.get(p, 0.0) <= now]
+        return self.rng.choice(fresh or list(partners))
+
+    def _avoid(self, partner: str, now: float) -> None:
+        self._avoid_until[partner] = now + 4 * self.rtt.timeout()
+
+    # -- answering -------------------------------------------------------------------------
+
+    def _serve(self, msg: Received) -> list[Action]:
+        inflight = self._inflight
+        if inflight is not None and inflight.partner == msg.sender and self.me > msg.sender:
+            # We asked each other at the same time. Serving both requests would not average the
+            # two models but swap them (each side adds the other's difference twice). The smaller
+            # id serves; we refuse, and our own request will be answered.
+            self.stats.crossed += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        if inflight is not None and inflight.served_meanwhile >= 1:
+            # Our reply will add (s_partner - s_sent) * a, taking back a share a of what we sent. After
+            # one merge (weight <= 1/2) our model still holds >= 1/2 of it; after two it may not, and the
+            # result would leave the convex hull of the models (and can overshoot). So one at a time.
+            self.stats.busy += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        remote = self._validated(msg)
+        if isinstance(remote, Rejected):
+            return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]
+        weight = self._staleness_weight(msg, symmetric=True)  # both ends must agree: |step difference|
+        if weight is None:
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        encoded = self._encode_own(self._snapshot())
+        if encoded is None:
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        wire, sent = encoded
+        clip = self._clip_factor(remote, sent)
+        if clip is None:
+            return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
+        a = 0.5 * weight * clip
+        with torch.no_grad():
+            if self.lossless:  # sent == x here: x <- x + a * (x_remote - x), in place
+                torch._foreach_lerp_(self.params, remote, a)
+            else:
+                torch._foreach_add_(self.params, remote, alpha=a)
+                torch._foreach_add_(self.params, sent, alpha=-a)
+        self.stats.served += 1
+        self.version += 1
+        self._record_staleness(msg)
+        if inflight is not None:
+            inflight.served_meanwhile += 1
+        return [SendExchange(msg.sender, XREP, msg.xid, wire, {"a": a, "ver": self.version})]
+
+    def _complete(self, msg: Received, now: float) -> list[Action]:
+        inflight = self._inflight
+        if inflight is None or inflight.xid != msg.xid or inflight.partner != msg.sender:
+            self.stats.late += 1
+            return []
+        remote = self._validated(msg)
+        self._inflight = None
+        if isinstance(remote, Rejected):
+            return [remote]
+        # The server already moved by this weight; robust mode may move us less (then the pair's sum changes).
+        clip = self._clip_factor(remote, inflight.snapshot)
+        if clip is None:
+            return [Rejected(msg.sender, "difference far beyond recent ones (robust)")]
+        a = float(msg.meta.get("a", 0.5)) * clip
+        with torch.no_grad():
+            # keep local progress made in flight: x <- x + a * (x_remote - x_sent), without temporaries
+            torch._foreach_add_(self.params, remote, alpha=a)
+            torch._foreach_add_(self.params, inflight.snapshot, alpha=-a)
+        self.rtt.observe(now - inflight.sent_at)
+        self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
+        self.stats.completed += 1
+        self.version += 1
+        self._record_staleness(msg)
+        return []
+
+    def _refused(self, msg: Received, now: float) -> list[Action]:
+        # A refusal costs no waiting (the partner was busy, or we crossed), so unlike a timeout
+        # it does not make us avoid the partner.
+        inflight = self._inflight
+        if inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender:
+            self._inflight = None
+            self.stats.refused += 1
+        return []

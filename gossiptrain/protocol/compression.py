@@ -1,0 +1,478 @@
+"""Compression of what peers send: codecs, error feedback, and per-edge references.
+
+Parameter exchanges dominate a peer's traffic, so averaging may send them
+compressed. A codec turns dense float tensors into wire tensors (fewer bytes)
+and back. Decoding happens on untrusted input, so ``decode`` checks every
+part against the receiver's own parameters and raises ``ProtocolError`` for
+anything else: a receiver never crashes and never gets a tensor of the wrong
+name, shape, dtype or a non-finite value from a hostile or buggy peer.
+
+Lossy codecs alone bias gossip (what top-k drops is lost for good). Two
+standard remedies are here, both pure state, no networking:
+
+- ``ErrorFeedback`` (EF-SGD): carry what compression dropped into the next
+  message, so that nothing is lost in the sum over a stream of sends.
+- ``EdgeReference`` (CHOCO-SGD, Koloskova et al. 2019): sender and receiver
+  of a directed edge keep an identical estimate ``r`` of the sender's
+  parameters and send only ``C(x - r)``; the estimate converges to ``x``.
+
+Wire names are the parameter names plus a suffix after ``#`` ("w",
+"w#scale", "w#idx", "w#val"); ``#`` never occurs in torch parameter names,
+and names containing it are refused so that wire names cannot collide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from gossiptrain.errors import ConfigError, ProtocolError
+
+#: Codec names ``get_codec`` knows.
+CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
+
+SEP = "#"  # between a parameter name and a part suffix in wire names
+_INT32_MAX = (1 << 31) - 1
+_INT8_SATURATE = torch.finfo(torch.float32).max / 2  # int8 magnitudes beyond this are clamped
+
+
+class Codec(Protocol):
+    """Turns dense float tensors into wire tensors and back."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Wire tensors for ``values`` (dtypes from wire.DTYPES); ProtocolError if decode would refuse them."""
+        ...
+
+    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Dense tensors with exactly the names, shapes, dtypes and devices of ``like``; else ProtocolError."""
+        ...
+
+
+# ---------------------------------------------------------------- per-tensor codecs
+
+
+class _PerTensorCodec:
+    """Shared checking and naming for codecs that compress each tensor on its own."""
+
+    name: ClassVar[str]
+    suffixes: ClassVar[tuple[str, ...]]  # wire name of part i is name + suffixes[i]
+
+    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, value in values.items():
+                _check_local(name, value, "values")
+                x = value.detach()
+                # Checked here so that a sender learns what receivers would refuse, and so that
+                # error feedback and references never absorb a NaN.
+                if not bool(torch.isfinite(x).all()):
+                    raise ProtocolError(f"{_show(name)} has non-finite values, which receivers refuse")
+                for suffix, part in zip(self.suffixes, self._encode_one(x), strict=True):
+                    out[name + suffix] = part
+        return out
+
+    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if not isinstance(wire, Mapping):
+            raise ProtocolError(f"wire tensors must be a mapping, got {type(wire).__name__}")
+        expected: list[str] = []
+        for name, ref in like.items():
+            _check_local(name, ref, "like")
+            expected.extend(name + s for s in self.suffixes)
+        _check_names(wire, expected)
+        out: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, ref in like.items():
+                parts = [_tensor(wire, name + s) for s in self.suffixes]
+                out[name] = self._decode_one(name, parts, ref)
+        return out
+
+    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+        raise NotImplementedError
+
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NoneCodec(_PerTensorCodec):
+    """Identity: tensors travel as they are. No copies: encode returns detached views, decode the wire tensors."""
+
+    name: ClassVar[str] = "none"
+    suffixes: ClassVar[tuple[str, ...]] = ("",)
+
+    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+        return (x,)
+
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+        (t,) = parts
+        _expect(name, t, like.dtype, tuple(like.shape))
+        return _finite(name, t.to(like.device))
+
+
+class _CastCodec(_PerTensorCodec):
+    """Sends each tensor cast to a narrower float dtype; decode casts back to ``like``'s."""
+
+    dtype: ClassVar[torch.dtype]
+    suffixes: ClassVar[tuple[str, ...]] = ("",)
+
+    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+        # Saturate rather than overflow: an inf would be refused by every receiver.
+        top = torch.finfo(self.dtype).max
+        return (x.clamp(-top, top).to(self.dtype),)
+
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+        (t,) = parts
+        _expect(name, t, self.dtype, tuple(like.shape))
+        return _finite(name, t.to(like.device, like.dtype))
+
+
+@dataclass(frozen=True)
+class Fp16Codec(_CastCodec):
+    """IEEE half: 11 significant bits, saturates at +-65504."""
+
+    name: ClassVar[str] = "fp16"
+    dtype: ClassVar[torch.dtype] = torch.float16
+
+
+@dataclass(frozen=True)
+class Bf16Codec(_CastCodec):
+    """bfloat16: float32's range with 8 significant bits."""
+
+    name: ClassVar[str] = "bf16"
+    dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Int8Codec(_PerTensorCodec):
+    """Symmetric per-tensor int8: values ``round(x / scale)`` with ``scale = absmax / 127`` (float32, 0-d).
+
+    Round-to-nearest errs by at most ``scale / 2`` per element. Stochastic
+    rounding (``floor(x / scale + u)``) errs by less than ``scale`` but is
+    unbiased, which matters when the same small values are sent many times.
+    """
+
+    stochastic: bool = False
+    seed: int = 0  # stochastic rounding draws from a generator seeded with this
+    _generators: dict[torch.device, torch.Generator] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    name: ClassVar[str] = "int8"
+    suffixes: ClassVar[tuple[str, ...]] = ("", SEP + "scale")
+
+    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+        absmax = float(x.abs().max()) if x.numel() else 0.0  # in x's dtype: float64 may exceed float32
+        if absmax > _INT8_SATURATE:
+            # Saturate absurd magnitudes so that scale * 127 stays finite in float32 at the receiver.
+            x, absmax = x.clamp(-_INT8_SATURATE, _INT8_SATURATE), _INT8_SATURATE
+        xf = x.to(torch.float32)  # (*shape)
+        scale = torch.tensor(absmax, dtype=torch.float32, device=x.device) / 127  # 0-d
+        if float(scale) == 0.0:  # all zeros, or an absmax so tiny that scale underflows
+            return torch.zeros_like(xf, dtype=torch.int8), torch.zeros((), dtype=torch.float32, device=x.device)
+        y = xf / scale  # (*shape), in [-127, 127] up to rounding
+        if self.stochastic:
+            u = torch.rand(y.shape, generator=self._generator(y.device), device=y.device)
+            y = torch.floor(y + u)
+        else:
+            y = torch.round(y)
+        return y.clamp_(-127, 127).to(torch.int8), scale
+
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+        q, scale_t = parts
+        _expect(name + SEP + "scale", scale_t, torch.float32, ())
+        _expect(name, q, torch.int8, tuple(like.shape))
+        scale = float(scale_t)
+        if not math.isfinite(scale) or scale < 0:
+            raise ProtocolError(f"{_show(name)}: scale {scale} is not a finite number >= 0")
+        if q.numel() and bool((q == -128).any()):
+            raise ProtocolError(f"{_show(name)}: -128 is outside the symmetric int8 range")
+        out = (q.to(like.device, torch.float32) * scale_t.to(like.device)).to(like.dtype)  # (*shape)
+        return _finite(name, out)  # a finite scale can still overflow float32 or like's dtype
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+        return gen
+
+
+@dataclass(frozen=True)
+class TopKCodec(_PerTensorCodec):
+    """Keeps the ``k = max(1, ceil(ratio * numel))`` largest-magnitude entries of each tensor.
+
+    Wire: "name#idx" (flat indices, strictly increasing, int32 or int64 when
+    numel needs it) and "name#val" (float32). Decode scatters into zeros.
+    Increasing indices make the duplicate check one comparison per entry.
+    """
+
+    ratio: float = 0.01
+
+    name: ClassVar[str] = "topk"
+    suffixes: ClassVar[tuple[str, ...]] = (SEP + "idx", SEP + "val")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
+            raise ConfigError(f"topk ratio must be in (0, 1], got {self.ratio!r}")
+
+    def k(self, numel: int) -> int:
+        """Entries kept of a tensor with ``numel`` entries."""
+        if numel == 0:
+            return 0
+        # The ratio as the decimal the user wrote (0.07, not 0.0700000000000000067), so 0.07 of 100 is 7.
+        return min(numel, max(1, math.ceil(Fraction(repr(float(self.ratio))) * numel)))
+
+    @staticmethod
+    def index_dtype(numel: int) -> torch.dtype:
+        """int32 indices where they suffice (half the bytes), int64 beyond."""
+        return torch.int32 if numel <= _INT32_MAX else torch.int64
+
+    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+        flat = x.reshape(-1)  # (N,)
+        k = self.k(flat.numel())
+        if k == flat.numel():
+            idx = torch.arange(k, device=x.device)  # (k,)
+        else:
+            idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values  # (k,)
+        return idx.to(self.index_dtype(flat.numel())), flat[idx].to(torch.float32)
+
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+        idx, val = parts
+        n = like.numel()
+        k = self.k(n)
+        _expect(name + SEP + "idx", idx, self.index_dtype(n), (k,))
+        _expect(name + SEP + "val", val, torch.float32, (k,))
+        out = torch.zeros(n, dtype=like.dtype, device=like.device)  # (N,)
+        if k == 0:
+            return out.reshape(like.shape)
+        i = idx.to(like.device, torch.int64)  # (k,)
+        # First in range, last in range and strictly increasing: all in range, none twice.
+        if int(i[0]) < 0 or int(i[-1]) >= n or (k > 1 and not bool((i[1:] > i[:-1]).all())):
+            raise ProtocolError(f"{_show(name)}: indices must be strictly increasing within [0, {n})")
+        out[i] = _finite(name, val.to(like.device, like.dtype))
+        return out.reshape(like.shape)
+
+
+# ---------------------------------------------------------------- choosing a codec
+
+
+def get_codec(spec: str, field: str = "compression") -> Codec:
+    """The codec a spec names: "none", "fp16", "bf16", "int8[:stochastic=1,seed=N]", "topk[:ratio=R]".
+
+    ``field`` is the config field the spec came from; ConfigError messages name it.
+    """
+    if not isinstance(spec, str):
+        raise ConfigError(f"{field} must be a codec spec string, got {type(spec).__name__}")
+    name, colon, rest = spec.strip().partition(":")
+    if name not in CODECS:
+        raise ConfigError(f"{field} names unknown codec {name!r}; choose from {', '.join(CODECS)}")
+    params: dict[str, str] = {}
+    if colon:
+        for item in rest.split(","):
+            key, eq, value = (s.strip() for s in item.partition("="))
+            if not key or not eq or not value:
+                raise ConfigError(f"{field}: codec parameter {item.strip()!r} is not key=value")
+            if key in params:
+                raise ConfigError(f"{field}: codec parameter {key!r} given twice")
+            params[key] = value
+    allowed = {"none": (), "fp16": (), "bf16": (), "int8": ("stochastic", "seed"), "topk": ("ratio",)}[name]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = f"takes {', '.join(allowed)}" if allowed else "takes no parameters"
+        raise ConfigError(f"{field}: codec {name!r} {takes}, not {', '.join(unknown)}")
+    if name == "none":
+        return NoneCodec()
+    if name in ("fp16", "bf16"):
+        return Fp16Codec() if name == "fp16" else Bf16Codec()
+    if name == "int8":
+        return Int8Codec(
+            stochastic=_parse_bool(params.get("stochastic", "0"), f"{field} int8 stochastic"),
+            seed=_parse_int(params.get("seed", "0"), f"{field} int8 seed"),
+        )
+    ratio = _parse_float(params.get("ratio", "0.01"), f"{field} topk ratio")
+    if not 0 < ratio <= 1:
+        raise ConfigError(f"{field} topk ratio must be in (0, 1], got {ratio}")
+    return TopKCodec(ratio)
+
+
+def _parse_bool(text: str, what: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what} must be a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{what} must be an integer, got {text!r}") from None
+
+
+def _parse_float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{what} must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{what} must be finite, got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------- error feedback
+
+
+class ErrorFeedback:
+    """EF-SGD on a stream of sends: what compression drops now is added to the next send.
+
+    Invariant (up to float rounding): the sum of everything receivers decoded
+    plus ``residual`` equals the sum of everything fed to ``encode``. It
+    assumes every returned message is delivered; call ``reset`` otherwise.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.residual: dict[str, Tensor] = {}  # empty: zero for every name
+
+    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Wire tensors for ``values`` plus the residual; the residual becomes what this send dropped."""
+        for name, value in values.items():
+            _check_local(name, value, "values")
+        if self.residual:
+            _check_same_layout(values, self.residual, "values", "the residual (call reset() to change them)")
+        with torch.no_grad():
+            corrected = {
+                n: v.detach() + self.residual[n] if self.residual else v.detach().clone() for n, v in values.items()
+            }
+            wire = self.codec.encode(corrected)  # raises before any state changes
+            sent = self.codec.decode(wire, like=corrected)
+            self.residual = {n: corrected[n] - sent[n] for n in corrected}
+        return wire
+
+    def reset(self) -> None:
+        """Forget the residual (after a lost message, or when the parameter set changes)."""
+        self.residual = {}
+
+
+# ---------------------------------------------------------------- per-edge references
+
+
+class EdgeReference:
+    """One directed edge's shared estimate ``r`` of the sender's parameters (CHOCO-SGD).
+
+    The sender sends ``q = C(x - r)`` and both ends add ``decode(q)`` to their
+    copy of ``r``; fed the same messages from the same start, the two copies
+    stay bit-identical. Nothing here notices a lost or refused message, which
+    would leave the copies apart: the driver numbers messages (``updates``)
+    and on a gap resets both ends to a state both know (e.g. a full send).
+    """
+
+    def __init__(self, start: Mapping[str, Tensor]) -> None:
+        """Start from ``start`` (copied): both ends must pass the same, e.g. the shared initial model."""
+        for name, t in start.items():
+            _check_local(name, t, "start")
+        self.reference: dict[str, Tensor] = {n: t.detach().clone() for n, t in start.items()}
+        self.updates = 0  # messages applied; equal at both ends while they are in sync
+
+    @classmethod
+    def zeros_like(cls, params: Mapping[str, Tensor]) -> EdgeReference:
+        """A reference starting at zero with the names, shapes and dtypes of ``params``."""
+        return cls({n: torch.zeros_like(t) for n, t in params.items()})
+
+    def sender_encode(self, x: Mapping[str, Tensor], codec: Codec) -> dict[str, Tensor]:
+        """Wire tensors of ``C(x - r)``; ``r`` moves by what the receiver will decode."""
+        _check_same_layout(x, self.reference, "x", "the reference")
+        with torch.no_grad():
+            diff = {n: x[n].detach() - r for n, r in self.reference.items()}
+            wire = codec.encode(diff)
+            self._commit(codec.decode(wire, like=self.reference))
+        return wire
+
+    def receiver_apply(self, wire: Mapping[str, Tensor], codec: Codec) -> dict[str, Tensor]:
+        """Apply a received message; returns ``r``, the estimate of the sender's parameters.
+
+        A malformed message raises ProtocolError and changes nothing. The
+        returned tensors are never modified afterwards (each update makes new
+        ones), but the caller must not modify them either.
+        """
+        with torch.no_grad():
+            self._commit(codec.decode(wire, like=self.reference))
+        return dict(self.reference)
+
+    def reset(self, start: Mapping[str, Tensor]) -> None:
+        """Start over from ``start`` (copied) at both ends, e.g. after a lost message."""
+        _check_same_layout(start, self.reference, "start", "the reference")
+        self.reference = {n: t.detach().clone() for n, t in start.items()}
+        self.updates = 0
+
+    def _commit(self, delta: Mapping[str, Tensor]) -> None:
+        # New tensors, swapped in only when all are finite: a refused message leaves r as it was.
+        new = {n: r + delta[n] for n, r in self.reference.items()}
+        for n, t in new.items():
+            _finite(n, t)
+        self.reference = new
+        self.updates += 1
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_local(name: object, t: object, what: str) -> None:
+    """Refuse local inputs a codec cannot carry: a caller's bug, not a peer's, hence ConfigError."""
+    if not isinstance(name, str) or SEP in name:
+        raise ConfigError(f"{what}: parameter name {_show(name)} must be a str without {SEP!r}")
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        kind = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise ConfigError(f"{what}: {_show(name)} must be a floating-point tensor, got {kind}")
+
+
+def _check_same_layout(values: Mapping[str, Tensor], ref: Mapping[str, Tensor], what: str, against: str) -> None:
+    if list(values) != list(ref):
+        raise ConfigError(f"{what} must have the same parameter names, in order, as {against}")
+    for n, r in ref.items():
+        v = values[n]
+        if not isinstance(v, Tensor) or v.shape != r.shape or v.dtype != r.dtype:
+            raise ConfigError(f"{what}: {_show(n)} must be a {r.dtype} tensor of shape {list(r.shape)} like {against}")
+
+
+def _check_names(wire: Mapping[str, Tensor], expected: list[str]) -> None:
+    got, want = set(wire), set(expected)
+    if got != want:
+        missing = sorted(want - got)[:3]
+        extra = sorted(_show(k) for k in got - want)[:3]
+        raise ProtocolError(f"wire tensor names wrong: missing {missing}, unexpected {extra}")
+
+
+def _tensor(wire: Mapping[str, object], key: str) -> Tensor:
+    t = wire[key]
+    if not isinstance(t, Tensor) or t.layout is not torch.strided or t.device.type == "meta":
+        raise ProtocolError(f"wire part {_show(key)} is not a dense tensor")
+    return t
+
+
+def _expect(key: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise ProtocolError(f"wire part {_show(key)} is {t.dtype} {list(t.shape)}, want {dtype} {list(shape)}")
+
+
+def _finite(name: str, t: Tensor) -> Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise ProtocolError(f"{_show(name)}: non-finite values")
+    return t
+
+
+def _show(x: object) -> str:
+    """A short rendering of a possibly hostile name for error messages."""
+    text = repr(x) if isinstance(x, str) else f"<{type(x).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."

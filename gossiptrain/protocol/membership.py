@@ -1,0 +1,630 @@
+"""Who is alive: a sans-IO SWIM membership state machine with Lifeguard's refinements.
+
+Failure detection (SWIM, Das et al. 2002): every protocol period a member
+probes one other, going round a shuffled list so that each member is probed
+by everyone within a bounded number of periods. A probe is a ``ping`` that
+must be ``ack``-ed within a timeout derived from measured round-trip times;
+failing that, ``indirect_probes`` other members are asked (``ping-req``) to
+ping the target for us, so that one lossy link cannot condemn a member. A
+probe that nobody answered makes the target a *suspect*.
+
+Suspicion, refuted or confirmed (SWIM + Lifeguard, Dadgar et al. 2018): the
+suspicion spreads; the suspect, on hearing it, refutes it by raising its
+incarnation number, which outranks the suspicion everywhere. Every member
+runs its own suspicion timer: it starts long (a lone suspector may be the
+one in trouble) and shrinks towards ``suspicion_timeout(n)`` as independent
+members report the same suspicion. When it runs out the member is declared
+dead. A member that keeps failing probes or has to refute raises its
+local health multiplier, which stretches its own periods and timeouts
+instead of letting it accuse healthy members.
+
+Dissemination: updates (joins, suspicions, refutations, leaves) ride
+piggybacked on probe messages, each a bounded number of times; now and then
+two members exchange their full views (``sync``, anti-entropy), which is
+also how a newcomer learns the swarm at once. A death verdict spreads too
+(SWIM's confirm) and is remembered as a tombstone, so that stale news
+cannot resurrect the member, not even at a member that never knew it; a
+member wrongly declared dead (a healed partition, a paused process) hears
+its verdict and refutes it with a higher incarnation.
+
+The machine never touches a socket or a clock: ``handle(event, now)`` returns
+actions for its driver (the asyncio peer node, or the simulator) to carry
+out, and ``next_timer()`` says when it next wants a ``Tick``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from gossiptrain.config import MembershipConfig
+from gossiptrain.errors import ProtocolError
+
+ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
+_STATES = (ALIVE, SUSPECT, DEAD, LEFT)
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MAX_ADDR = 256
+_MAX_RELAYS = 64  # indirect probes we run for others at once; more are refused (bounded state)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member as gossiped: identity, where to reach it, its shard and what is claimed about it."""
+
+    id: str
+    addr: str
+    shard: int
+    incarnation: int  # raised only by the member itself: at every process start and to refute a suspicion
+    state: str = ALIVE
+    by: str = ""  # for a suspicion: the member that suspects (Lifeguard counts independent suspectors)
+
+    def to_wire(self) -> list[Any]:
+        return [self.id, self.addr, self.shard, self.incarnation, self.state, self.by]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "Member":
+        """Validate one gossiped entry; anything malformed is a ProtocolError."""
+        if not isinstance(raw, list) or len(raw) != 6:
+            raise ProtocolError("member entry must be a list of 6 fields")
+        mid, addr, shard, inc, state, by = raw
+        if not isinstance(mid, str) or not _ID_RE.match(mid):
+            raise ProtocolError(f"bad member id {mid!r:.80}")
+        if not isinstance(addr, str) or len(addr) > _MAX_ADDR or "://" not in addr:
+            raise ProtocolError(f"bad member address {addr!r:.80}")
+        for name, v in (("shard", shard), ("incarnation", inc)):
+            if type(v) is not int or v < 0 or v >= 1 << 63:
+                raise ProtocolError(f"bad member {name} {v!r:.40}")
+        if state not in _STATES:
+            raise ProtocolError(f"bad member state {state!r:.40}")
+        if not isinstance(by, str) or (by and not _ID_RE.match(by)):
+            raise ProtocolError(f"bad suspector id {by!r:.80}")
+        return cls(mid, addr, shard, inc, state, by)
+
+
+def members_from_wire(raw: Any, limit: int) -> list[Member]:
+    if not isinstance(raw, list):
+        raise ProtocolError("members must be a list")
+    if len(raw) > limit:
+        raise ProtocolError(f"{len(raw)} members in one message, limit {limit}")
+    return [Member.from_wire(r) for r in raw]
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time has passed (at least until ``next_timer()``): start a period, time out probes and suspicions."""
+
+
+@dataclass(frozen=True)
+class Digest:
+    """Entries received outside a probe: gossip, a full view (``reply``: send ours back), a welcome, a leave."""
+
+    entries: Sequence[Member]
+    sender: str = ""  # member id of the sender; empty for the coordinator or a welcome
+    reply_to: str = ""  # the sender's address, where a full view (``reply``) or a refutation hint goes
+    reply: bool = False
+
+
+@dataclass(frozen=True)
+class Ping:
+    """A direct probe of us (from a prober, or from a relay probing for someone else): answer with an ack."""
+
+    sender: str
+    reply_to: str
+    seq: int
+    entries: Sequence[Member] = ()
+
+
+@dataclass(frozen=True)
+class PingReq:
+    """Somebody's direct probe of ``target`` failed: probe it for them and pass the ack back."""
+
+    sender: str
+    reply_to: str
+    seq: int
+    target: str
+    target_addr: str
+    entries: Sequence[Member] = ()
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The answer to one of our pings (direct, or relayed from an indirect probe)."""
+
+    sender: str
+    seq: int
+    entries: Sequence[Member] = ()
+
+
+@dataclass(frozen=True)
+class Leave:
+    """We are leaving: announce it to everyone we know."""
+
+
+Event = Tick | Digest | Ping | PingReq | Ack | Leave
+
+# -- actions -----------------------------------------------------------------------------
+
+GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "ping-req", "ack"
+KINDS = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``entries`` to the member at ``addr`` as a message of ``kind``, with the probe fields it needs."""
+
+    addr: str
+    kind: str
+    entries: tuple[Member, ...]
+    seq: int = 0  # ping, ping-req, ack
+    target: str = ""  # ping-req: the member to probe
+    target_addr: str = ""
+
+
+@dataclass(frozen=True)
+class MemberUp:
+    member: Member
+
+
+@dataclass(frozen=True)
+class MemberDown:
+    member: Member
+    reason: str  # "dead" (suspected and never refuted) or "left" (announced)
+
+
+@dataclass(frozen=True)
+class Suspected:
+    """We now suspect ``member`` (from our own probe or from gossip); it stays in the view until declared dead."""
+
+    member: Member
+
+
+Action = Send | MemberUp | MemberDown | Suspected
+
+
+@dataclass
+class _Record:
+    member: Member
+    changed_at: float  # local time of the last state change (tombstones are forgotten from it)
+    suspectors: set[str] = field(default_factory=set)  # independent members that suspect it (this incarnation)
+
+
+@dataclass
+class _Probe:
+    """Our probe of one member in this period."""
+
+    target: str
+    seq: int
+    sent_at: float
+    direct_deadline: float  # then ask others (ping-req)
+    deadline: float  # then suspect it
+    indirect_sent: bool = False
+    acked: bool = False
+
+
+@dataclass
+class _Relay:
+    """An indirect probe we run for ``origin``: pass the target's ack back under the origin's seq."""
+
+    origin_addr: str
+    origin_seq: int
+    expires: float
+
+
+@dataclass
+class HealthStats:
+    """What the failure detector did, for metrics lines and tests."""
+
+    probes: int = 0
+    probes_failed: int = 0  # neither a direct nor an indirect ack in time
+    indirect_probes: int = 0  # probes that needed ping-req
+    suspicions: int = 0  # members we came to suspect (own probes and gossip)
+    refutations: int = 0  # times we had to refute a suspicion of ourselves
+
+
+class Membership:
+    """The membership view of one member. Feed it events; carry out the actions it returns."""
+
+    def __init__(self, me: Member, config: MembershipConfig, rng: random.Random) -> None:
+        self.me = me
+        self.config = config
+        self.stats = HealthStats()
+        self._rng = rng
+        self._records: dict[str, _Record] = {}
+        self._suspects: set[str] = set()
+        self._rounds = 0
+        self._next_period: float | None = None  # set by the first tick
+        self._next_sync = 0.0
+        self._sync_gap = 0.0  # doubles from one period to config.sync_interval: a newcomer swaps views often at first
+        self._probe: _Probe | None = None
+        self._probe_order: list[str] = []
+        self._seq = 0
+        self._relays: dict[int, _Relay] = {}
+        self._broadcasts: deque[list[Any]] = deque()  # [entry, transmits left], fresh first
+        self._queued: dict[str, list[Any]] = {}  # member id -> its item in _broadcasts
+        self._hinted: dict[str, float] = {}  # member id -> when we last told it what we think of it
+        self.health = 0  # Lifeguard's local health multiplier, 0 (healthy) .. config.max_health
+        self._srtt: float | None = None  # smoothed RTT of direct probes and its variation (Jacobson)
+        self._rttvar = 0.0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def alive(self) -> list[Member]:
+        """Live members including ourselves (suspects too: not dead yet), sorted by id (the order topologies index)."""
+        out = [r.member for r in self._records.values() if r.member.state in (ALIVE, SUSPECT)]
+        if self.me.state == ALIVE:
+            out.append(self.me)
+        return sorted(out, key=lambda m: m.id)
+
+    def get(self, member_id: str) -> Member | None:
+        if member_id == self.me.id:
+            return self.me
+        rec = self._records.get(member_id)
+        return rec.member if rec else None
+
+    def is_alive(self, member_id: str) -> bool:
+        m = self.get(member_id)
+        return m is not None and m.state in (ALIVE, SUSPECT)
+
+    def suspects(self) -> list[str]:
+        return sorted(self._suspects)
+
+    def sample(self, k: int) -> list[Member]:
+        """Up to ``k`` live members, ourselves always included (a newcomer's seed list)."""
+        others = [m for m in self.alive() if m.id != self.me.id]
+        picked = self._rng.sample(others, min(k - 1, len(others))) if k > 1 else []
+        return [self.me, *picked]
+
+    def free_shard(self, shards: int) -> int:
+        return least_loaded_shard((m.shard for m in self.alive()), shards)
+
+    def period(self) -> float:
+        """The protocol period now: stretched by our local health multiplier when we are struggling."""
+        return self.config.heartbeat_interval * (1 + self.health)
+
+    def probe_timeout(self) -> float:
+        """How long a direct ping may take: the measured RTT plus four deviations (as TCP), at least twice the RTT.
+
+        Before any measurement, half a period. Stretched by the health
+        multiplier, and never past half a period, which leaves the rest of the
+        period for the indirect probes.
+        """
+        c = self.config
+        rto = c.heartbeat_interval / 2 if self._srtt is None else self._srtt + max(4 * self._rttvar, self._srtt)
+        return min(max(rto, c.min_probe_timeout) * (1 + self.health), self.period() / 2)
+
+    def next_timer(self) -> float:
+        """The latest local time at which the machine needs its next ``Tick``."""
+        if self._next_period is None:
+            return 0.0
+        times = [self._next_period]
+        p = self._probe
+        if p is not None and not p.acked:
+            times.append(p.deadline if p.indirect_sent else p.direct_deadline)
+        for mid in self._suspects:
+            rec = self._records[mid]
+            times.append(rec.changed_at + self._suspicion_timeout(rec))
+        return min(times)
+
+    # -- the state machine -----------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if isinstance(event, Tick):
+            return self._tick(now)
+        actions: list[Action] = []
+        if isinstance(event, Ping):
+            self._merge(event.entries, now, actions)
+            actions.append(Send(event.reply_to, ACK, self._piggyback(event.sender), seq=event.seq))
+        elif isinstance(event, PingReq):
+            self._merge(event.entries, now, actions)
+            self._relay(event, now, actions)
+        elif isinstance(event, Ack):
+            self._merge(event.entries, now, actions)
+            self._on_ack(event, now, actions)
+        elif isinstance(event, Digest):
+            self._merge(event.entries, now, actions)
+            if event.reply and event.reply_to:
+                actions.append(Send(event.reply_to, GOSSIP, self._digest(event.sender)))
+        elif isinstance(event, Leave):
+            return self._leave()
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        if isinstance(event, (Digest, PingReq)) and event.sender and event.reply_to:
+            self._hint(event.sender, event.reply_to, now, actions)  # a ping's ack already carries the hint
+        return actions
+
+    def _tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if self.me.state != ALIVE:
+            return actions
+        if self._next_period is None:  # first tick: a newcomer swaps views with someone at once
+            self._next_period = now
+            self._next_sync = now
+            self._sync_gap = self.config.heartbeat_interval
+        self._expire(now, actions)
+        p = self._probe
+        if p is not None and (p.acked or now >= p.deadline):
+            self._conclude(p, now, actions)
+        elif p is not None and not p.indirect_sent and now >= p.direct_deadline:
+            self._ask_others(p, now, actions)
+        if now >= self._next_period:
+            self._start_period(now, actions)
+        return actions
+
+    # -- probing ---------------------------------------------------------------------------
+
+    def _start_period(self, now: float, actions: list[Action]) -> None:
+        self._rounds += 1
+        self._next_period = now + self.period() * self._rng.uniform(0.9, 1.1)
+        if self._probe is not None:
+            self._conclude(self._probe, now, actions)
+        target = self._next_target()
+        if target is not None:
+            self._seq += 1
+            timeout = self.probe_timeout()
+            self._probe = _Probe(target.id, self._seq, now, now + timeout, deadline=now + 0.9 * self.period())
+            self.stats.probes += 1
+            actions.append(Send(target.addr, PING, self._piggyback(target.id), seq=self._seq))
+        if now >= self._next_sync:
+            # Swarms start together: the first views swapped are partial, so swap again soon, then less often.
+            self._sync_gap = min(2 * self._sync_gap, self.config.sync_interval)
+            self._next_sync = now + self._sync_gap
+            others = [m for m in self.alive() if m.id != self.me.id]
+            if others:
+                peer = self._rng.choice(others)
+                actions.append(Send(peer.addr, SYNC, self._digest(peer.id)))
+        dead = [r.member for r in self._records.values() if r.member.state == DEAD]
+        if dead and self._rounds % self.config.probe_dead_every == 0:
+            # A member we think dead may be alive behind a healed partition: our view (with its
+            # own tombstone, so that it refutes) lets both sides find each other again.
+            gone = self._rng.choice(dead)
+            actions.append(Send(gone.addr, GOSSIP, self._digest(gone.id, tombstones=False)))
+
+    def _next_target(self) -> Member | None:
+        """Round robin over a shuffled list (SWIM's bounded detection time), reshuffled when used up.
+
+        Members at incarnation 0 are a welcome's placeholders, not started
+        yet: they are not probed (see ``_expire``).
+        """
+        for _ in range(2):  # what is left of this round, then a fresh one
+            while self._probe_order:
+                m = self.get(self._probe_order.pop())
+                if m is not None and m.state in (ALIVE, SUSPECT) and m.id != self.me.id and m.incarnation > 0:
+                    return m
+            self._probe_order = [m.id for m in self.alive() if m.id != self.me.id and m.incarnation > 0]
+            self._rng.shuffle(self._probe_order)
+        return None
+
+    def _ask_others(self, p: _Probe, now: float, actions: list[Action]) -> None:
+        p.indirect_sent = True
+        target = self.get(p.target)
+        helpers = [m for m in self.alive() if m.id not in (self.me.id, p.target) and m.state == ALIVE]
+        if target is None or not helpers:
+            return
+        self.stats.indirect_probes += 1
+        for h in self._rng.sample(helpers, min(self.config.indirect_probes, len(helpers))):
+            actions.append(
+                Send(h.addr, PING_REQ, self._piggyback(h.id), seq=p.seq, target=target.id, target_addr=target.addr)
+            )
+
+    def _conclude(self, p: _Probe, now: float, actions: list[Action]) -> None:
+        """The probe's time is up: an ack is good health, silence makes the target a suspect."""
+        self._probe = None
+        if p.acked:
+            self.health = max(0, self.health - 1)
+            return
+        self.stats.probes_failed += 1
+        self.health = min(self.config.max_health, self.health + 1)
+        rec = self._records.get(p.target)
+        if rec is None or rec.member.state not in (ALIVE, SUSPECT):
+            return
+        claim = dataclasses.replace(rec.member, state=SUSPECT, by=self.me.id)
+        self._merge([claim], now, actions)
+
+    def _on_ack(self, event: Ack, now: float, actions: list[Action]) -> None:
+        relay = self._relays.pop(event.seq, None)
+        if relay is not None:
+            actions.append(Send(relay.origin_addr, ACK, self._piggyback(""), seq=relay.origin_seq))
+            return
+        p = self._probe
+        if p is None or p.seq != event.seq or p.acked:
+            return
+        p.acked = True
+        if not p.indirect_sent and event.sender == p.target:
+            self._sample_rtt(now - p.sent_at)
+
+    def _sample_rtt(self, rtt: float) -> None:
+        if self._srtt is None:
+            self._srtt, self._rttvar = rtt, rtt / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
+    def _relay(self, event: PingReq, now: float, actions: list[Action]) -> None:
+        for seq in [s for s, r in self._relays.items() if r.expires <= now]:
+            del self._relays[seq]
+        if len(self._relays) >= _MAX_RELAYS or event.target == self.me.id:
+            return
+        self._seq += 1
+        self._relays[self._seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval)
+        actions.append(Send(event.target_addr, PING, self._piggyback(event.target), seq=self._seq))
+
+    # -- suspicion and death ---------------------------------------------------------------
+
+    def _suspicion_timeout(self, rec: _Record) -> float:
+        """Lifeguard: from the maximum down to the minimum as independent suspicions arrive (log scale)."""
+        n = len(self._records) + 1
+        lo, hi = self.config.suspicion_timeout(n), self.config.suspicion_timeout_max(n)
+        k = self.config.suspicion_confirmations
+        confirmations = min(k, max(0, len(rec.suspectors) - 1))
+        return max(lo, hi - (hi - lo) * math.log(confirmations + 1) / math.log(k + 1))
+
+    def _expire(self, now: float, actions: list[Action]) -> None:
+        for mid in list(self._suspects):
+            rec = self._records[mid]
+            if now - rec.changed_at >= self._suspicion_timeout(rec):
+                self._set(rec, dataclasses.replace(rec.member, state=DEAD, by=""), now)
+                self._broadcast(rec.member)  # SWIM's confirm: a member that never heard of it must not take it up
+                actions.append(MemberDown(rec.member, "dead"))
+        if self._rounds % 16 == 0:
+            forget_after = self.config.tombstone_rounds * self.config.heartbeat_interval
+            for mid, rec in list(self._records.items()):
+                if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
+                    del self._records[mid]
+                elif rec.member.incarnation == 0 and rec.member.state == ALIVE and now - rec.changed_at > self.config.newcomer_grace:
+                    # A welcome's placeholder (its own entry has a start-time incarnation) that never started:
+                    # not probed until then, since building a model and downloading state take a while.
+                    self._set(rec, dataclasses.replace(rec.member, state=DEAD), now)
+                    actions.append(MemberDown(rec.member, "dead"))
+            for mid, t in list(self._hinted.items()):
+                if now - t > self.config.heartbeat_interval:
+                    del self._hinted[mid]
+
+    def _set(self, rec: _Record, member: Member, now: float) -> None:
+        """Record a new claim about a member, keeping the suspect index in step."""
+        if member.state != SUSPECT or member.incarnation != rec.member.incarnation or rec.member.state != SUSPECT:
+            rec.suspectors = set()
+        rec.member = member
+        rec.changed_at = now
+        if member.state == SUSPECT:
+            self._suspects.add(member.id)
+        else:
+            self._suspects.discard(member.id)
+
+    # -- merging what we hear --------------------------------------------------------------
+
+    def _merge(self, entries: Iterable[Member], now: float, actions: list[Action]) -> None:
+        """SWIM's precedence: a higher incarnation wins; at equal ones, suspect beats alive and left beats both."""
+        for e in entries:
+            if e.id == self.me.id:
+                self._refute(e)
+                continue
+            rec = self._records.get(e.id)
+            if rec is None:
+                if e.state == ALIVE:
+                    self._records[e.id] = _Record(e, now)
+                    self._broadcast(e)
+                    self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), e.id)
+                    actions.append(MemberUp(e))
+                elif e.state in (DEAD, LEFT):  # a tombstone: stale news of it arriving later must not bring it in
+                    self._records[e.id] = _Record(e, now)
+                continue  # news of a stranger's suspicion is not taken
+            old = rec.member
+            if e.state == ALIVE:
+                if e.incarnation > old.incarnation:
+                    self._set(rec, e, now)
+                    self._broadcast(e)
+                    if old.state in (DEAD, LEFT):
+                        actions.append(MemberUp(e))
+            elif e.state == SUSPECT:
+                if old.state in (DEAD, LEFT) or e.incarnation < old.incarnation:
+                    continue
+                if old.state == ALIVE or e.incarnation > old.incarnation:
+                    self._set(rec, e, now)
+                    self.stats.suspicions += 1
+                    actions.append(Suspected(e))
+                elif e.by and e.by not in rec.suspectors and len(rec.suspectors) <= self.config.suspicion_confirmations:
+                    rec.member = e  # an independent confirmation: pass it on, and the timer shrinks
+                else:
+                    continue
+                if e.by:
+                    rec.suspectors.add(e.by)
+                self._broadcast(e)
+            elif e.state in (DEAD, LEFT):
+                if old.state not in (DEAD, LEFT) and e.incarnation >= old.incarnation:
+                    self._set(rec, dataclasses.replace(e, by=""), now)
+                    self._broadcast(rec.member)
+                    if old.state in (ALIVE, SUSPECT):
+                        actions.append(MemberDown(rec.member, "left" if e.state == LEFT else "dead"))
+                elif e.state == LEFT and old.state == DEAD and e.incarnation >= old.incarnation:
+                    rec.member = e  # it had left, not died: remember it so
+
+    def _refute(self, claim: Member) -> None:
+        """A claim that we are suspect, dead or gone, or one from a newer incarnation: outrank it."""
+        if self.me.state != ALIVE:
+            return
+        stale = claim.incarnation < self.me.incarnation or (claim.incarnation == self.me.incarnation and claim.state == ALIVE)
+        if stale:
+            return
+        self.stats.refutations += 1
+        if claim.state != ALIVE:
+            self.health = min(self.config.max_health, self.health + 1)  # others could not hear us: slow down
+        # No need to queue it: we ride on every message we send, and each member that takes it passes it on.
+        self.me = dataclasses.replace(self.me, incarnation=max(self.me.incarnation, claim.incarnation) + 1)
+
+    def _hint(self, sender: str, reply_to: str, now: float, actions: list[Action]) -> None:
+        """A member we hold suspect or dead just spoke to us: tell it, at most once a period, so it can refute."""
+        rec = self._records.get(sender)
+        if rec is None or rec.member.state not in (SUSPECT, DEAD):
+            return
+        last = self._hinted.get(sender)
+        if last is not None and now - last < self.config.heartbeat_interval:
+            return
+        self._hinted[sender] = now
+        actions.append(Send(reply_to, GOSSIP, (self.me, rec.member)))
+
+    # -- what we send ----------------------------------------------------------------------
+
+    def _broadcast(self, entry: Member) -> None:
+        """Queue an update to ride on our next messages, replacing older news of the same member."""
+        item = [entry, self.config.retransmits(len(self._records) + 1)]
+        old = self._queued.get(entry.id)
+        if old is not None:
+            old[1] = 0  # dropped lazily when it comes round
+        self._queued[entry.id] = item
+        self._broadcasts.appendleft(item)
+
+    def _piggyback(self, to: str) -> tuple[Member, ...]:
+        """Ourselves, what the recipient should know about itself, and up to ``max_piggyback`` queued updates."""
+        out = [self.me]
+        rec = self._records.get(to)
+        if rec is not None and rec.member.state in (SUSPECT, DEAD):
+            out.append(rec.member)  # Lifeguard's buddy system: a suspect hears it from its prober first
+        taken = 0
+        for _ in range(len(self._broadcasts)):
+            if taken == self.config.max_piggyback:
+                break
+            item = self._broadcasts.popleft()
+            entry, left = item
+            if left <= 0:
+                if self._queued.get(entry.id) is item:
+                    del self._queued[entry.id]
+                continue
+            if entry.id != to:
+                out.append(entry)
+                taken += 1
+                item[1] = left - 1
+            self._broadcasts.append(item)
+        return tuple(out)
+
+    def _digest(self, to: str = "", tombstones: bool = True) -> tuple[Member, ...]:
+        """Our full view, with what we know of the departed; the recipient always hears its own verdict.
+
+        Without ``tombstones`` (sent to a member we hold dead, which may be
+        alive behind a healed partition): only the living and the recipient's
+        own verdict, so that it refutes without condemning its own side.
+        """
+        out = [self.me] + [r.member for r in self._records.values() if tombstones or r.member.state != DEAD or r.member.id == to]
+        return tuple(out)
+
+    def _leave(self) -> list[Action]:
+        if self.me.state == LEFT:
+            return []
+        self.me = dataclasses.replace(self.me, state=LEFT)
+        return [Send(m.addr, LEAVE, (self.me,)) for m in self.alive()]
+
+
+def least_loaded_shard(held: Iterable[int], shards: int) -> int:
+    """The shard fewest live members train (lowest index on ties): a newcomer fills a gap first."""
+    load = [0] * shards
+    for s in held:
+        if 0 <= s < shards:
+            load[s] += 1
+    return min(range(shards), key=lambda s: (load[s], s))

@@ -1,0 +1,1050 @@
+"""State transfer: a newcomer downloads a live member's model before it trains.
+
+A peer that joins or rejoins with its initial weights is far from where the
+swarm has got to: it needs many exchanges to catch up, and each of them
+pulls its partner back toward the start. Downloading the current state of a
+live member first makes it useful from its first step.
+
+Two sans-IO state machines, driven like the averaging and membership cores
+(``handle(event, now) -> actions``; no sockets, no clock):
+
+- ``Fetcher``, the newcomer: picks a donor at random among the live members
+  of its view (untried ones first), opens a session and asks for the chunks
+  of the donor's flattened state (parameters and buffers, in
+  ``state_dict`` order, ``state.chunk_bytes`` each), ``state.window``
+  requests in flight. The first answer of a session carries the snapshot's
+  manifest: size, layout, the donor's step, the SHA-256 of every chunk and
+  ``digest``, the SHA-256 over those chunk hashes (a hash list). Each chunk
+  is checked against its donor's manifest before it is kept, and at the end
+  the assembled bytes are hashed again, chunk by chunk, against the
+  manifests. A donor that stops answering (``state.request_timeout``),
+  refuses, or leaves the view is replaced and the download resumes from the
+  chunks already verified; a donor whose data fails a check is not asked
+  again; a state that fails the final check (or holds non-finite values) is
+  discarded and fetched again from another donor. After ``state.max_donors``
+  sessions or ``state.max_seconds`` the newcomer gives up and trains from its
+  own initial weights.
+- ``Donor``, every member: answers a session from one snapshot taken at the
+  trainer's next safe point (the only place the parameters may be read), so
+  the newcomer gets a consistent model and the donor's training waits only
+  for one copy of its state; everything else (hashing, answering) happens on
+  the network side. It serves at most ``state.donor_sessions`` sessions at a
+  time and refuses more at once, so that newcomers spread over donors, and
+  drops a session's snapshot after ``state.session_timeout`` idle seconds.
+  Only a member that is training (its trainer reached a safe point within
+  ``state.request_timeout``, its own download over) opens sessions: any
+  other has nothing better than the initial weights to give.
+
+Chunk ``i`` covers the same bytes at every donor (the chunk size is part of
+the run's configuration and the layout must match), which is what makes a
+download resumable. A download resumed with another donor joins parts of two
+snapshots, each verified against its own donor's manifest; gossip keeps the
+members close to each other, so the joined state is as good a start as
+either.
+
+Optimizer state (``state.transfer_optimizer``): a newcomer that has its
+optimizer at hand asks for it too (``optim`` in the request opening a
+session). The donor then appends its optimizer's tensors (SGD momentum,
+Adam's moments and step) to the same stream, named
+``optimizer/<parameter>/<key>``, and sends any non-tensor state as scalars
+in the manifest. The newcomer knows what to expect from a throwaway copy of
+its own optimizer stepped once on zero gradients (``optimizer_template``):
+a donor whose optimizer state differs in any name, shape or dtype (another
+optimizer, or none) is named in an error and the download starts over for
+the parameters alone. Nothing is unpickled: the state is raw tensor bytes
+checked against that template, and scalars are checked ints or floats.
+
+The manifest lists the stream's tensors (name, dtype, shape) and the
+donor's training samples seen, so that a tool that has no model of its own
+(``gossiptrain export``, see ``gossiptrain.state.merged_model``) can download a
+member's state, weight it and write it under its names.
+
+Wire (all bodies checked; tensors are raw uint8 bytes, nothing executable):
+
+- ``sreq`` {sid, index, manifest[, optim]}: newcomer -> donor, "send chunk
+  ``index`` of session ``sid``" (a new sid opens a session and must ask for
+  the manifest; ``optim`` asks for the optimizer state too); index -1 ends
+  the session.
+- ``srep`` {sid, index[, size, chunk_bytes, layout, step, hashes, digest,
+  tensors, samples, scalars]} + tensor ``chunk``: the chunk, with the
+  manifest when it was asked for.
+- ``snak`` {sid, reason, retry}: refused; ``retry`` says the donor may take
+  a session later (busy), otherwise it will not (not training, or a bad
+  request).
+
+The stream's format (bytes, tensor tables, manifests, snapshots) is
+``gossiptrain.state.snapshot``; optimizer state, ``gossiptrain.state.optimizer_state``.
+
+``StateEndpoint`` is the glue ``PeerNode`` uses, in a real process and in the
+simulator: it answers ``sreq`` as a donor, routes ``srep``/``snak`` to a
+running download, and ``download`` drives a ``Fetcher`` on the node's loop.
+``SnapshotHook`` runs at the trainer's safe point and hands the node a copy
+of the state when a session waits for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from gossiptrain.runtime.clock import Clock
+from gossiptrain.config import Limits, RunConfig, StateConfig
+from gossiptrain.errors import GossipError, ProtocolError
+from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
+from gossiptrain.state.snapshot import (  # the format, re-exported: the protocol's users need one import
+    OPTIMIZER_PREFIX,
+    Entry,
+    Manifest,
+    Snapshot,
+    chunk_count,
+    decode_state,
+    entries_of,
+    entry_nbytes,
+    first_difference,
+    flatten,
+    hash_list_digest,
+    install,
+    layout_of,
+    sha256_hex,
+    state_nbytes,
+    state_tensors,
+    table_layout,
+    tensors_from,
+    wire_table,
+)
+from gossiptrain.net.wire import Message
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLOSE", "KINDS", "OPTIMIZER_PREFIX", "SNAK", "SREP", "SREQ", "Chunk", "ChunkRequest", "Donor", "Entry", "Expire",
+    "Fetcher", "Manifest", "OptimizerTemplate", "Refusal", "Reply", "RequestChunk", "Snapshot", "SnapshotHook",
+    "SnapshotTaken", "StateCopy", "StateEndpoint", "Tick", "TransferResult", "TransferStats", "catch_up", "chunk_count",
+    "decode_state", "entries_of", "entry_nbytes", "first_difference", "flatten", "hash_list_digest", "install", "layout_of",
+    "optimizer_template", "optimizer_tensors", "parameter_names", "state_nbytes", "state_tensors", "table_layout",
+    "tensors_from",
+]
+
+SREQ, SREP, SNAK = "sreq", "srep", "snak"
+KINDS = (SREQ, SREP, SNAK)
+CLOSE = -1  # the chunk index of an sreq that ends its session
+
+_SID_LIMIT = 1 << 31
+_REASON_CHARS = 200  # a refusal's reason is cut to this for logs
+
+
+# -- the newcomer ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; ``members`` are the live members of our view now (us included or not)."""
+
+    members: Sequence[str]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """An srep: chunk ``index`` of session ``sid``, with the manifest if it was asked for."""
+
+    sender: str
+    sid: int
+    index: int
+    data: torch.Tensor  # (n,) uint8
+    manifest: Manifest | None = None
+
+    @classmethod
+    def from_message(cls, msg: Message) -> "Chunk":
+        sid, index = _sid(msg.body), msg.body.get("index")
+        if type(index) is not int or index < 0:
+            raise ProtocolError("srep index must be an int >= 0")
+        data = msg.tensors.get("chunk")
+        if len(msg.tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
+            raise ProtocolError("srep must carry exactly one 1-d uint8 tensor named chunk")
+        manifest = Manifest.from_body(msg.body) if "hashes" in msg.body else None
+        return cls(msg.sender, sid, index, data, manifest)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An snak: the donor will not serve session ``sid``; ``retry``: it may later (busy, not ready)."""
+
+    sender: str
+    sid: int
+    reason: str
+    retry: bool
+
+    @classmethod
+    def from_message(cls, msg: Message) -> "Refusal":
+        reason, retry = msg.body.get("reason"), msg.body.get("retry")
+        if not isinstance(reason, str) or type(retry) is not bool:
+            raise ProtocolError("snak needs a str reason and a bool retry")
+        return cls(msg.sender, _sid(msg.body), reason[:_REASON_CHARS], retry)
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """A request to ``member`` could not be sent (no address, or the transport refused it)."""
+
+    member: str
+    sid: int
+
+
+FetchEvent = Tick | Chunk | Refusal | Unreachable
+
+
+@dataclass(frozen=True)
+class RequestChunk:
+    """Send an sreq to member ``to`` (index ``CLOSE`` ends the session)."""
+
+    to: str
+    sid: int
+    index: int
+    manifest: bool = False
+    optim: bool = False  # with the manifest: ask for the optimizer state too
+
+
+@dataclass
+class TransferStats:
+    """The newcomer's counters (named for ``Peer.stats()``)."""
+
+    state_bytes_received: int = 0  # chunk bytes verified and kept (again after a restart)
+    state_chunks_received: int = 0
+    state_donors_tried: int = 0  # sessions opened
+    state_refusals: int = 0  # snak answers
+    state_timeouts: int = 0  # sessions left after state.request_timeout without an answer
+    state_checksum_failures: int = 0  # chunks or whole states that failed their SHA-256 check
+    state_stale: int = 0  # answers for a session already left, or unasked for
+    state_transfer_seconds: float = 0.0
+    state_donor_step: int = 0  # the step of the (last) donor's snapshot
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """How a download ended: ``data`` is the verified state when ``ok``."""
+
+    ok: bool
+    reason: str  # why it failed, or "" when ok
+    data: torch.Tensor | None = None
+    donors: tuple[str, ...] = ()  # who supplied the chunks kept, in chunk order
+    digest: str = ""  # hash list digest of the assembled chunks (the donor's digest when one donor served all)
+    step: int = 0  # the last donor's step
+    seconds: float = 0.0
+    tensors: tuple[Entry, ...] | None = None  # what ``data`` holds (the model's state, then any optimizer state)
+    samples: int = 0  # the last donor's training samples seen
+    scalars: tuple[tuple[str, int | float], ...] = ()  # the last donor's non-tensor optimizer state
+    optimizer: bool = False  # ``data`` holds the optimizer state after the model's
+    optimizer_problem: str = ""  # why the optimizer state asked for was not downloaded
+    optimizer_state: dict[str, Any] | None = None  # decoded for ``Optimizer.load_state_dict`` (catch_up fills it in)
+
+
+@dataclass
+class _FetchSession:
+    donor: str
+    sid: int
+    last_progress: float  # when we last sent it a request or it last delivered a chunk
+    manifest: Manifest | None = None
+    inflight: set[int] = field(default_factory=set)
+    todo: list[int] = field(default_factory=list)  # chunks still to ask for, in order
+
+
+class Fetcher:
+    """The newcomer's side: download a state of ``size`` bytes and ``layout`` from live members.
+
+    ``optimizer``, the table of the optimizer tensors we expect (see
+    ``optimizer_template``; ``tensors`` must then be the model's table), asks
+    donors for their optimizer state too; a donor whose state does not fit
+    turns the download into one of the parameters alone (``optimizer_problem``
+    says why). ``size=None`` (and no ``layout``) takes whatever state the first
+    donor describes, up to ``max_bytes``: a tool without a model of its own.
+    """
+
+    def __init__(
+        self,
+        config: StateConfig,
+        *,
+        me: str,
+        size: int | None,
+        layout: str | None,
+        rng: random.Random,
+        now: float,
+        tensors: tuple[Entry, ...] | None = None,
+        optimizer: tuple[Entry, ...] | None = None,
+        max_bytes: int = 0,
+    ) -> None:
+        if (size is None) != (layout is None) or (size is None and max_bytes <= 0) or (optimizer is not None and tensors is None):
+            raise ValueError("Fetcher: size and layout go together; without them max_bytes bounds; optimizer needs tensors")
+        self.config = config
+        self.me = me
+        self.rng = rng
+        self.chunk_bytes = config.chunk_bytes
+        self.max_bytes = max_bytes
+        self._plain = (size, layout, tensors)  # the parameters-only download (our model's state)
+        self.with_optimizer = optimizer is not None and size is not None
+        self.optimizer_problem = ""
+        if self.with_optimizer:
+            assert tensors is not None and optimizer is not None and size is not None
+            full = tensors + optimizer
+            size, layout, tensors = size + sum(entry_nbytes(e) for e in optimizer), table_layout(full), full
+        self.size: int | None = size
+        self.layout: str | None = layout
+        self.tensors: tuple[Entry, ...] | None = tensors
+        self.count = chunk_count(size or 0, config.chunk_bytes)
+        self.data = torch.empty(size or 0, dtype=torch.uint8)  # (size,) the assembled state
+        self.started = now
+        self.stats = TransferStats()
+        self.result: TransferResult | None = None
+        self._kept: list[int | None] = [None] * self.count  # chunk -> sid of the session it was verified against
+        self._missing = self.count
+        self._manifests: dict[int, tuple[str, Manifest]] = {}  # sid -> (donor, manifest) of chunks kept
+        self._session: _FetchSession | None = None
+        self._members: list[str] = []
+        self._tried: set[str] = set()
+        self._banned: set[str] = set()  # sent bad data, or refused for good: not asked again in this download
+        self._cooling: dict[str, float] = {}  # donor -> when it may be asked again
+        self._next_send = now  # pacing (state.max_bytes_per_second)
+
+    @property
+    def missing(self) -> int:
+        """Chunks not yet verified and kept."""
+        return self._missing
+
+    @property
+    def donor(self) -> str | None:
+        """The member we are downloading from now, if any."""
+        return self._session.donor if self._session is not None else None
+
+    def handle(self, event: FetchEvent, now: float) -> list[RequestChunk]:
+        if self.result is not None:
+            return []
+        out: list[RequestChunk] = []
+        if isinstance(event, Tick):
+            self._members = sorted({m for m in event.members if m != self.me})
+        elif isinstance(event, Chunk):
+            self._on_chunk(event, now, out)
+        elif isinstance(event, Refusal):
+            self._on_refusal(event, now)
+        elif isinstance(event, Unreachable):
+            s = self._session
+            if s is not None and (s.donor, s.sid) == (event.member, event.sid):
+                self._leave(now, out, f"cannot reach {s.donor}", cool=True, close=False)
+        if self.result is None:
+            self._pump(now, out)
+        return out
+
+    def reject(self, reason: str) -> None:
+        """The driver found the assembled state unusable: drop it and ban its donors; the next Tick fetches it again."""
+        if self.result is None or not self.result.ok:
+            return
+        log.warning("state transfer: discarding the state from %s: %s", ", ".join(self.result.donors), reason)
+        self._banned.update(self.result.donors)
+        self._restart()
+        self.result = None
+
+    def wakeup(self, now: float) -> float:
+        """The latest time the driver should feed a ``Tick``."""
+        cfg = self.config
+        times = [self.started + cfg.max_seconds, now + cfg.request_timeout / 4]  # notice view changes too
+        s = self._session
+        if s is not None:
+            if s.inflight:
+                times.append(s.last_progress + cfg.request_timeout)
+            if self._next_send > now:
+                times.append(self._next_send)
+        else:
+            times += [t for t in self._cooling.values() if t > now]
+        return min(times)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _on_chunk(self, ev: Chunk, now: float, out: list[RequestChunk]) -> None:
+        s = self._session
+        if s is None or (ev.sender, ev.sid) != (s.donor, s.sid) or ev.index not in s.inflight:
+            self.stats.state_stale += 1
+            return
+        if s.manifest is None:
+            if self.with_optimizer and ev.manifest is not None and (why := self._optimizer_misfit(ev.manifest)):
+                self._drop_optimizer(s.donor, why)
+                self._leave(now, out, "its optimizer state does not fit ours")  # not banned: its parameters will do
+                return
+            problem = self._manifest_problem(ev.manifest)
+            if problem:
+                self._leave(now, out, problem, ban=True)
+                return
+            assert ev.manifest is not None  # _manifest_problem said so otherwise
+            if self.size is None:
+                self._adopt(ev.manifest)
+            s.manifest = ev.manifest
+            self.stats.state_donor_step = s.manifest.step
+            s.todo = [i for i in range(self.count) if self._kept[i] is None and i not in s.inflight]
+            log.info(
+                "state transfer: receiving state from %s (step %d, %d of %d chunks to go)",
+                s.donor, s.manifest.step, self._missing, self.count,
+            )
+        elif ev.manifest is not None and ev.manifest != s.manifest:
+            self._leave(now, out, "changed its manifest within a session", ban=True)
+            return
+        assert self.size is not None  # known, or adopted from the manifest above
+        lo = ev.index * self.chunk_bytes
+        expected = min(self.size, lo + self.chunk_bytes) - lo
+        if ev.data.numel() != expected or sha256_hex(ev.data) != s.manifest.hashes[ev.index]:
+            self.stats.state_checksum_failures += 1
+            self._leave(now, out, f"chunk {ev.index} failed its SHA-256 check", ban=True)
+            return
+        s.inflight.discard(ev.index)
+        s.last_progress = now
+        self.data[lo : lo + expected] = ev.data
+        self._kept[ev.index] = s.sid
+        self._manifests[s.sid] = (s.donor, s.manifest)
+        self._missing -= 1
+        self.stats.state_chunks_received += 1
+        self.stats.state_bytes_received += expected
+        if self._missing == 0:
+            self._finish(now, out)
+
+    def _manifest_problem(self, m: Manifest | None) -> str | None:
+        if m is None:
+            return "answered without the manifest it was asked for"
+        if self.size is None:
+            if m.tensors is None:
+                return "its manifest does not list its tensors"
+            if m.size > self.max_bytes:
+                return f"its state has {m.size} bytes, more than the {self.max_bytes} we take"
+        elif m.size != self.size or m.layout != self.layout:
+            return f"its state ({m.size} bytes, layout {m.layout}) is not our model's ({self.size} bytes, layout {self.layout})"
+        if m.chunk_bytes != self.chunk_bytes:
+            return f"it chunks by {m.chunk_bytes} bytes, we by state.chunk_bytes={self.chunk_bytes}"
+        if hash_list_digest(m.hashes) != m.digest:
+            self.stats.state_checksum_failures += 1
+            return "its manifest does not match its digest"
+        return None
+
+    def _optimizer_misfit(self, m: Manifest) -> str | None:
+        """Why ``m`` (of a donor whose parameters fit ours) has no optimizer state we can use; None if it has."""
+        if m.layout == self.layout and m.size == self.size:
+            return None
+        size, layout, tensors = self._plain
+        if m.tensors is None:
+            return "no optimizer state" if (m.size, m.layout) == (size, layout) else None
+        model = tuple(e for e in m.tensors if not e[0].startswith(OPTIMIZER_PREFIX))
+        if table_layout(model) != layout:
+            return None  # another model altogether: _manifest_problem names it
+        assert self.tensors is not None and tensors is not None
+        theirs = m.tensors[len(model):]
+        if not theirs:
+            return "no optimizer state"
+        return first_difference(self.tensors[len(tensors):], theirs)
+
+    def _drop_optimizer(self, donor: str, why: str) -> None:
+        """Download the parameters alone from now on: the optimizer state offered does not fit ours."""
+        self.optimizer_problem = f"{donor}: {why}"
+        log.error(
+            "state transfer: the optimizer state of %s does not fit our optimizer (%s): downloading the parameters only",
+            donor, why,
+        )
+        self.with_optimizer = False
+        self.size, self.layout, self.tensors = self._plain
+        self.count = chunk_count(self.size or 0, self.chunk_bytes)
+        self.data = torch.empty(self.size or 0, dtype=torch.uint8)
+        self._restart()
+
+    def _adopt(self, m: Manifest) -> None:
+        """Take the first donor's description of the state (a tool without a model of its own)."""
+        self.size, self.layout, self.tensors = m.size, m.layout, m.tensors
+        self.count = chunk_count(m.size, self.chunk_bytes)
+        self.data = torch.empty(m.size, dtype=torch.uint8)
+        self._restart()
+
+    def _on_refusal(self, ev: Refusal, now: float) -> None:
+        s = self._session
+        if s is None or (ev.sender, ev.sid) != (s.donor, s.sid):
+            self.stats.state_stale += 1
+            return
+        self.stats.state_refusals += 1
+        # A busy donor is asked again after a pause; one that refused for good (not training), never.
+        self._leave(now, [], f"refused: {ev.reason}", cool=ev.retry, ban=not ev.retry, close=False)
+
+    def _leave(
+        self, now: float, out: list[RequestChunk], why: str, *, cool: bool = False, ban: bool = False, close: bool = True
+    ) -> None:
+        """Stop using the current session's donor; the next ``_pump`` picks another."""
+        s = self._session
+        assert s is not None
+        log.info("state transfer: leaving donor %s: %s (%d of %d chunks still missing)", s.donor, why, self._missing, self.count)
+        if close:
+            out.append(RequestChunk(s.donor, s.sid, CLOSE))  # frees the donor's slot if it is alive
+        if ban:
+            self._banned.add(s.donor)
+        elif cool:
+            self._cooling[s.donor] = now + self.config.busy_backoff
+        self._session = None
+
+    def _pump(self, now: float, out: list[RequestChunk]) -> None:
+        cfg = self.config
+        if now - self.started >= cfg.max_seconds:
+            self._give_up(now, out, f"no complete state after state.max_seconds={cfg.max_seconds:g}")
+            return
+        s = self._session
+        if s is not None and s.inflight and now >= s.last_progress + cfg.request_timeout:  # a paced pause is not silence
+            self.stats.state_timeouts += 1
+            self._leave(now, out, f"no answer within state.request_timeout={cfg.request_timeout:g} s", cool=True)
+        elif s is not None and s.donor not in self._members:
+            self._leave(now, out, "it left our view", cool=True)
+        if self._session is None and not self._open(now, out):
+            return
+        s = self._session
+        assert s is not None
+        if s.manifest is None:
+            return  # the first answer brings the manifest; then the window opens
+        rate = cfg.max_bytes_per_second
+        while s.todo and len(s.inflight) < cfg.window and (rate == 0 or self._next_send <= now):
+            index = s.todo.pop(0)
+            s.inflight.add(index)
+            s.last_progress = max(s.last_progress, now)
+            out.append(RequestChunk(s.donor, s.sid, index))
+            if rate:
+                self._next_send = max(self._next_send, now) + self.chunk_bytes / rate
+
+    def _open(self, now: float, out: list[RequestChunk]) -> bool:
+        """Open a session with a new donor; False if we wait (donors cooling) or gave up."""
+        cfg = self.config
+        candidates = [m for m in self._members if m not in self._banned and self._cooling.get(m, 0.0) <= now]
+        if not candidates:
+            if not any(m not in self._banned for m in self._members):
+                self._give_up(now, out, "no live member left to download from")
+            return False  # the others are cooling down
+        if self.stats.state_donors_tried >= cfg.max_donors:
+            self._give_up(now, out, f"state.max_donors={cfg.max_donors} donors tried")
+            return False
+        fresh = [m for m in candidates if m not in self._tried]
+        donor = self.rng.choice(fresh or candidates)
+        self._tried.add(donor)
+        self.stats.state_donors_tried += 1
+        first = next(i for i, sid in enumerate(self._kept) if sid is None)
+        sid = self.rng.randrange(_SID_LIMIT)
+        self._session = _FetchSession(donor, sid, now, inflight={first})
+        log.info("state transfer: asking %s for our state, from chunk %d of %d", donor, first, self.count)
+        out.append(RequestChunk(donor, sid, first, manifest=True, optim=self.with_optimizer))
+        if cfg.max_bytes_per_second:
+            self._next_send = max(self._next_send, now) + self.chunk_bytes / cfg.max_bytes_per_second
+        return True
+
+    def _finish(self, now: float, out: list[RequestChunk]) -> None:
+        """All chunks kept: hash the assembled bytes again against their manifests, then done."""
+        s = self._session
+        assert s is not None
+        out.append(RequestChunk(s.donor, s.sid, CLOSE))
+        self._session = None
+        hashes: list[str] = []
+        bad: set[str] = set()
+        for i, sid in enumerate(self._kept):
+            assert sid is not None
+            donor, manifest = self._manifests[sid]
+            h = sha256_hex(self.data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+            if h != manifest.hashes[i]:
+                bad.add(donor)
+            hashes.append(h)
+        sids = set(self._kept)
+        digest = hash_list_digest(hashes)
+        if len(sids) == 1 and digest != self._manifests[next(iter(sids))][1].digest:
+            bad.add(self._manifests[next(iter(sids))][0])
+        if bad:
+            self.stats.state_checksum_failures += 1
+            log.warning("state transfer: the assembled state failed its SHA-256 check; fetching it again")
+            self._banned.update(bad)
+            self._restart()
+            return
+        donors = tuple(dict.fromkeys(self._manifests[sid][0] for sid in self._kept))
+        seconds = now - self.started
+        self.stats.state_transfer_seconds = seconds
+        last = s.manifest
+        assert last is not None
+        self.result = TransferResult(
+            True, "", self.data, donors, digest, self.stats.state_donor_step, seconds, self.tensors or last.tensors,
+            last.samples, last.scalars, self.with_optimizer, self.optimizer_problem,
+        )
+
+    def _restart(self) -> None:
+        self._kept = [None] * self.count
+        self._missing = self.count
+        self._manifests.clear()
+
+    def _give_up(self, now: float, out: list[RequestChunk], reason: str) -> None:
+        if self._session is not None:
+            out.append(RequestChunk(self._session.donor, self._session.sid, CLOSE))
+            self._session = None
+        self.stats.state_transfer_seconds = now - self.started
+        self.result = TransferResult(False, reason, seconds=now - self.started, optimizer_problem=self.optimizer_problem)
+
+
+# -- the donor ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """An sreq from ``sender``, answered at ``addr``."""
+
+    sender: str
+    addr: str
+    sid: int
+    index: int
+    manifest: bool
+    optim: bool = False  # opening a session: the optimizer state too, if we have one
+
+    @classmethod
+    def from_message(cls, msg: Message) -> "ChunkRequest":
+        index, manifest, optim = msg.body.get("index"), msg.body.get("manifest"), msg.body.get("optim", False)
+        if type(index) is not int or index < CLOSE or type(manifest) is not bool or type(optim) is not bool:
+            raise ProtocolError("sreq needs an int index >= -1, a bool manifest and optionally a bool optim")
+        return cls(msg.sender, msg.addr, _sid(msg.body), index, manifest, optim)
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """The trainer copied its state for the sessions waiting since request ``serial`` (see ``Donor.wanted``).
+
+    ``snapshot`` is the model's state; ``with_optimizer``, when the trainer
+    had optimizer state to give, the model's and the optimizer's, for
+    sessions that asked for it (the others get ``snapshot``).
+    """
+
+    snapshot: Snapshot
+    serial: int
+    with_optimizer: Snapshot | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    """Time passed: drop idle sessions."""
+
+
+DonorEvent = ChunkRequest | SnapshotTaken | Expire
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Send an srep or snak to ``addr``."""
+
+    addr: str
+    kind: str
+    body: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class DonorStats:
+    """The donor's counters (named for ``Peer.stats()``)."""
+
+    state_sessions_served: int = 0  # sessions opened for newcomers
+    state_sessions_refused: int = 0
+    state_sessions_expired: int = 0  # dropped after state.session_timeout idle
+    state_snapshots: int = 0  # copies the trainer made for sessions
+    state_chunks_sent: int = 0
+    state_bytes_sent: int = 0  # chunk bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _DonorSession:
+    serial: int  # the snapshot request it waits for
+    last_used: float
+    snapshot: Snapshot | None = None
+    waiting: list[ChunkRequest] = field(default_factory=list)  # requests until the snapshot is taken
+    optim: bool = False  # it asked for the optimizer state too
+
+
+class Donor:
+    """Every member's side: serve sessions from snapshots taken at the trainer's safe points."""
+
+    def __init__(self, config: StateConfig, limits: Limits) -> None:
+        self.config = config
+        self.limits = limits
+        self.ready = False  # our own download is over (or there was none)
+        self.stepped_at: float | None = None  # our trainer's latest safe point (written by the trainer thread)
+        self.wanted = 0  # serial of the newest snapshot a session waits for; read by the trainer thread
+        self.sessions: dict[tuple[str, int], _DonorSession] = {}
+        self.stats = DonorStats()
+
+    def handle(self, event: DonorEvent, now: float) -> list[Reply]:
+        out: list[Reply] = []
+        self._expire(now)
+        if isinstance(event, ChunkRequest):
+            self._on_request(event, now, out)
+        elif isinstance(event, SnapshotTaken):
+            self.stats.state_snapshots += 1
+            for s in self.sessions.values():
+                if s.snapshot is None and s.serial <= event.serial:
+                    s.snapshot = (event.with_optimizer if s.optim else None) or event.snapshot
+                    for req in s.waiting:
+                        out.append(self._answer(s, req))
+                    s.waiting.clear()
+        return out
+
+    def _on_request(self, req: ChunkRequest, now: float, out: list[Reply]) -> None:
+        key = (req.sender, req.sid)
+        s = self.sessions.get(key)
+        if req.index == CLOSE:
+            self.sessions.pop(key, None)
+            return
+        if s is None:
+            if not req.manifest:
+                out.append(_refuse(req, "no such session (expired?)", retry=False))
+            elif not self.training(now):
+                # Still fetching its own state, or not stepping (no snapshot would come): nothing better than
+                # the initial weights to give; the newcomer asks another member, or starts from those itself.
+                out.append(_refuse(req, "not training: no state worth giving", retry=False))
+            elif len(self.sessions) >= self.config.donor_sessions:
+                self.stats.state_sessions_refused += 1
+                out.append(_refuse(req, f"busy: serving {len(self.sessions)} sessions (state.donor_sessions)", retry=True))
+            else:
+                self.wanted += 1
+                self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req], optim=req.optim)
+                self.stats.state_sessions_served += 1
+            return
+        s.last_used = now
+        if s.snapshot is not None:
+            out.append(self._answer(s, req))
+        elif len(s.waiting) < self.config.window:
+            s.waiting.append(req)
+        else:
+            out.append(_refuse(req, "more requests in flight than state.window", retry=False))
+
+    def training(self, now: float) -> bool:
+        """Whether a session would get a snapshot soon: our trainer reached a safe point lately."""
+        return self.ready and self.stepped_at is not None and now - self.stepped_at <= self.config.request_timeout
+
+    def needs(self, serial: int) -> tuple[bool, bool]:
+        """Which snapshots the sessions a copy for ``serial`` serves want: (the model's state, with the optimizer's)."""
+        waiting = [s.optim for s in self.sessions.values() if s.snapshot is None and s.serial <= serial]
+        return (not all(waiting), any(waiting))
+
+    def _answer(self, s: _DonorSession, req: ChunkRequest) -> Reply:
+        snap = s.snapshot
+        assert snap is not None
+        m = snap.manifest
+        if not 0 <= req.index < len(m.hashes):
+            return _refuse(req, f"no chunk {req.index}: the state has {len(m.hashes)}", retry=False)
+        body: dict[str, Any] = {"sid": req.sid, "index": req.index}
+        if req.manifest:
+            if m.entries() > self.limits.max_container_len or m.header_bytes() > self.limits.max_header_bytes:
+                return _refuse(
+                    req, f"{len(m.hashes)} chunks and {len(m.tensors or ())} tensors do not fit one manifest: "
+                    "raise state.chunk_bytes", retry=False,
+                )
+            body.update(m.to_body())
+        data = snap.chunk(req.index)
+        self.stats.state_chunks_sent += 1
+        self.stats.state_bytes_sent += data.numel()
+        return Reply(req.addr, SREP, body, {"chunk": data})
+
+    def _expire(self, now: float) -> None:
+        timeout = self.config.session_timeout
+        for key in [k for k, s in self.sessions.items() if now - s.last_used > timeout]:
+            del self.sessions[key]
+            self.stats.state_sessions_expired += 1
+
+
+def _refuse(req: ChunkRequest, reason: str, *, retry: bool) -> Reply:
+    return Reply(req.addr, SNAK, {"sid": req.sid, "reason": reason, "retry": retry})
+
+
+def _sid(body: Mapping[str, Any]) -> int:
+    sid = body.get("sid")
+    if type(sid) is not int or not 0 <= sid < _SID_LIMIT:
+        raise ProtocolError("state transfer sid must be an int in [0, 2**31)")
+    return sid
+
+
+# -- drivers -----------------------------------------------------------------------------
+
+
+class StateEndpoint:
+    """``PeerNode``'s side of state transfer, on the node's event loop.
+
+    ``send(addr, kind, body, tensors) -> bool`` and ``address_of(member)`` are
+    the node's. ``offload`` hashes snapshots in a worker thread (a real peer:
+    neither its training nor its network side waits for the hashing); the
+    simulator hashes inline, which keeps its runs deterministic.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        send: Callable[[str, str, dict[str, Any], dict[str, torch.Tensor]], bool],
+        address_of: Callable[[str], str | None],
+        clock: Clock,
+    ) -> None:
+        self.config = config.state
+        self.donor = Donor(config.state, config.limits)
+        self.transfer = TransferStats()
+        self.offload = False
+        self.fetcher: Fetcher | None = None  # the download running now, if any
+        self._send = send
+        self._address_of = address_of
+        self._clock = clock
+        self._inbox: asyncio.Queue[FetchEvent] | None = None
+        self._snapshots: asyncio.Queue[StateCopy] = asyncio.Queue(maxsize=1)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.transfer.to_dict(), **self.donor.stats.to_dict()}
+
+    def mark_ready(self) -> None:
+        """Our state is worth giving from now on (after our own download, or when there was none)."""
+        self.donor.ready = True
+
+    # -- messages (the node's receive loop) --------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        """Handle an sreq, srep or snak; ProtocolError if it is malformed."""
+        if msg.kind == SREQ:
+            req = ChunkRequest.from_message(msg)
+            # Answer a member at the address our membership knows (as exchanges do), a stranger where it says.
+            req = replace(req, addr=self._address_of(req.sender) or req.addr)
+            self._execute(self.donor.handle(req, self._clock.now()))
+            return
+        inbox = self._inbox
+        if inbox is None:  # no download running: not even worth parsing (a manifest may list 65,536 hashes)
+            self.transfer.state_stale += 1
+            return
+        event: FetchEvent = Chunk.from_message(msg) if msg.kind == SREP else Refusal.from_message(msg)
+        try:
+            inbox.put_nowait(event)
+        except asyncio.QueueFull:  # the download is behind: it asks again or moves on after its timeout
+            self.transfer.state_stale += 1
+
+    def tick(self, now: float) -> None:
+        """Expire idle donor sessions (the node's heartbeat calls this)."""
+        self._execute(self.donor.handle(Expire(), now))
+
+    def _execute(self, replies: list[Reply]) -> None:
+        for r in replies:
+            self._send(r.addr, r.kind, r.body, r.tensors)
+
+    # -- snapshots (taken on the trainer thread, see SnapshotHook) ---------------------------
+
+    def offer_snapshot(self, copy: "StateCopy") -> None:
+        """A copy of the state for sessions waiting since ``copy.serial`` (call on the node's loop)."""
+        if not self.offload:
+            self._snapshot_taken(copy, *self._build(copy, self.donor.needs(copy.serial)))
+            return
+        if self._snapshots.full():  # a newer copy replaces one not yet hashed: it serves the same sessions and more
+            self._snapshots.get_nowait()
+        self._snapshots.put_nowait(copy)
+
+    async def run(self) -> None:
+        """Hash offloaded snapshots in a worker thread (a background task of the node)."""
+        while True:
+            copy = await self._snapshots.get()
+            needs = self.donor.needs(copy.serial)  # here, on the loop that changes the sessions
+            snaps = await asyncio.to_thread(self._build, copy, needs)
+            self._snapshot_taken(copy, *snaps)
+
+    def _build(self, copy: "StateCopy", needs: tuple[bool, bool]) -> tuple[Snapshot | None, Snapshot | None]:
+        """The snapshots the waiting sessions want (``Donor.needs``): the model's state, and with the optimizer's."""
+        plain, full = needs
+        chunk = self.config.chunk_bytes
+        model = copy.tensors[: copy.model_entries]
+        with_optimizer = None
+        if full and copy.model_entries < len(copy.tensors):
+            table = wire_table(copy.tensors)
+            layout = table_layout(copy.tensors)
+            with_optimizer = Snapshot.build(
+                copy.data, step=copy.step, layout=layout, chunk_bytes=chunk, tensors=table, samples=copy.samples,
+                scalars=copy.scalars,
+            )
+        snapshot = None
+        if plain or with_optimizer is None:
+            data = copy.data[: copy.model_bytes]
+            snapshot = Snapshot.build(
+                data, step=copy.step, layout=table_layout(model), chunk_bytes=chunk, tensors=wire_table(model),
+                samples=copy.samples,
+            )
+        return snapshot, with_optimizer
+
+    def _snapshot_taken(self, copy: "StateCopy", snapshot: Snapshot | None, with_optimizer: Snapshot | None) -> None:
+        base = snapshot or with_optimizer
+        assert base is not None
+        self._execute(self.donor.handle(SnapshotTaken(base, copy.serial, with_optimizer), self._clock.now()))
+
+    # -- downloading -------------------------------------------------------------------------
+
+    async def download(self, fetcher: Fetcher, members: Callable[[], Sequence[str]]) -> TransferResult:
+        """Drive ``fetcher`` until it has the state or gives up; one download at a time."""
+        if self._inbox is not None:
+            raise GossipError("a state download is already running")
+        inbox = self._inbox = asyncio.Queue(maxsize=4 * self.config.window + 4)
+        self.transfer = fetcher.stats
+        self.fetcher = fetcher
+        clock = self._clock
+        try:
+            events: list[FetchEvent] = [Tick(members())]
+            while True:
+                while events:
+                    for req in fetcher.handle(events.pop(0), clock.now()):
+                        if not self._request(req) and req.index != CLOSE:
+                            events.append(Unreachable(req.to, req.sid))
+                if fetcher.result is not None:
+                    return fetcher.result
+                now = clock.now()
+                if not inbox.empty():
+                    events.append(inbox.get_nowait())
+                    continue
+                try:
+                    events.append(await asyncio.wait_for(inbox.get(), timeout=max(0.0, fetcher.wakeup(now) - now)))
+                except TimeoutError:
+                    events.append(Tick(members()))
+        finally:
+            self._inbox = None
+            self.fetcher = None
+
+    def _request(self, req: RequestChunk) -> bool:
+        addr = self._address_of(req.to)
+        body = {"sid": req.sid, "index": req.index, "manifest": req.manifest}
+        if req.optim:
+            body["optim"] = True
+        return addr is not None and self._send(addr, SREQ, body, {})
+
+
+async def catch_up(
+    endpoint: StateEndpoint,
+    model: torch.nn.Module,
+    *,
+    me: str,
+    members: Callable[[], Sequence[str]],
+    rng: random.Random,
+    clock: Clock,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[TransferResult, list[torch.Tensor] | None]:
+    """Download a live member's state for ``model``: the result and the decoded tensors (None if it failed).
+
+    Runs on the node's loop; the caller installs the tensors (``install``) on
+    its training thread, and ``result.optimizer_state`` (when not None) into
+    ``optimizer`` with ``load_state_dict``. The optimizer state is asked for
+    when ``optimizer`` is given and ``state.transfer_optimizer`` is set. A
+    state that cannot be used (non-finite values) is fetched again from other
+    donors, within the same bounds.
+    """
+    live = state_tensors(model)
+    model_table = entries_of(model.state_dict(keep_vars=True).items())
+    template: OptimizerTemplate | None = None
+    if optimizer is not None and endpoint.config.transfer_optimizer:
+        made = optimizer_template(model, optimizer)
+        if isinstance(made, str):
+            log.error("state transfer: cannot take optimizer state (%s): downloading the parameters only", made)
+        else:
+            template = made
+    fetcher = Fetcher(
+        endpoint.config, me=me, size=state_nbytes(live), layout=layout_of(model), rng=rng, now=clock.now(),
+        tensors=model_table, optimizer=template.entries if template is not None else None,
+    )
+    while True:
+        result = await endpoint.download(fetcher, members)
+        if not result.ok:
+            s = fetcher.stats
+            # Refused by everyone (a swarm starting: nobody trains yet) is normal; losing donors is worth a warning.
+            only_refused = s.state_chunks_received == s.state_timeouts == s.state_checksum_failures == 0
+            level = logging.INFO if only_refused else logging.WARNING
+            log.log(level, "no state downloaded (%s): training from our own initial weights", result.reason)
+            return result, None
+        assert result.data is not None
+        like = live + (list(template.like) if result.optimizer and template is not None else [])
+        decoded = decode_state(like, result.data)
+        problem = decoded if isinstance(decoded, str) else None
+        optim_state: dict[str, Any] | None = None
+        if isinstance(decoded, list) and result.optimizer and template is not None:
+            fitted = template.state_dict(decoded[len(live):], result.scalars)
+            if isinstance(fitted, str):
+                problem = f"its optimizer state: {fitted}"
+            else:
+                optim_state = fitted
+        if problem is None:
+            assert isinstance(decoded, list)
+            log.info(
+                "state transfer: %d bytes from %s in %.3f s (donor step %d, digest %s%s)",
+                result.data.numel(), ", ".join(result.donors), result.seconds, result.step, result.digest[:16],
+                ", with optimizer state" if optim_state is not None else "",
+            )
+            return replace(result, optimizer_state=optim_state), decoded[: len(live)]
+        fetcher.reject(problem)  # the next download() picks up with other donors
+
+
+# -- the donor's safe point --------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StateCopy:
+    """What the trainer copied at a safe point for the sessions waiting since request ``serial``."""
+
+    data: torch.Tensor  # (bytes,) uint8: the model's state, then the optimizer's tensors (if any)
+    step: int
+    serial: int
+    tensors: tuple[Entry, ...]  # what ``data`` holds, in order
+    model_entries: int  # the first this many of ``tensors`` are the model's state
+    model_bytes: int
+    samples: int = 0
+    scalars: tuple[tuple[str, int | float], ...] = ()
+
+
+class SnapshotHook:
+    """Runs at the trainer's safe point: copies the state when a donor session waits for a snapshot.
+
+    The copy (one memcpy of the state, and of the optimizer's with
+    ``state.transfer_optimizer`` and an ``optimizer``) is all the trainer
+    pays; ``submit`` hands it to the node's loop (``StateEndpoint.offer_snapshot``),
+    where it is hashed and served. ``Donor.wanted`` is written by the loop
+    and read here; ``_served`` only here, so no lock is needed.
+    """
+
+    def __init__(
+        self,
+        endpoint: StateEndpoint,
+        model: torch.nn.Module,
+        submit: Callable[[StateCopy], None],
+        clock: Clock,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.clock = clock
+        self.tensors = state_tensors(model)
+        self.table = entries_of(model.state_dict(keep_vars=True).items())
+        self.layout = table_layout(self.table)
+        self.submit = submit
+        self.optimizer = optimizer if endpoint.config.transfer_optimizer else None
+        self._names = parameter_names(model)
+        self._served = 0
+        self._warned = False
+
+    def __call__(self, step: int, samples: int = 0) -> None:
+        """Our safe point after local step ``step``, having trained on ``samples`` samples in all."""
+        donor = self.endpoint.donor
+        donor.stepped_at = self.clock.now()
+        wanted = donor.wanted
+        if wanted == self._served:
+            return
+        self._served = wanted
+        tensors, table = list(self.tensors), self.table
+        scalars: tuple[tuple[str, int | float], ...] = ()
+        if self.optimizer is not None:
+            listed = optimizer_tensors(self._names, self.optimizer)
+            if isinstance(listed, str):
+                if not self._warned:
+                    log.warning("state transfer: cannot give our optimizer state: %s", listed)
+                    self._warned = True
+            else:
+                tensors += [t for _, t in listed[0]]
+                table = table + entries_of(listed[0])
+                scalars = tuple(listed[1])
+        data = flatten(tensors)
+        model_bytes = state_nbytes(self.tensors)
+        self.submit(StateCopy(data, step, wanted, table, len(self.table), model_bytes, samples, scalars))

@@ -1,0 +1,202 @@
+"""The coordinator: a bootstrap service and nothing more.
+
+It answers joins (id, shard, run configuration, fingerprint, a sample of live
+members) and learns who is alive only from joins and the peers' periodic
+reports. It holds no training state, so it can be stopped and restarted at
+any time: training goes on, and a restarted coordinator relearns the swarm
+from the next round of reports.
+
+Joins are rate limited per source (``gossiptrain.protocol.admission.JoinLimiter``),
+so that one host flooding joins costs a counter, not replies, connections
+or registry entries. Who may connect at all is the transport's business
+(CURVE with ``--secure``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.config import RunConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.finish import KINDS as FINISH_KINDS, FinishEndpoint
+from gossiptrain.protocol.joining import JOIN, WELCOME, JoinRequest, answer_join
+from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
+from gossiptrain.runtime.peer_network import GOSSIP, REPORT
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.runtime.service import Service
+from gossiptrain.net.transport import Transport
+from gossiptrain.net.wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CoordinatorStats:
+    joins_answered: int = 0
+    joins_refused: int = 0
+    joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
+    reports: int = 0
+    bad_messages: int = 0
+    wrong_run: int = 0
+    unexpected: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Registry:
+    """Members the coordinator has heard from recently; silent ones expire."""
+
+    def __init__(self, expire_after: float) -> None:
+        self.expire_after = expire_after
+        self._seen: dict[str, tuple[Member, float]] = {}
+
+    def update(self, member: Member, now: float) -> None:
+        if member.state != ALIVE:
+            self._seen.pop(member.id, None)
+            return
+        known = self._seen.get(member.id)
+        if known is None or member.incarnation >= known[0].incarnation:
+            self._seen[member.id] = (member, now)
+
+    def alive(self, now: float) -> list[Member]:
+        for mid, (_, seen) in list(self._seen.items()):
+            if now - seen > self.expire_after:
+                del self._seen[mid]
+        return [m for m, _ in self._seen.values()]
+
+
+class Coordinator(Service):
+    """Bootstraps membership for one run; see the module docstring."""
+
+    def __init__(self, config: RunConfig, transport: Transport, clock: Clock = REAL_CLOCK, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.transport = transport
+        self.clock = clock
+        self.rng = random.Random(seed)
+        self.stats = CoordinatorStats()
+        self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
+        m = config.membership
+        self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
+        self._last_count = 0
+        self.join_limiter = JoinLimiter.from_limits(config.limits)
+        # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
+        self.finish = FinishEndpoint(config, me="coordinator", send=self._send, members=self.members, clock=clock)
+
+    def _send(self, addr: str, kind: str, body: dict[str, object]) -> bool:
+        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        return self.transport.send(addr, frames)
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def members(self) -> list[Member]:
+        return self.registry.alive(self.clock.now())
+
+    async def _start(self) -> None:
+        self.spawn(self._receive_loop(), "receive")
+        self.spawn(self._sweep_loop(), "sweep")
+
+    async def _sweep_loop(self) -> None:
+        """Expire silent members regularly, so the count people see is current."""
+        while True:
+            self._note_count()
+            await self.clock.sleep(self.config.membership.report_interval)
+
+    def _note_count(self) -> None:
+        count = len(self.registry.alive(self.clock.now()))
+        if count != self._last_count:
+            log.info("%d members alive (from joins and reports)", count)
+            self._last_count = count
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.transport.recv()
+            try:
+                self._dispatch(decode(frames, self.config.limits), frames)
+            except ProtocolError as e:
+                self.stats.bad_messages += 1
+                log.debug("dropped a bad message: %s", e)
+            except Exception:
+                self.stats.bad_messages += 1
+                log.exception("error while handling a message; dropped it")
+
+    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
+        if msg.kind == JOIN:
+            if not self.join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+                self.stats.joins_throttled += 1
+                return
+            self._answer_join(msg)
+        elif msg.kind == REPORT:
+            if msg.fingerprint != self.fingerprint:
+                self.stats.wrong_run += 1
+                return
+            body = msg.body
+            member = Member.from_wire(body.get("member"))
+            if member.id != msg.sender:
+                raise ProtocolError("a report must be about its sender")
+            self._learn_spec(body.get("spec"))
+            self.registry.update(member, self.clock.now())
+            self.stats.reports += 1
+            self._note_count()
+            self._introduce(member)
+        elif msg.kind in FINISH_KINDS:
+            self.finish.on_message(msg, frames)
+        else:
+            self.stats.unexpected += 1
+
+    def _introduce(self, reporter: Member) -> None:
+        """Answer a report with a few other live members.
+
+        A newcomer welcomed while the registry was empty (its predecessors had
+        not reported yet, or had expired while building their models) would
+        otherwise know no one; peers that joined alone find each other here,
+        at their next report.
+        """
+        others = [m for m in self.registry.alive(self.clock.now()) if m.id != reporter.id]
+        if not others:
+            return
+        sample = self.rng.sample(others, min(self.config.membership.sample_size, len(others)))
+        body = {"members": [m.to_wire() for m in sample]}
+        frames = encode(Message(GOSSIP, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        self.transport.send(reporter.addr, frames)
+
+    def _learn_spec(self, raw: object) -> None:
+        if raw is not None and self.spec is None:
+            self.spec = ParamSpec.from_wire(raw)
+
+    def _answer_join(self, msg: Message) -> None:
+        request = JoinRequest.from_body(msg.body)
+        now = self.clock.now()
+        alive = self.registry.alive(now)
+        sample = self.rng.sample(alive, min(self.config.membership.sample_size, len(alive)))
+        kind, body = answer_join(
+            request,
+            config=self.config,
+            spec=self.spec,
+            sample=sample,
+            pick_shard=lambda shards: least_loaded_shard((m.shard for m in alive), shards),
+            coordinator=self.transport.address,
+            rng=self.rng,
+        )
+        if kind == WELCOME:
+            if request.spec is not None:
+                self.spec = self.spec or request.spec
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
+            self.registry.update(newcomer, now)
+            self.stats.joins_answered += 1
+            log.info("welcomed %s at %s (shard %d)", newcomer.id, msg.addr, newcomer.shard)
+            self._note_count()
+        else:
+            self.stats.joins_refused += 1
+            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
+        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
+        self.transport.send(msg.addr, frames)

@@ -1,0 +1,397 @@
+"""``Peer``: join a swarm and gossip-average a model that your own loop trains.
+
+In the spirit of wrapping a model with DDP::
+
+    with gossiptrain.Peer(model, join="127.0.0.1:7070") as peer:
+        for batch in data:
+            loss = ...; opt.zero_grad(); loss.backward(); opt.step()
+            peer.step()
+
+The network side (membership, joins, routing) runs on an event loop in a
+background thread. All reads and writes of the model's parameters happen in
+``step()``, on the training thread, between optimizer steps: that is the only
+safe point, so no lock is needed and no update is ever half-applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.config import RunConfig, SecurityConfig
+from gossiptrain.errors import ConfigError, GossipError, MismatchError
+from gossiptrain.state.merged_model import MemberInfo, merge_members
+from gossiptrain.protocol.finish import FinalPhase, FinalReport
+from gossiptrain.protocol.joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_address, tcp_url
+from gossiptrain.net.keys import join_server_key
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.safepoint import SafePoint
+from gossiptrain.protocol.admission import warn_open
+from gossiptrain.runtime.service import Status
+from gossiptrain.protocol.state_transfer import SnapshotHook, TransferResult, catch_up, install
+from gossiptrain.net.transport import TcpTransport
+from gossiptrain.net.transport.tcp import curve_address
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[RunConfig, int], torch.nn.Module]
+OptimizerFactory = Callable[[RunConfig, torch.nn.Module], torch.optim.Optimizer]
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class Peer:
+    """One member of a gossip swarm, driven by a synchronous training loop.
+
+    ``model`` is either the module to average, or a factory
+    ``(config, shard) -> module`` called once the swarm's configuration is
+    known (the CLI peer builds its workload's model that way).
+    ``join`` is ``HOST:PORT`` of the coordinator or of any live peer.
+    ``bind`` defaults to the advertised host, port 0; ``advertise`` defaults to
+    the local address of the interface that routes to the join host, so a
+    peer joining a remote host never advertises 127.0.0.1.
+    ``config``, when given, is the run this peer expects: a swarm running
+    anything else refuses it with the differences named.
+    ``join_attempts`` bounds the join (``membership.join_timeout`` seconds
+    each); after the last one ``JoinError`` says who did not answer.
+    ``security`` makes this a member of a secure (CURVE) swarm; the member at
+    ``join`` is dialled with ``security.server_key_file``'s key.
+    Before it returns, a peer that finds other live members downloads the
+    current state of one of them into the model (``state.*``, see
+    ``gossiptrain.protocol.state_transfer``); ``transfer_state=False`` skips that (a
+    model restored from a checkpoint on purpose). ``optimizer`` (the
+    optimizer, or a factory ``(config, model) -> optimizer`` for a model
+    factory) lets that download bring the donor's optimizer state too, with
+    ``state.transfer_optimizer``, and lets this peer give its own.
+    When your loop ends (its budget spent, or ``finish_requested`` after a
+    ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
+    the others, and optionally the swarm's merged model (``gossiptrain.protocol.finish``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | ModelFactory,
+        join: str,
+        *,
+        bind: str | None = None,
+        advertise: str | None = None,
+        config: RunConfig | None = None,
+        shard: int | None = None,
+        seed: int | None = None,
+        join_attempts: int | None = None,
+        clock: Clock = REAL_CLOCK,
+        security: SecurityConfig | None = None,
+        transfer_state: bool = True,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+    ) -> None:
+        self._closed = False
+        self.transfer: TransferResult | None = None  # how the state download went; None: there was none
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._step = 0
+        self._samples: int | None = None  # samples the training loop says it has trained on (None: it never said)
+        self._last_step_at: float | None = None
+        self._pace = 0.01  # seconds between safe points without a local step: about the recent step time
+        self._rounds = 0  # safe points run without a local step (the final phase)
+        join_host, join_port = parse_hostport(join, "join address")
+        bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
+        if advertise is None:
+            advertise = bind_host if bind_host not in (None, *_WILDCARDS) else route_address(join_host)
+        local = config or RunConfig()
+        join_target = tcp_url(join_host, join_port)
+        server_key: bytes | None = None
+        if security is not None:
+            server_key = join_server_key(security)
+            join_target = curve_address(join_target, server_key)
+        self._loop = LoopThread().start()
+        self._transport: TcpTransport | None = None
+        self._node: PeerNode | None = None
+        try:
+            self._transport = TcpTransport(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
+            if self._transport.curve is not None and server_key not in self._transport.curve.allowed:
+                # The member we join answers from its own key: refused by our allow-list, we would hear nothing.
+                raise ConfigError(
+                    f"the public key of the --join target (security.server_key_file) is not in "
+                    f"security.allow_dir {self._transport.curve.allow_dir}: its answer would be refused"
+                )
+            self._loop.run(self._transport.start(), timeout=10)
+            self.address = self._transport.reachable_at(tcp_url(advertise, self._transport.port))
+            if security is None:
+                warn_open("peer", self.address)
+            module = model if isinstance(model, torch.nn.Module) else None
+            request = JoinRequest(
+                config=config,
+                spec=ParamSpec.of(dict(module.named_parameters())) if module is not None else None,
+                shard=-1 if shard is None else shard,
+            )
+            welcome = self._loop.run(
+                join_swarm(
+                    self._transport,
+                    join_target,
+                    request,
+                    advertise=self.address,
+                    limits=local.limits,
+                    clock=clock,
+                    attempts=join_attempts or local.membership.join_attempts,
+                    attempt_timeout=local.membership.join_timeout,
+                    rng=self._rng,
+                )
+            )
+            self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
+            self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
+            self._attach(welcome)
+            self._catch_up(transfer_state)
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _attach(self, welcome: Welcome) -> None:
+        params = dict(self.model.named_parameters())
+        spec = ParamSpec.of(params)
+        if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
+            raise MismatchError(f"model differs from the swarm's: {problem}")
+        self.config = welcome.config
+        self.fingerprint = welcome.fingerprint
+        self.id = welcome.member_id
+        self.shard = welcome.shard
+        self.joined_via = welcome.answered_by
+        # A restart under the same id must outrank what is remembered of us (even a death): wall-clock microseconds do.
+        me = Member(self.id, self.address, self.shard, incarnation=time.time_ns() // 1000)
+        assert self._transport is not None
+        self._node = PeerNode(
+            me=me,
+            config=self.config,
+            transport=self._transport,
+            clock=self._clock,
+            rng=self._rng,
+            spec=spec,
+            coordinator=welcome.coordinator,
+            seeds=welcome.members,
+        )
+        self._loop.run(self._node.start(), timeout=10)
+        self._averaging = make_averaging(params, self.config.gossip, self._rng, me=self.id)
+        node = self._node
+        self._safepoint = SafePoint(node, self._averaging, self._clock, lambda a: self._loop.call_soon(node.send_exchange, a))
+        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+        # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
+        node.state.offload = True
+        self._snapshots = SnapshotHook(
+            node.state, self.model, lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy), self._clock,
+            optimizer=self.optimizer,
+        )
+
+    def _catch_up(self, enabled: bool) -> None:
+        """Download a live member's state into the model before the first step, if anyone else is alive."""
+        node = self._node
+        assert node is not None
+        others = [m for m in node.view() if m != self.id]
+        if enabled and self.config.state.enabled and others:
+            result, values = self._loop.run(
+                catch_up(
+                    node.state, self.model, me=self.id, members=node.view, rng=self._rng, clock=self._clock,
+                    optimizer=self.optimizer,
+                ),
+                timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
+            )
+            self.transfer = result
+            if values is not None:
+                install(self._snapshots.tensors, values)  # here, on the training thread, before any step
+                if result.optimizer_state is not None and self.optimizer is not None:
+                    self.optimizer.load_state_dict(result.optimizer_state)
+                if self.config.state.transfer_step:
+                    self.resume_at(result.step)
+        node.state.mark_ready()
+
+    # -- the training loop's side ------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        return self.config.train.shards
+
+    @property
+    def steps(self) -> int:
+        return self._step
+
+    def resume_at(self, step: int) -> None:
+        """Count on from ``step`` (a model restored from a checkpoint); only before the first ``step()``."""
+        if self._step != 0:
+            raise GossipError(f"resume_at({step}) after {self._step} steps: call it before the first step()")
+        if step < 0:
+            raise GossipError(f"resume_at: step must be >= 0, got {step}")
+        self._step = step
+        if self._node is not None:
+            self._node.step = step  # what our messages carry until the next safe point
+
+    @property
+    def members(self) -> int:
+        """Alive members in our view, ourselves included."""
+        return len(self._node.view()) if self._node else 0
+
+    def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
+        """Block until at least ``count`` members (us included) are alive in our view.
+
+        A rendezvous for loops that should not start alone, e.g.
+        ``peer.wait_for_peers(peer.num_shards)``. Returns the member count;
+        raises TimeoutError after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (n := self.members) < count:
+            if self._closed:
+                raise GossipError("this peer is closed")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"only {n} of {count} members after {timeout} s")
+            time.sleep(0.02)
+        return n
+
+    def step(self, samples_seen: int | None = None) -> None:
+        """Call after each optimizer step: apply finished exchanges, answer requests, start one.
+
+        ``samples_seen``, the samples your loop has trained on so far in all,
+        weighs this peer's model in a merged model (``gossiptrain.state.merged_model``);
+        without it, the steps taken do.
+        """
+        self._check_open()
+        self._step += 1
+        if samples_seen is not None:
+            self._samples = samples_seen
+        now = self._clock.now()
+        if self._last_step_at is not None:  # the final phase's safe points come at about this pace
+            self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
+        self._last_step_at = now
+        self._safepoint(self._step)
+        self._snapshots(self._step, self.samples_seen)
+
+    @property
+    def samples_seen(self) -> int:
+        """What weighs this peer's model in a merged model: the samples reported to ``step()``, else the steps."""
+        return self._samples if self._samples is not None else self._step
+
+    def _check_open(self) -> PeerNode:
+        node = self._node
+        if node is None or self._closed:
+            raise GossipError("this peer is closed")
+        if node.status is Status.FAILED:
+            raise GossipError(f"the network side of this peer failed: {node.error!r}") from node.error
+        return node
+
+    # -- the end of the run (gossiptrain.protocol.finish) -----------------------------------------------
+
+    @property
+    def finish_requested(self) -> bool:
+        """The swarm was asked to stop (``gossiptrain stop``, or a member's ``request_stop``): end your loop, ``finish()``."""
+        node = self._node
+        return node is not None and node.finish.stop is not None
+
+    def request_stop(self, reason: str = "requested by a member") -> None:
+        """Ask the whole swarm to finish its run, as ``gossiptrain stop`` does."""
+        node = self._check_open()
+        self._loop.call_soon(node.finish.request_stop, reason)
+
+    def finish(
+        self, reason: str = "budget", final_model: str | Path | None = None, abort: Callable[[], bool] = lambda: False
+    ) -> FinalReport:
+        """End this peer's run: wait for the others, average without training, maybe write the merged model.
+
+        Call once your loop has ended (its budget spent, or ``finish_requested``),
+        then ``close()``. With ``final_model`` this peer downloads every live
+        member's state and writes their average, weighted by samples seen, there.
+        ``abort()`` returning True (a signal) cuts the phase short. Bounded by
+        ``final.*``; see ``gossiptrain.protocol.finish``.
+        """
+        node = self._check_open()
+        phase = FinalPhase(
+            self.config.final, me=self.id, endpoint=node.finish, view=node.view, idle=self._idle,
+            notify=lambda phase, writer, everyone: self._loop.call_soon(node.finish.announce, phase, writer, everyone),
+            abort=abort, renotify_every=self.config.membership.heartbeat_interval,
+        )
+        path = str(final_model) if final_model is not None else None
+        merge = (lambda: self._start_merge(path)) if path is not None else None
+        report = phase.run(reason, merge, path)
+        log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
+        return report
+
+    def _idle(self) -> None:
+        """A safe point without a local step: averaging goes on, snapshots are served."""
+        self._check_open()
+        self._rounds += 1
+        self._safepoint(self._step + self._rounds)  # exchanges start once per round, as after a step
+        self._snapshots(self._step, self.samples_seen)
+        time.sleep(self._pace)
+
+    def _start_merge(self, path: str) -> concurrent.futures.Future[tuple[list[str], list[str]]]:
+        node = self._check_open()
+        # Our own state is read here, on the training thread, between safe points: a consistent copy.
+        own = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        others = [m for m in node.view() if m != self.id]
+        log.info("writing the merged model of %d members to %s", len(others) + 1, path)
+        coro = merge_members(
+            node.state, (MemberInfo(self.id, self.samples_seen, self._step), own), others, path=path, me=self.id,
+            config=self.config, rng=random.Random(), clock=self._clock, alive=node.view, written_by=self.id,
+        )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+
+    def transfer_summary(self) -> dict[str, Any]:
+        """How the state download before training went (zeros and "none" when there was none), for metrics."""
+        stats = self._node.state.transfer.to_dict() if self._node is not None else {}
+        result = self.transfer
+        optim = "none" if result is None or not result.ok else "installed" if result.optimizer_state is not None else "none"
+        return {
+            "state_transfer": "none" if result is None else "complete" if result.ok else "failed",
+            "state_donors": list(result.donors) if result is not None else [],
+            "state_optimizer": "refused" if result is not None and result.optimizer_problem else optim,
+            **{k: stats.get(k, 0) for k in ("state_bytes_received", "state_donors_tried", "state_transfer_seconds")},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this peer: exchanges, bytes, drops, membership."""
+        out: dict[str, Any] = {"steps": self._step, "members": self.members}
+        if self._node is not None:
+            out.update(self._averaging.stats.to_dict())
+            out.update(self._safepoint.quarantine.stats.to_dict())
+            out.update(self._node.stats.to_dict())
+            out.update(self._node.state.stats())
+        if self._transport is not None:
+            out.update(self._transport.stats.to_dict())
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Announce the leave to our neighbours and stop. Idempotent; bounded in time."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._node is not None:
+                self._loop.run(self._node.leave(), timeout=2)
+        except Exception as e:  # leaving is best effort: the others will time us out
+            log.warning("could not announce our leave: %r", e)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        try:
+            if self._node is not None:
+                self._loop.run(self._node.close("peer closed"), timeout=3)
+            if self._transport is not None:
+                self._loop.run(self._transport.close("peer closed"), timeout=3)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

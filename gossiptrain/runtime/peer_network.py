@@ -1,0 +1,354 @@
+"""The network side of one peer: membership gossip, answering joins, routing exchanges.
+
+``PeerNode`` runs in the peer's event loop. It decodes every message (a bad
+one is dropped and counted), drives the membership state machine on a
+heartbeat, answers joins like the coordinator does, reports to the
+coordinator when one is known, and hands exchange messages to the trainer
+through a bounded queue. The trainer consumes that queue at its safe points
+(see ``gossiptrain.runtime.peer``); when the queue is full, a request is refused at
+once so that its sender moves on instead of waiting for a timeout. State
+transfer messages go to ``self.state`` (``gossiptrain.protocol.state_transfer``): it
+answers newcomers as a donor and feeds our own download when we are one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import topologies
+
+from gossiptrain.protocol import averaging, finish, state_transfer
+from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
+from gossiptrain.runtime.clock import Clock
+from gossiptrain.config import RunConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.joining import JOIN, WELCOME, JoinRequest, answer_join
+from gossiptrain.protocol import membership
+from gossiptrain.protocol.membership import (
+    Ack,
+    Digest,
+    Leave,
+    Member,
+    MemberDown,
+    MemberUp,
+    Membership,
+    Ping,
+    PingReq,
+    Send,
+    Suspected,
+    Tick,
+    members_from_wire,
+)
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.runtime.service import Service
+from gossiptrain.protocol.state_transfer import StateEndpoint
+from gossiptrain.net.transport import Transport
+from gossiptrain.net.wire import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+GOSSIP, LEAVE, REPORT = membership.GOSSIP, membership.LEAVE, "report"
+_NEEDS_ANSWER = (averaging.XREQ, averaging.XPUSH)  # a sender wants to know when these were not taken
+_ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
+_DEATHS_KEPT = 256  # recent death verdicts kept for inspection (tests, debugging)
+_PROBES = (membership.PING, membership.PING_REQ, membership.ACK)
+
+
+@dataclass
+class NodeStats:
+    bad_messages: int = 0  # failed to decode or validate
+    wrong_run: int = 0  # another run's fingerprint
+    unexpected: int = 0  # a kind this node does not take
+    exchange_queue_full: int = 0  # requests refused because the trainer was behind
+    undeliverable: int = 0  # messages the transport could not queue
+    joins_answered: int = 0
+    joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
+    members_up: int = 0
+    members_suspected: int = 0  # suspicions raised (by our probes or heard), most of them refuted
+    members_dead: int = 0  # declared dead: suspected and never refuted
+    members_left: int = 0  # announced a clean leave
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class PeerNode(Service):
+    """Membership, join answering and exchange routing for one peer."""
+
+    def __init__(
+        self,
+        *,
+        me: Member,
+        config: RunConfig,
+        transport: Transport,
+        clock: Clock,
+        rng: random.Random,
+        spec: ParamSpec | None,
+        coordinator: str = "",
+        seeds: list[Member] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.transport = transport
+        self.clock = clock
+        self.rng = rng
+        self.spec = spec
+        self.coordinator = coordinator
+        self.membership = Membership(me, config.membership, rng)
+        self.topology = topologies.parse(config.gossip.topology)
+        self._fallback = topologies.get("complete")
+        self.stats = NodeStats()
+        self.step = 0  # the trainer's step, stamped on outgoing messages (written by the trainer thread)
+        # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.
+        self.exchanges: queue.Queue[Received] = queue.Queue(maxsize=config.limits.averaging_queue)
+        self._view: tuple[str, ...] = (me.id,)
+        self._warned_fallback = False
+        self._addr_hints: OrderedDict[str, str] = OrderedDict()
+        self._join_limiter = JoinLimiter.from_limits(config.limits)
+        self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
+        # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
+        self.state = StateEndpoint(config, send=self._send, address_of=self._address_of, clock=clock)
+        # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
+        self.finish = finish.FinishEndpoint(config, me=me.id, send=self._send, members=self.membership.alive, clock=clock)
+        if seeds:
+            self._apply(self.membership.handle(Digest(seeds), clock.now()))
+
+    @property
+    def me(self) -> Member:
+        return self.membership.me
+
+    # -- thread-safe reads for the trainer ---------------------------------------------------
+
+    def view(self) -> tuple[str, ...]:
+        """Ids of alive members (us included), sorted; replaced atomically on every change."""
+        return self._view
+
+    def partners(self, round: int) -> list[str]:
+        """Our topology neighbours among the alive members at ``round``."""
+        view = self._view
+        try:
+            i = view.index(self.me.id)
+        except ValueError:
+            return []
+        try:
+            chosen = self.topology.neighbours(len(view), i, round)
+        except ValueError as e:
+            # The topology does not exist at this size (a degree above the live count under churn,
+            # an edge-list file of another size): gossip with everyone rather than with no one.
+            if not self._warned_fallback:
+                log.warning("topology %s: %s; using the complete graph at %d members", self.topology.spec, e, len(view))
+                self._warned_fallback = True
+            chosen = self._fallback.neighbours(len(view), i, round)
+        return [view[j] for j in chosen]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self.spawn(self._receive_loop(), "receive")
+        self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self.state.run(), "state")
+        if self.coordinator:
+            self.spawn(self._report_loop(), "report")
+
+    async def leave(self) -> None:
+        """Tell everyone we know that we are leaving (best effort, never blocks)."""
+        self._apply(self.membership.handle(Leave(), self.clock.now()))
+        if self.coordinator:
+            self._send(self.coordinator, REPORT, self._report_body())
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, addr: str, kind: str, body: dict[str, Any], tensors: dict[str, Any] | None = None) -> bool:
+        msg = Message(kind, self.me.id, self.me.addr, self.fingerprint, self.step, body, tensors or {})
+        try:
+            frames = encode(msg, self.config.limits)
+        except ProtocolError as e:
+            log.error("cannot send %s to %s: %s", kind, addr, e)
+            return False
+        if not self.transport.send(addr, frames):
+            self.stats.undeliverable += 1
+            return False
+        return True
+
+    def send_exchange(self, action: SendExchange) -> None:
+        """Carry out an averaging action (called in the loop thread via call_soon_threadsafe)."""
+        addr = self._address_of(action.to)
+        body = {"xid": action.xid, **action.meta}
+        ok = addr is not None and self._send(addr, action.kind, body, dict(action.tensors))
+        if not ok and action.kind in _NEEDS_ANSWER:
+            # Tell the trainer at once: an exchange need not wait out its timeout, a push takes its mass back.
+            self._offer(Received(action.to, averaging.XNAK, action.xid))
+
+    def _address_of(self, member_id: str) -> str | None:
+        m = self.membership.get(member_id)
+        if m is not None:
+            return m.addr
+        return self._addr_hints.get(member_id)
+
+    # -- background tasks ------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Tick the membership machine whenever it asks (probe deadlines, period starts, suspicion timers)."""
+        floor = self.config.membership.min_probe_timeout / 2  # never spin, whatever a timer says
+        while True:
+            now = self.clock.now()
+            self._apply(self.membership.handle(Tick(), now))
+            self.state.tick(now)
+            await self.clock.sleep(max(floor, self.membership.next_timer() - self.clock.now()))
+
+    async def _report_loop(self) -> None:
+        while True:
+            self._send(self.coordinator, REPORT, self._report_body())
+            await self.clock.sleep(self.config.membership.report_interval)
+
+    def _report_body(self) -> dict[str, Any]:
+        return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None}
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.transport.recv()
+            try:
+                msg = decode(frames, self.config.limits)
+                self._dispatch(msg, frames)
+            except ProtocolError as e:
+                self.stats.bad_messages += 1
+                log.debug("dropped a bad message: %s", e)
+            except Exception:  # a bug must not let one peer's message kill the receiver
+                self.stats.bad_messages += 1
+                log.exception("error while handling a message; dropped it")
+
+    # -- handling --------------------------------------------------------------------------
+
+    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
+        if msg.kind == JOIN:
+            if self._join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+                self._answer_join(msg)
+            else:
+                self.stats.joins_throttled += 1
+            return
+        if msg.kind == finish.QUERY:  # from tools outside the swarm, which do not know the run yet
+            self.finish.on_message(msg, frames)
+            return
+        if msg.fingerprint != self.fingerprint:
+            self.stats.wrong_run += 1
+            return
+        if msg.kind in membership.KINDS:
+            self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
+        elif msg.kind in averaging.EXCHANGE_KINDS:
+            xid = msg.body.get("xid")
+            if type(xid) is not int:
+                raise ProtocolError("exchange message without an int xid")
+            meta = exchange_meta(msg.body)
+            self._remember_addr(msg.sender, msg.addr)
+            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
+        elif msg.kind in state_transfer.KINDS:
+            self.state.on_message(msg)
+        elif msg.kind in finish.KINDS:
+            self.finish.on_message(msg, frames)
+        else:
+            self.stats.unexpected += 1
+
+    def _offer(self, event: Received) -> None:
+        try:
+            self.exchanges.put_nowait(event)
+        except queue.Full:
+            self.stats.exchange_queue_full += 1
+            if event.kind in _NEEDS_ANSWER:
+                addr = self._address_of(event.sender)
+                if addr:
+                    self._send(addr, averaging.XNAK, {"xid": event.xid})
+
+    def _remember_addr(self, member_id: str, addr: str) -> None:
+        self._addr_hints[member_id] = addr
+        self._addr_hints.move_to_end(member_id)
+        while len(self._addr_hints) > _ADDR_HINTS:
+            self._addr_hints.popitem(last=False)
+
+    def _answer_join(self, msg: Message) -> None:
+        request = JoinRequest.from_body(msg.body)
+        kind, body = answer_join(
+            request,
+            config=self.config,
+            spec=self.spec,
+            sample=self.membership.sample(self.config.membership.sample_size),
+            pick_shard=self.membership.free_shard,
+            coordinator=self.coordinator,
+            rng=self.rng,
+        )
+        if kind == WELCOME:
+            self.stats.joins_answered += 1
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
+            self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))
+            log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
+        else:
+            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
+        self._send(msg.addr, kind, body)
+
+    def _apply(self, actions: list[Any]) -> None:
+        changed = False
+        for a in actions:
+            if isinstance(a, Send):
+                body: dict[str, Any] = {"members": [m.to_wire() for m in a.entries]}
+                if a.kind in _PROBES:
+                    body["seq"] = a.seq
+                if a.kind == membership.PING_REQ:
+                    body["target"], body["taddr"] = a.target, a.target_addr
+                self._send(a.addr, a.kind, body)
+            elif isinstance(a, Suspected):
+                self.stats.members_suspected += 1
+                log.debug("member %s is suspected (by %s)", a.member.id, a.member.by or "?")
+            elif isinstance(a, MemberUp):
+                self.stats.members_up += 1
+                changed = True
+                log.info("member %s is up at %s", a.member.id, a.member.addr)
+            elif isinstance(a, MemberDown):
+                if a.reason == "left":
+                    self.stats.members_left += 1
+                else:
+                    self.stats.members_dead += 1
+                    self.deaths.append((self.clock.now(), a.member.id))
+                changed = True
+                self.transport.forget(a.member.addr)
+                log.info("member %s is down (%s)", a.member.id, a.reason)
+        if changed:
+            self._view = tuple(m.id for m in self.membership.alive())
+
+
+def membership_event(msg: Message, max_members: int) -> membership.Event:
+    """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed."""
+    body = msg.body
+    entries = members_from_wire(body.get("members"), max_members)
+    if msg.kind in (membership.GOSSIP, membership.LEAVE, membership.SYNC):
+        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == membership.SYNC)
+    seq = body.get("seq")
+    if type(seq) is not int or not 0 <= seq < 1 << 63:
+        raise ProtocolError(f"{msg.kind} without a valid seq")
+    if msg.kind == membership.PING:
+        return Ping(msg.sender, msg.addr, seq, entries)
+    if msg.kind == membership.ACK:
+        return Ack(msg.sender, seq, entries)
+    target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
+    return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries)
+
+
+def exchange_meta(body: dict[str, Any]) -> dict[str, float | int]:
+    """The scalars of an exchange message's body (``averaging.META_RANGES``), checked; ProtocolError if bad."""
+    out: dict[str, float | int] = {}
+    for key, (kind, lo, hi) in averaging.META_RANGES.items():
+        if key not in body:
+            continue
+        value = body[key]
+        if kind is float:
+            ok = type(value) is float and lo < value <= hi  # NaN fails both comparisons
+        else:
+            ok = type(value) is int and lo <= value <= hi
+        if not ok:
+            raise ProtocolError(f"exchange field {key!r} must be a {kind.__name__} in range, got {type(value).__name__}")
+        out[key] = value
+    return out

@@ -1,0 +1,656 @@
+"""Checkpoints of a training peer: tensors in safetensors, everything else in JSON, written atomically.
+
+A checkpoint is three files in one directory sharing a name
+``ckpt-<seq>-step-<step>``::
+
+    ckpt-000007-step-1234.model.safetensors   the model's state_dict (parameters and buffers)
+    ckpt-000007-step-1234.optim.safetensors   the optimizer's per-parameter tensors (SGD momentum)
+    ckpt-000007-step-1234.json                the rest, and the size and SHA-256 of both files above
+
+``seq`` counts saves in the directory, so "newest" means "written last"
+whatever the step. Every file is written under a temporary name, flushed,
+fsynced and renamed over its final name, and the directory is fsynced; the
+JSON goes last, so a checkpoint exists only once all of its bytes are on
+disk. A crash at any point leaves the previous checkpoint the newest one.
+
+Reading checks sizes and hashes before parsing, so a truncated file or a
+flipped byte is caught even when the file would still parse, and
+``latest_good`` falls back to the previous checkpoint, naming what was
+wrong. Nothing read is ever executed: no pickle, no ``torch.load``
+(checkpoints may come from anyone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from gossiptrain.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "gossiptrain-checkpoint"
+VERSION = 1
+MAX_METADATA_BYTES = 64 << 20  # a metadata file larger than this is refused unread
+
+_MODEL = ".model.safetensors"
+_OPTIM = ".optim.safetensors"
+_META = ".json"
+_TMP = ".tmp"
+_LOCK = ".lock"
+_COMPLETE = re.compile(r"^ckpt-(\d+)-step-(\d+)\.json$")
+_OURS = re.compile(r"^\.?(ckpt-(\d+)-step-\d+)\.")  # any file a save writes, temporary ones included
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint's metadata says; ``path`` is its JSON file."""
+
+    path: Path
+    seq: int  # saves in this directory before this one, plus one: orders checkpoints by age
+    step: int  # the peer's local step count
+    samples_seen: int  # training samples consumed by those steps
+    fingerprint: str  # the run (RunConfig.fingerprint) the peer was part of
+    peer: str  # the peer's member id when it saved
+    shard: int  # the data shard it trained (-1: none)
+    wall_time: float  # time.time() at the save
+    run: dict[str, Any] | None  # RunConfig.to_dict() of that run, to name differences
+    files: dict[str, dict[str, Any]]  # "model"/"optimizer" -> {"file", "bytes", "sha256"}
+    optimizer: dict[str, Any] | None  # class, param_groups (names, hyperparameters), state mapping
+
+    @property
+    def name(self) -> str:
+        return self.path.name.removesuffix(_META)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint, read into memory: metadata and tensors (tensors own their memory)."""
+
+    info: CheckpointInfo
+    model: dict[str, Tensor]
+    optimizer: dict[str, Tensor]
+
+
+class Checkpointer:
+    """Writes checkpoints of one peer into ``directory`` and keeps the last ``keep``.
+
+    Holds an exclusive lock on the directory (``.lock``) while open, so two
+    peers cannot interleave their checkpoints. ``due(step)`` says when the
+    next periodic save is wanted (every ``every_seconds`` and/or
+    ``every_steps``; 0 disables either). Older checkpoints are deleted only
+    after a newer one is complete.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        every_seconds: float = 0.0,
+        every_steps: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if keep < 1:
+            raise ConfigError(f"checkpoint keep must be >= 1, got {keep}")
+        if not every_seconds >= 0 or math.isinf(every_seconds):
+            raise ConfigError(f"checkpoint every_seconds must be a number >= 0, got {every_seconds}")
+        if every_steps < 0:
+            raise ConfigError(f"checkpoint every_steps must be >= 0, got {every_steps}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.every_seconds = every_seconds
+        self.every_steps = every_steps
+        self._clock = clock
+        self._last_time = clock()
+        self._last_step: int | None = None
+        self._lock = _lock_directory(self.directory)
+
+    # -- when ------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save is wanted at ``step`` (the first call only sets the step baseline)."""
+        if self._last_step is None:
+            self._last_step = step
+        if self.every_steps and step - self._last_step >= self.every_steps:
+            return True
+        return bool(self.every_seconds) and self._clock() - self._last_time >= self.every_seconds
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        step: int,
+        samples_seen: int = 0,
+        fingerprint: str = "",
+        peer: str = "",
+        shard: int = -1,
+        run: Mapping[str, Any] | None = None,
+    ) -> CheckpointInfo:
+        """Write one checkpoint atomically, then delete the ones beyond ``keep``; return its metadata.
+
+        Call between optimizer steps (nothing may modify the tensors while
+        they are serialized). Raises ``CheckpointError`` if it cannot be
+        written; the previous checkpoints are then untouched.
+        """
+        if self._lock is None:
+            raise CheckpointError(f"the checkpointer of {self.directory} is closed")
+        if step < 0 or samples_seen < 0:
+            raise CheckpointError(f"step and samples_seen must be >= 0, got {step} and {samples_seen}")
+        seq = _next_seq(self.directory)
+        name = f"ckpt-{seq:06d}-step-{step}"
+        # Everything that can be refused is done before the first byte is written.
+        optim_tensors, optim_meta = _optimizer_state(model, optimizer) if optimizer is not None else ({}, None)
+        blobs = {
+            "model": (_MODEL, _serialize(_for_saving(model.state_dict(), "model"), "the model")),
+            "optimizer": (_OPTIM, _serialize(optim_tensors, "the optimizer state")),
+        }
+        run_json = _jsonable(dict(run), "run") if run is not None else None
+        try:
+            files = {}
+            for role, (suffix, data) in blobs.items():
+                _write_atomic(self.directory, name + suffix, data)
+                files[role] = {"file": name + suffix, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            _fsync_directory(self.directory)  # the data files are durable before the metadata names them
+            meta: dict[str, Any] = {
+                "format": FORMAT,
+                "version": VERSION,
+                "seq": seq,
+                "step": int(step),
+                "samples_seen": int(samples_seen),
+                "fingerprint": fingerprint,
+                "peer": peer,
+                "shard": int(shard),
+                "wall_time": time.time(),
+                "run": run_json,
+                "files": files,
+                "optimizer": optim_meta,
+            }
+            path = self.directory / (name + _META)
+            _write_atomic(self.directory, path.name, _encode_metadata(meta))
+            _fsync_directory(self.directory)
+        except OSError as e:
+            self._remove_files_of(name)
+            raise CheckpointError(f"could not write checkpoint {name} in {self.directory}: {e.strerror or e}") from e
+        self._last_time = self._clock()
+        self._last_step = step
+        self._prune()
+        return _info_from(path, meta)
+
+    def _prune(self) -> None:
+        """Delete checkpoints beyond the newest ``keep`` complete ones, and leftovers of crashed saves."""
+        complete = _complete_names(self.directory)
+        for name in complete[self.keep:]:
+            self._remove_files_of(name)  # the metadata first: from then on it is not a checkpoint
+        kept = set(complete[: self.keep])
+        for entry in _listdir(self.directory):
+            m = _OURS.match(entry)
+            if m and (entry.startswith(".") or m.group(1) not in kept):  # left by a save that never completed
+                _remove(self.directory / entry)
+
+    def _remove_files_of(self, name: str) -> None:
+        for suffix in (_META, _MODEL, _OPTIM):
+            _remove(self.directory / (name + suffix))
+            _remove(self.directory / f".{name}{suffix}{_TMP}")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the directory lock. Idempotent."""
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases its flock
+            self._lock = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The metadata files of the complete checkpoints in ``directory``, newest first (not verified)."""
+    directory = Path(directory)
+    return [directory / (name + _META) for name in _complete_names(directory)]
+
+
+def latest_good(directory: str | Path) -> Checkpoint:
+    """The newest checkpoint in ``directory`` that is intact: files present, hashes matching, parsing.
+
+    Broken ones are skipped with a warning naming the file and the reason;
+    if none is good, ``CheckpointError`` lists what was wrong with each.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist or is not a directory")
+    paths = list_checkpoints(directory)
+    if not paths:
+        raise CheckpointError(f"no checkpoint in {directory} (a checkpoint is complete once its .json file is written)")
+    problems = []
+    for path in paths:
+        try:
+            return read_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("skipping a bad checkpoint: %s", e)
+            problems.append(str(e))
+    raise CheckpointError(f"no good checkpoint in {directory}: " + "; ".join(problems))
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and verify one checkpoint from its metadata file; ``CheckpointError`` names what is wrong."""
+    path = Path(path)
+    info = _read_metadata(path)
+    tensors = {}
+    for role in ("model", "optimizer"):
+        entry = info.files[role]
+        data = _read_verified(path.parent / entry["file"], entry["bytes"], entry["sha256"])
+        try:
+            loaded = safetensors.torch.load(data)
+        except Exception as e:  # safetensors raises its own SafetensorError for any malformed input
+            raise CheckpointError(f"{path.parent / entry['file']}: not a valid safetensors file: {e}") from None
+        # Clone: the loaded tensors view the read-only bytes, and the optimizer will update its state in place.
+        tensors[role] = {k: loaded[k].clone() for k in sorted(loaded)}
+    missing = sorted(_optimizer_tensor_names(info) - tensors["optimizer"].keys())
+    if missing:
+        raise CheckpointError(f"{path.parent / info.files['optimizer']['file']}: lacks tensor {missing[0]!r} its metadata names")
+    return Checkpoint(info, tensors["model"], tensors["optimizer"])
+
+
+# -- restoring ---------------------------------------------------------------------------
+
+
+def restore(
+    checkpoint: Checkpoint,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    fingerprint: str | None = None,
+    run: Mapping[str, Any] | None = None,
+    allow_other_run: bool = False,
+) -> None:
+    """Load a checkpoint into ``model`` (in place: parameter objects stay the same) and ``optimizer``.
+
+    Refuses, naming the first difference, a checkpoint whose tensor names,
+    shapes or dtypes differ from the model's, and one of another run than
+    ``fingerprint`` unless ``allow_other_run`` (then the tensors are loaded
+    but the optimizer keeps its current hyperparameters: the new run's).
+    ``run`` (this run's ``RunConfig.to_dict()``) lets the error name the
+    differing fields. Nothing is modified when it refuses.
+    """
+    info = checkpoint.info
+    other_run = fingerprint is not None and info.fingerprint != fingerprint
+    if other_run:
+        diffs = _run_diff(info.run, run)
+        detail = f" ({'; '.join(diffs[:5])}{'; ...' if len(diffs) > 5 else ''})" if diffs else ""
+        if not allow_other_run:
+            raise CheckpointError(
+                f"checkpoint {info.path} is of run {info.fingerprint or '?'}, not of this run {fingerprint}{detail}; "
+                "allow another run (--resume-any-run) to load it anyway"
+            )
+        log.warning("loading checkpoint %s of another run %s%s", info.path, info.fingerprint, detail)
+    problem = _state_mismatch(checkpoint.model, model.state_dict())
+    if problem:
+        raise CheckpointError(f"checkpoint {info.path} does not fit this model: {problem}")
+    optim_state = None
+    if optimizer is not None:
+        if info.optimizer is None:
+            raise CheckpointError(f"checkpoint {info.path} has no optimizer state")
+        optim_state = _optimizer_state_dict(checkpoint, model, optimizer, keep_hyperparameters=other_run)
+    model.load_state_dict(checkpoint.model, strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(optim_state)
+
+
+# -- helpers: writing ----------------------------------------------------------------------
+
+
+def _lock_directory(directory: Path) -> Any:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fh = open(directory / _LOCK, "a+")
+    except OSError as e:
+        raise CheckpointError(f"cannot use checkpoint directory {directory}: {e.strerror or e}") from None
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer per directory is then up to the user
+        return fh
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise CheckpointError(f"checkpoint directory {directory} is in use by another checkpointer (pid {holder})") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
+def _write_atomic(directory: Path, name: str, data: bytes) -> None:
+    """Write ``data`` to ``directory/name`` via a temporary file: all of it or, after a crash, none of it."""
+    tmp = directory / f".{name}{_TMP}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / name)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make renames in ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the renames are still atomic
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not delete old checkpoint file %s: %s", path, e.strerror or e)
+
+
+def _listdir(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError as e:
+        raise CheckpointError(f"cannot list checkpoint directory {directory}: {e.strerror or e}") from None
+
+
+def _next_seq(directory: Path) -> int:
+    seqs = [int(m.group(2)) for entry in _listdir(directory) if (m := _OURS.match(entry))]
+    return max(seqs, default=0) + 1
+
+
+def _complete_names(directory: Path) -> list[str]:
+    found = [(int(m.group(1)), entry) for entry in _listdir(directory) if (m := _COMPLETE.match(entry))]
+    return [entry.removesuffix(_META) for _, entry in sorted(found, reverse=True)]
+
+
+def _for_saving(state: Mapping[str, Any], what: str) -> dict[str, Tensor]:
+    """Contiguous CPU tensors, none sharing memory (safetensors refuses shared or strided ones)."""
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, value in state.items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"cannot checkpoint {what} entry {name!r}: a {type(value).__name__}, not a tensor")
+        t = value.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.numel() != t.untyped_storage().nbytes() // max(t.element_size(), 1):
+            t = t.clone()  # tied weights, or a view of a larger tensor
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _serialize(tensors: dict[str, Tensor], what: str) -> bytes:
+    try:
+        return safetensors.torch.save(tensors, metadata={"format": "pt"})
+    except (ValueError, KeyError, TypeError) as e:
+        detail = f"safetensors cannot store {e.args[0]} tensors" if isinstance(e, KeyError) else str(e)  # an unknown dtype
+        raise CheckpointError(f"cannot checkpoint {what}: {detail}") from None
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The optimizer's tensors (named ``<param>/<key>``) and its JSON description, by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order: list[str] = []  # flat index (torch's optimizer state_dict numbering) -> parameter name
+    groups = []
+    packed = optimizer.state_dict()
+    for group, packed_group in zip(optimizer.param_groups, packed["param_groups"]):
+        params = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"cannot checkpoint the optimizer: it holds a parameter of shape {list(p.shape)} "
+                                      "that is not one of the model's")
+            params.append(names[id(p)])
+        order += params
+        hyper = {k: _jsonable(v, f"optimizer hyperparameter {k!r}") for k, v in packed_group.items() if k != "params"}
+        groups.append({**hyper, "params": params})
+    tensors: dict[str, Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for index, values in packed["state"].items():
+        pname = order[index]
+        entry = state.setdefault(pname, {})
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                tensors[f"{pname}/{key}"] = value
+                entry[key] = {"tensor": f"{pname}/{key}"}
+            else:
+                entry[key] = {"value": _jsonable(value, f"optimizer state {key!r} of {pname!r}")}
+    meta = {"class": type(optimizer).__name__, "param_groups": groups, "state": state}
+    return _for_saving(tensors, "optimizer state"), meta
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    """``value`` if JSON represents it exactly (finite numbers, strings, lists, tables), else CheckpointError."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CheckpointError(f"cannot checkpoint {what}: {value} is not a finite number")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, what) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: _jsonable(v, what) for k, v in value.items()}
+    raise CheckpointError(f"cannot checkpoint {what}: a {type(value).__name__} is neither a tensor nor a JSON value")
+
+
+def _encode_metadata(meta: dict[str, Any]) -> bytes:
+    body = {**meta, "checksum": _checksum(meta)}
+    return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def _checksum(meta: Mapping[str, Any]) -> str:
+    """SHA-256 of the metadata without its checksum: catches edits that still parse (a flipped digit)."""
+    rest = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# -- helpers: reading ----------------------------------------------------------------------
+
+
+def _read_metadata(path: Path) -> CheckpointInfo:
+    try:
+        size = path.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, more than a metadata file may have ({MAX_METADATA_BYTES})")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt): {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} metadata file")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format version {meta.get('version')!r}; this gossiptrain reads version {VERSION}")
+    if meta.get("checksum") != _checksum(meta):
+        raise CheckpointError(f"{path}: its checksum does not match its content (corrupt)")
+    try:
+        info = _info_from(path, meta)
+        for role in ("model", "optimizer"):
+            entry = info.files[role]
+            file, nbytes, digest = entry["file"], entry["bytes"], entry["sha256"]
+            if not (isinstance(file, str) and Path(file).name == file and file.startswith(info.name)):
+                raise ValueError(f"files.{role}.file {file!r} is not a file of this checkpoint")
+            if not (isinstance(nbytes, int) and nbytes >= 0 and isinstance(digest, str) and len(digest) == 64):
+                raise ValueError(f"files.{role} needs a byte count and a SHA-256")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: malformed metadata: {e}") from None
+    return info
+
+
+def _info_from(path: Path, meta: Mapping[str, Any]) -> CheckpointInfo:
+    def field(key: str, kind: type | tuple[type, ...]) -> Any:
+        value = meta[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"{key} is {value!r}")
+        return value
+
+    optimizer = meta["optimizer"]
+    if optimizer is not None and not (
+        isinstance(optimizer, dict) and isinstance(optimizer.get("param_groups"), list) and isinstance(optimizer.get("state"), dict)
+    ):
+        raise TypeError("optimizer must have param_groups and state")
+    return CheckpointInfo(
+        path=path,
+        seq=field("seq", int),
+        step=field("step", int),
+        samples_seen=field("samples_seen", int),
+        fingerprint=field("fingerprint", str),
+        peer=field("peer", str),
+        shard=field("shard", int),
+        wall_time=float(field("wall_time", (int, float))),
+        run=meta["run"] if isinstance(meta["run"], dict) else None,
+        files={role: dict(field("files", dict)[role]) for role in ("model", "optimizer")},
+        optimizer=optimizer,
+    )
+
+
+def _read_verified(path: Path, nbytes: int, sha256: str) -> bytes:
+    """The file's bytes, once they have the size and hash the metadata promises."""
+    try:
+        size = path.stat().st_size
+        if size != nbytes:
+            raise CheckpointError(f"{path}: {size} bytes, but its metadata says {nbytes} (truncated or overwritten)")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) != nbytes:
+        raise CheckpointError(f"{path}: {len(data)} bytes read, but its metadata says {nbytes} (changing under us?)")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{path}: its SHA-256 does not match its metadata (corrupt)")
+    return data
+
+
+def _optimizer_tensor_names(info: CheckpointInfo) -> set[str]:
+    if info.optimizer is None:
+        return set()
+    names = set()
+    for pname, values in info.optimizer["state"].items():
+        if not isinstance(values, dict):
+            raise CheckpointError(f"{info.path}: malformed optimizer state of {pname!r}")
+        for key, ref in values.items():
+            if not isinstance(ref, dict) or not ({"tensor"} == ref.keys() or {"value"} == ref.keys()):
+                raise CheckpointError(f"{info.path}: malformed optimizer state {key!r} of {pname!r}")
+            if "tensor" in ref:
+                if not isinstance(ref["tensor"], str):
+                    raise CheckpointError(f"{info.path}: malformed optimizer state {key!r} of {pname!r}")
+                names.add(ref["tensor"])
+    return names
+
+
+# -- helpers: restoring --------------------------------------------------------------------
+
+
+def _state_mismatch(saved: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> str | None:
+    """The first difference in names, shapes or dtypes between a checkpoint's tensors and a model's."""
+    for name, want in expected.items():
+        if name not in saved:
+            return f"tensor {name!r} is in the model but not in the checkpoint"
+        got = saved[name]
+        if list(got.shape) != list(want.shape):
+            return f"tensor {name!r} has shape {list(got.shape)} in the checkpoint but {list(want.shape)} in the model"
+        if got.dtype != want.dtype:
+            return f"tensor {name!r} is {got.dtype} in the checkpoint but {want.dtype} in the model"
+    for name in sorted(saved):
+        if name not in expected:
+            return f"tensor {name!r} is in the checkpoint but not in the model"
+    return None
+
+
+def _optimizer_state_dict(
+    checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, keep_hyperparameters: bool
+) -> dict[str, Any]:
+    """The checkpoint's optimizer state in torch's ``state_dict`` form, checked against ``optimizer``."""
+    info, saved = checkpoint.info, checkpoint.info.optimizer
+    assert saved is not None
+    where = f"checkpoint {info.path}"
+    if saved.get("class") != type(optimizer).__name__:
+        raise CheckpointError(f"{where} holds {saved.get('class')} state, but the optimizer is {type(optimizer).__name__}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{where} has {len(groups)} optimizer parameter groups, the optimizer {len(optimizer.param_groups)}")
+    index: dict[str, int] = {}
+    packed_groups = []
+    for g, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        mine = [names.get(id(p), "?") for p in group["params"]]
+        theirs = saved_group.get("params") if isinstance(saved_group, dict) else None
+        if not isinstance(theirs, list) or theirs != mine:
+            detail = _first_list_difference(theirs if isinstance(theirs, list) else [], mine)
+            raise CheckpointError(f"{where}: optimizer parameter group {g} differs: {detail}")
+        ids = []
+        for pname in mine:
+            index[pname] = len(index)
+            ids.append(index[pname])
+        hyper = {k: v for k, v in group.items() if k != "params"} if keep_hyperparameters else {
+            k: v for k, v in saved_group.items() if k != "params"
+        }
+        packed_groups.append({**hyper, "params": ids})
+    state: dict[int, dict[str, Any]] = {}
+    for pname, values in saved["state"].items():
+        if pname not in index:
+            raise CheckpointError(f"{where} has optimizer state for {pname!r}, which the optimizer does not hold")
+        entry = {}
+        for key, ref in values.items():
+            # A copy: torch's load_state_dict keeps the tensors it is given as the live state.
+            entry[key] = checkpoint.optimizer[ref["tensor"]].clone() if "tensor" in ref else ref["value"]
+        state[index[pname]] = entry
+    return {"state": state, "param_groups": packed_groups}
+
+
+def _first_list_difference(theirs: list[Any], mine: list[Any]) -> str:
+    for i, (a, b) in enumerate(zip(theirs, mine)):
+        if a != b:
+            return f"parameter {i} is {a!r} in the checkpoint but {b!r} here"
+    return f"{len(theirs)} parameters in the checkpoint but {len(mine)} here"
+
+
+def _run_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> list[str]:
+    """Dotted fields that differ between two RunConfig dicts, as 'field: checkpoint's vs this run's'."""
+    if not isinstance(saved, Mapping) or not isinstance(current, Mapping):
+        return []
+    out = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section), current.get(section)
+        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+            if a != b:
+                out.append(f"{section}: {a!r} vs {b!r}")
+            continue
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                out.append(f"{section}.{key}: {a.get(key)!r} vs {b.get(key)!r}")
+    return out

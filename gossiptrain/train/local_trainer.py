@@ -1,0 +1,150 @@
+"""Local SGD on one peer's shard: the part of training that knows nothing of gossip.
+
+Both the CLI peer (real time) and the simulator (virtual time) step a
+``LocalTrainer``; the gossip safe point runs between its steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gossiptrain.state.checkpoint import Checkpoint, restore
+from gossiptrain.config import TrainConfig
+from gossiptrain.errors import WorkloadError
+from gossiptrain.train.evaluation import EvalResult
+from gossiptrain.train.partition import class_histogram, describe
+from gossiptrain.train.workload import Workload, batches
+
+log = logging.getLogger(__name__)
+
+# Keywords a partition-aware train_shard takes (see the Workload protocol).
+_PARTITION_KEYWORDS = ("partition", "alpha", "classes_per_peer")
+_LOGGED_CLASSES = 20  # histogram bins shown in the start-up log line
+
+
+def make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer for ``model``: SGD with ``train.lr``, ``train.momentum`` and ``train.weight_decay``."""
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+class LocalTrainer:
+    """A workload's model with its optimizer and an endless stream of batches from one shard.
+
+    ``optimizer`` is one made by ``make_optimizer`` before (a peer's, which
+    state transfer may have filled in); by default a fresh one.
+    """
+
+    def __init__(
+        self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.workload = workload
+        self.model = model
+        inputs, targets = _load_shard(workload, config, shard)
+        self.samples = len(targets)
+        # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
+        self.class_histogram: list[int] = _histogram(workload, targets)
+        _log_shard(config, shard, self.samples, self.class_histogram)
+        self.opt = optimizer if optimizer is not None else make_optimizer(config, model)
+        # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
+        self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard)
+        self.loss_avg = math.nan  # exponential moving average of the training loss
+        self.steps = 0
+        self.samples_seen = 0  # samples consumed by step(); both counters continue across a resume
+        model.train()
+
+    def step(self) -> float:
+        """One SGD step on the next mini-batch; returns its loss."""
+        x, y = next(self._data)  # (B, ...) inputs, (B,) targets
+        loss = self.workload.loss(self.model, x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        value = loss.item()
+        self.loss_avg = value if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * value
+        self.steps += 1
+        self.samples_seen += len(y)
+        return value
+
+    def load_state(
+        self, checkpoint: Checkpoint, *, fingerprint: str | None = None, run: dict[str, Any] | None = None,
+        allow_other_run: bool = False,
+    ) -> None:
+        """Continue from a checkpoint: its model and optimizer state and its counters (see checkpoint.restore)."""
+        restore(checkpoint, self.model, self.opt, fingerprint=fingerprint, run=run, allow_other_run=allow_other_run)
+        self.steps = checkpoint.info.step
+        self.samples_seen = checkpoint.info.samples_seen
+
+    def evaluate(self) -> EvalResult:
+        return self.workload.evaluate(self.model)
+
+
+def _load_shard(workload: Workload, config: TrainConfig, shard: int) -> tuple[Tensor, Tensor]:
+    if config.partition == "iid":
+        # The three-argument call: workloads written before partitions keep working.
+        return workload.train_shard(shard, config.shards, config.seed)
+    if not _accepts_partition(workload):
+        raise WorkloadError(
+            f"workload {workload.name!r}: train.partition is {config.partition!r}, but its train_shard "
+            f"does not take the keywords {', '.join(_PARTITION_KEYWORDS)}; use train.partition = 'iid' "
+            "or add them (see the Workload protocol)"
+        )
+    return workload.train_shard(  # type: ignore[call-arg]
+        shard,
+        config.shards,
+        config.seed,
+        partition=config.partition,
+        alpha=config.partition_alpha,
+        classes_per_peer=config.partition_classes,
+    )
+
+
+def _accepts_partition(workload: Workload) -> bool:
+    # Checked up front rather than by catching TypeError, which would also
+    # swallow a TypeError raised inside a workload that does take them.
+    try:
+        params = inspect.signature(workload.train_shard).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(
+        name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+        for name in _PARTITION_KEYWORDS
+    )
+
+
+def _histogram(workload: Workload, targets: Tensor) -> list[int]:
+    # Only integer class targets have a histogram; regression workloads get [].
+    if targets.ndim != 1 or targets.numel() == 0 or targets.dtype.is_floating_point or targets.dtype.is_complex:
+        return []
+    if targets.dtype == torch.bool or int(targets.min()) < 0:
+        return []
+    classes = getattr(workload, "num_classes", None)
+    if not isinstance(classes, int) or classes <= int(targets.max()):
+        classes = int(targets.max()) + 1
+    return class_histogram(targets, None, classes)
+
+
+def _log_shard(config: TrainConfig, shard: int, samples: int, histogram: list[int]) -> None:
+    # A peer's data is the first thing to check when its accuracy lags under non-IID shards.
+    scheme = describe(config.partition, config.partition_alpha, config.partition_classes)
+    classes = ""
+    if histogram:
+        # Long label sets (hundreds of classes) would flood the log: show the first few.
+        more = ", ..." if len(histogram) > _LOGGED_CLASSES else ""
+        classes = f", classes [{', '.join(map(str, histogram[:_LOGGED_CLASSES]))}{more}]"
+    log.info("shard %d/%d (%s): %d samples%s", shard, config.shards, scheme, samples, classes)
+
+
+def budget_spent(config: TrainConfig, steps: int, elapsed: float) -> bool:
+    """Whether the run's step or time budget is used up (0 means no such budget)."""
+    return (config.max_steps > 0 and steps >= config.max_steps) or (
+        config.max_seconds > 0 and elapsed >= config.max_seconds
+    )

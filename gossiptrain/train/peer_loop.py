@@ -1,0 +1,267 @@
+"""The training loop of a CLI peer: a workload's model, trained on its shard, averaged by gossip.
+
+``run_peer`` joins, builds the model the swarm's configuration names, trains
+until the budget (steps or seconds) is spent or ``stop`` is set, evaluates
+on the workload's held-out test set every ``train.eval_every_seconds``, and
+writes progress to the terminal and metrics as JSON lines. It returns the
+final summary. Everything about the network lives in ``Peer``.
+
+With a checkpoint directory it saves a checkpoint every so often at a step
+boundary and once at the end; with ``resume`` it starts from the newest
+intact checkpoint there (model, optimizer, step count, and its shard unless
+another is asked for). See ``gossiptrain.state.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
+from gossiptrain.config import RunConfig, SecurityConfig
+from gossiptrain.errors import CheckpointError, ConfigError
+from gossiptrain.train.metrics import MetricsLog
+from gossiptrain.runtime.peer import Peer
+from gossiptrain.train.progress import Progress
+from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.train.workload import Workload, load_workload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """Local settings of one peer process (the run's settings come from the swarm)."""
+
+    join: str  # HOST:PORT of the coordinator or any live peer
+    bind: str | None = None  # HOST:PORT to listen on (default: the advertised host, port 0)
+    advertise: str | None = None  # host others use to reach us (default: the route to the join host)
+    metrics: str | Path | None = None  # JSON-lines file
+    expect: RunConfig | None = None  # refuse to join a swarm running anything else
+    shard: int | None = None  # ask for this shard instead of the least trained one
+    join_attempts: int | None = None  # default: membership.join_attempts
+    slowdown: float = 1.0  # >1 makes this peer a straggler: it idles (slowdown-1) x each step's compute time
+    threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
+    wait_for: int = 0  # do not train until this many members (us included) are in the view; 0: start at once
+    progress: bool = True
+    checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end)
+    checkpoint_every_seconds: float = 60.0  # 0: no time-based saves
+    checkpoint_every_steps: int = 0  # 0: no step-based saves
+    checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str | Path | None = None  # start from the newest intact checkpoint in this directory
+    resume_any_run: bool = False  # accept a checkpoint of another run (its tensors must still fit the model)
+    security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
+    final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here
+
+    def __post_init__(self) -> None:
+        if not self.slowdown >= 1:
+            raise ConfigError(f"--slowdown is a slowdown factor and must be >= 1, got {self.slowdown}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if self.wait_for < 0:
+            raise ConfigError(f"--wait-for is a member count and must be >= 0, got {self.wait_for}")
+        if not 0 <= self.checkpoint_every_seconds < float("inf"):
+            raise ConfigError(f"--checkpoint-every must be a number of seconds >= 0, got {self.checkpoint_every_seconds}")
+        if self.checkpoint_every_steps < 0:
+            raise ConfigError(f"--checkpoint-every-steps must be >= 0, got {self.checkpoint_every_steps}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
+        if self.resume_any_run and self.resume is None:
+            raise ConfigError("--resume-any-run needs --resume DIR")
+
+
+class _Rate:
+    """Events per second over the last window, for the live exchange rate."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, int] | None = None
+        self.value = 0.0
+
+    def update(self, now: float, count: int) -> float:
+        if self._last is not None and now > self._last[0]:
+            self.value = (count - self._last[1]) / (now - self._last[0])
+        self._last = (now, count)
+        return self.value
+
+
+def run_peer(
+    options: PeerOptions, stop: threading.Event | None = None, on_training: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Join, train until the budget or ``stop``, leave; return the final summary record.
+
+    ``on_training`` is called once joined: until then an interrupt should abort
+    the join, afterwards it should stop training gracefully.
+    """
+    stop = stop or threading.Event()
+    torch.set_num_threads(options.threads)
+    workloads: dict[str, Workload] = {}
+    # Both before joining: a missing checkpoint or an unusable directory fails without touching the swarm.
+    resume = latest_good(options.resume) if options.resume is not None else None
+    shard = options.shard if options.shard is not None or resume is None else resume.info.shard
+
+    def build(config: RunConfig, shard: int) -> torch.nn.Module:
+        workloads["w"] = load_workload(config.train.workload)
+        torch.manual_seed(config.train.seed)  # every peer starts from the same point
+        model = workloads["w"].build_model(config.train.seed)
+        if resume is not None:  # before averaging sees the model: it starts from the restored parameters
+            restore(resume, model, fingerprint=config.fingerprint(), run=config.to_dict(), allow_other_run=options.resume_any_run)
+        return model
+
+    progress = Progress(enabled=options.progress)
+    checkpointer = (
+        Checkpointer(
+            options.checkpoint_dir, keep=options.checkpoint_keep, every_seconds=options.checkpoint_every_seconds,
+            every_steps=options.checkpoint_every_steps,
+        )
+        if options.checkpoint_dir is not None
+        else None
+    )
+    with checkpointer or nullcontext(), MetricsLog(options.metrics) as metrics, Peer(
+        build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
+        join_attempts=options.join_attempts, security=options.security,
+        transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
+        optimizer=lambda config, model: make_optimizer(config.train, model),
+    ) as peer:
+        workload = workloads["w"]
+        if on_training:
+            on_training()
+        if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
+            return {"event": "stopped", "peer": peer.id, "step": 0}
+        return _train(
+            peer, workload, metrics, progress, stop, options.slowdown,
+            checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
+        )
+
+
+def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress) -> bool:
+    """A rendezvous (as DDP's): block until ``count`` members are alive in our view; False if stopped first."""
+    while peer.members < count:
+        if stop.wait(0.05):
+            return False
+        progress.update(f"peer {peer.id}: waiting for {count} members, {peer.members} so far")
+    return True
+
+
+def _train(
+    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float,
+    *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
+    final_model: str | Path | None = None,
+) -> dict[str, Any]:
+    cfg = peer.config.train
+    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer)
+    base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
+    resumed: dict[str, Any] = {}
+    if resume is not None:
+        trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
+        peer.resume_at(trainer.steps)
+        resumed = {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step}
+        if resume.info.shard != peer.shard:
+            log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
+        log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
+    # What this peer starts from (the downloaded state, a checkpoint, or the initial weights), before any exchange.
+    initial = trainer.evaluate()
+    metrics.write({
+        "event": "start", "time": time.time(), **base, "samples": trainer.samples, "fingerprint": peer.fingerprint,
+        "step": peer.steps, "samples_seen": trainer.samples_seen, "test_acc": initial.accuracy, **resumed,
+        **peer.transfer_summary(),
+    })
+    checkpoints = {"saved": 0, "failed": 0, "step": -1}
+
+    def save_checkpoint() -> None:
+        # Synchronous, at a step boundary: nothing else touches the model now (digits MLP: ~50 ms).
+        assert checkpointer is not None
+        began = time.perf_counter()
+        try:
+            info = checkpointer.save(
+                trainer.model, trainer.opt, step=peer.steps, samples_seen=trainer.samples_seen, fingerprint=peer.fingerprint,
+                peer=peer.id, shard=peer.shard, run=peer.config.to_dict(),
+            )
+        except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
+            checkpoints["failed"] += 1
+            log.error("checkpoint at step %d failed: %s", peer.steps, e)
+            return
+        checkpoints["saved"] += 1
+        checkpoints["step"] = peer.steps
+        metrics.write({
+            "event": "checkpoint", "time": time.time(), **base, "step": info.step, "samples_seen": info.samples_seen,
+            "path": str(info.path), "seconds": round(time.perf_counter() - began, 4),
+        })
+
+    started = time.monotonic()
+    next_eval = started + cfg.eval_every_seconds
+    rate = _Rate()
+
+    def record(event: str, **extra: Any) -> dict[str, Any]:
+        now = time.monotonic()
+        result = trainer.evaluate()
+        stats = peer.stats()
+        exchanges = stats["completed"] + stats["served"]
+        rec = {
+            "event": event,
+            "time": time.time(),
+            "elapsed": round(now - started, 3),
+            **base,
+            "step": peer.steps,
+            "loss": trainer.loss_avg,
+            "test_loss": result.loss,
+            "test_acc": result.accuracy,
+            "precision": result.precision,
+            "recall": result.recall,
+            "f1": result.f1,
+            "members": stats["members"],
+            "exchanges": exchanges,
+            "exchanges_per_s": round(rate.update(now, exchanges), 2),
+            "timeouts": stats["timeouts"],
+            "refused": stats["refused"],  # our requests the partner turned down (busy with its own)
+            "declined": stats["crossed"] + stats["busy"],  # requests we turned down
+            "staleness_mean": round(stats["staleness_mean"], 3),
+            "staleness_hist": stats["staleness_hist"],
+            "rtt_ms": round(stats["rtt_ms"], 2),
+            "bytes_sent": stats["bytes_sent"],
+            "bytes_received": stats["bytes_received"],
+            "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],
+            "handshake_failures": stats["handshake_failures"],
+            "members_dead": stats["members_dead"],
+            "members_left": stats["members_left"],
+        }
+        if checkpointer is not None:
+            rec.update(checkpoints=checkpoints["saved"], checkpoint_failures=checkpoints["failed"])
+        rec.update(extra)
+        metrics.write(rec)
+        progress.update(
+            f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {trainer.loss_avg:.3f} | "
+            f"acc {result.accuracy:.3f} | peers {stats['members']} | {rec['exchanges_per_s']:.1f} ex/s"
+        )
+        return rec
+
+    while not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, time.monotonic() - started):
+        computed = time.perf_counter()
+        trainer.step()
+        if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
+            time.sleep((slowdown - 1) * (time.perf_counter() - computed))
+        peer.step(samples_seen=trainer.samples_seen)
+        if checkpointer is not None and checkpointer.due(peer.steps):
+            save_checkpoint()
+        if time.monotonic() >= next_eval:
+            record("eval")
+            next_eval = time.monotonic() + cfg.eval_every_seconds
+    final: dict[str, Any] = {"finish": "signal"}
+    if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.protocol.finish)
+        reason = "stop" if peer.finish_requested else "budget"
+        progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
+        final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
+    if checkpointer is not None and (checkpoints["step"] != peer.steps or final.get("final_rounds")):
+        save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
+    summary = record("done", **final)
+    progress.finish(
+        f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "
+        f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"
+    )
+    return summary
