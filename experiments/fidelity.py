@@ -62,7 +62,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gossiptrain.protocol.averaging import XREP, XREQ, PairwiseAveraging, Received, Tick  # noqa: E402
+from gossiptrain.protocol.averaging import PairwiseAveraging, Received, Tick  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
 from gossiptrain.train.local_trainer import LocalTrainer  # noqa: E402
 from gossiptrain.train.metrics import read_metrics  # noqa: E402
@@ -73,6 +73,7 @@ from gossiptrain.net.transport import Transport, listen  # noqa: E402
 from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
 from gossiptrain.train.workload import load_workload  # noqa: E402
+from gossiptrain.net.kinds import XREP, XREQ
 
 EVAL_EVERY = 0.25  # seconds, real and virtual: both sides see accuracy at the same cadence
 HOLD = 3  # grid points the target must hold for

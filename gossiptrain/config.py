@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from gossiptrain.codec_spec import parse_codec_spec
 from gossiptrain.errors import ConfigError
 
 #: Algorithms the averaging layer offers (see gossiptrain.protocol.algorithms).
@@ -231,10 +232,8 @@ class GossipConfig:
             f"topk sends differences against per-edge references, which only {' and '.join(_EDGE_ALGORITHMS)} keep; "
             f"use fp16, bf16 or int8 with {self.algorithm}",
         )
-        if codec != "none":  # parameters too (ratio=, stochastic=); local: compression imports torch
-            from gossiptrain.protocol.compression import get_codec
-
-            get_codec(self.compression, f"{s}.compression")
+        if codec != "none":  # parameters too (ratio=, stochastic=)
+            parse_codec_spec(self.compression, f"{s}.compression")
 
 
 @dataclass(frozen=True)

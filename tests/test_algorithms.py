@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 
 import topologies
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import XNAK, XPUSH, Received, SendExchange, Tick
+from gossiptrain.protocol.averaging import Received, SendExchange, Tick
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.rounds import Lockstep
+from gossiptrain.net.kinds import XNAK, XPUSH
 
 PROPERTY = settings(deadline=None, max_examples=40)
 TOPOLOGIES = tuple(name for name in topologies.names() if name != "file")

@@ -9,9 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossiptrain.protocol.averaging import (
-    XNAK,
-    XREP,
-    XREQ,
     PairwiseAveraging,
     ParamSpec,
     Received,
@@ -20,6 +17,7 @@ from gossiptrain.protocol.averaging import (
     SendExchange,
     Tick,
 )
+from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.config import GossipConfig
 
 CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)

@@ -22,7 +22,7 @@ from gossiptrain.state import merged_model as fm
 from gossiptrain.cli.main import main
 from gossiptrain.config import FinalConfig, RunConfig
 from gossiptrain.errors import CheckpointError, ConfigError, ProtocolError
-from gossiptrain.protocol.finish import DONE, FIN, QUERY, ROSTER, STOP, WRITTEN, FinalPhase, FinishEndpoint
+from gossiptrain.protocol.finish import DONE, WRITTEN, FinalPhase, FinishEndpoint
 from gossiptrain.protocol.membership import Member
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.net.wire import Message
@@ -30,6 +30,7 @@ from gossiptrain.train.workload import load_workload
 
 from .conftest import fast_config
 from .swarm import Procs, next_host, wait_for
+from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 
 # -- the weighted mean ---------------------------------------------------------------------
 

@@ -19,14 +19,10 @@ from hypothesis import strategies as st
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.membership import (
-    ACK,
     ALIVE,
     DEAD,
     LEFT,
-    PING,
-    PING_REQ,
     SUSPECT,
-    SYNC,
     Ack,
     Digest,
     Leave,
@@ -42,6 +38,7 @@ from gossiptrain.protocol.membership import (
     least_loaded_shard,
     members_from_wire,
 )
+from gossiptrain.net.kinds import ACK, PING, PING_REQ, SYNC
 
 CONFIG = MembershipConfig(heartbeat_interval=1.0)
 

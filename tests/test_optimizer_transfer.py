@@ -29,6 +29,7 @@ from gossiptrain.net.wire import DTYPES, Message, decode, encode
 from .conftest import fast_config
 from .swarm import next_host
 from .test_state_transfer import run_cluster
+from gossiptrain.net import kinds
 
 RUN = RunConfig().with_overrides({
     "state.chunk_bytes": 1024, "state.request_timeout": 1.0, "state.max_seconds": 10.0, "state.transfer_optimizer": True,
@@ -218,9 +219,9 @@ def test_optimizer_bytes_changed_on_the_way_fail_their_checksum() -> None:
     flipped: list[int] = []
 
     def flip_the_last_chunk(sender: str, kind: str, body: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
-        if kind == st.SREP and "hashes" in body:
+        if kind == kinds.SREP and "hashes" in body:
             flipped.append(len(body["hashes"]))  # remember the chunk count
-        elif kind == st.SREP and flipped and body["index"] == flipped[0] - 1:  # the optimizer's bytes end the stream
+        elif kind == kinds.SREP and flipped and body["index"] == flipped[0] - 1:  # the optimizer's bytes end the stream
             return {"chunk": tensors["chunk"].clone().bitwise_xor_(1)}
         return tensors
 

@@ -9,6 +9,7 @@ from gossiptrain.protocol import averaging
 from gossiptrain.protocol.averaging import SendExchange, Tick
 from gossiptrain.config import RunConfig
 from gossiptrain.runtime.safepoint import SafePoint
+from gossiptrain.net import kinds
 
 
 class StoppedClock:
@@ -40,7 +41,7 @@ class EveryThirdStep:
     def handle(self, event: Any, now: float) -> list[averaging.Action]:
         if isinstance(event, Tick) and event.step % 3 == 0 and event.partners:
             self.asked.append(event.partners[0])
-            return [SendExchange(event.partners[0], averaging.XREQ, event.step, {})]
+            return [SendExchange(event.partners[0], kinds.XREQ, event.step, {})]
         return []
 
 

@@ -35,7 +35,7 @@ from gossiptrain.net.keys import read_keypair, read_public_key
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
-from gossiptrain.runtime.service import Status
+from gossiptrain.service import Status
 from gossiptrain.net.transport import TcpTransport
 from gossiptrain.net.transport.tcp import ReceivedFrames, split_curve_address
 from gossiptrain.net.wire import Message, decode, encode

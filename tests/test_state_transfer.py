@@ -30,6 +30,7 @@ from gossiptrain.net.wire import Message, decode, encode
 
 from .conftest import fast_config
 from .swarm import Procs
+from gossiptrain.net import kinds
 
 LIMITS = Limits()
 LAYOUT = "L" * 16
@@ -48,7 +49,7 @@ def state(size: int, seed: int) -> torch.Tensor:
 def through_wire(reply: st.Reply, sender: str) -> st.FetchEvent:
     """A donor's reply as the newcomer's node would see it: encoded, decoded, validated."""
     msg = decode(encode(Message(reply.kind, sender, "sim://donor:1", "fp", 0, reply.body, reply.tensors), LIMITS), LIMITS)
-    return st.Chunk.from_message(msg) if reply.kind == st.SREP else st.Refusal.from_message(msg)
+    return st.Chunk.from_message(msg) if reply.kind == kinds.SREP else st.Refusal.from_message(msg)
 
 
 class Net:
@@ -157,7 +158,7 @@ def test_a_chunk_failing_its_checksum_bans_the_donor_and_another_one_completes()
     bad: list[str] = []
 
     def corrupt(name: str, reply: st.Reply) -> st.Reply:
-        if reply.kind == st.SREP and reply.body["index"] == 1 and bad in ([], [name]):  # the first donor's chunk 1
+        if reply.kind == kinds.SREP and reply.body["index"] == 1 and bad in ([], [name]):  # the first donor's chunk 1
             bad[:] = [name]
             return replace(reply, tensors={"chunk": reply.tensors["chunk"].clone().bitwise_xor_(1)})
         return reply
@@ -179,7 +180,7 @@ def test_a_state_failing_the_final_check_is_fetched_again_from_another_donor() -
     first: list[str] = []
 
     def flip_a_kept_byte(name: str, reply: st.Reply) -> st.Reply:
-        if reply.kind == st.SREP and reply.body["index"] == 2 and not first:
+        if reply.kind == kinds.SREP and reply.body["index"] == 2 and not first:
             first.append(name)
             net.fetcher.data[5] ^= 0xFF  # a kept chunk changed under us (a bug, bad memory): only the final hash sees it
         return reply
@@ -212,24 +213,24 @@ def test_the_donor_serves_a_few_sessions_at_a_time_and_refuses_the_rest() -> Non
         return donor.handle(ChunkRequest(who, f"sim://{who}:1", sid, index, manifest), now)
 
     (refused,) = ask("n1")
-    assert refused.kind == st.SNAK and not refused.body["retry"] and "not training" in refused.body["reason"]
+    assert refused.kind == kinds.SNAK and not refused.body["retry"] and "not training" in refused.body["reason"]
     donor.ready, donor.stepped_at = True, 0.0
     assert ask("n1") == [] and ask("n2") == []  # both wait for the next safe point
     (busy,) = ask("n3")
-    assert busy.kind == st.SNAK and busy.body["retry"] and "busy" in busy.body["reason"]
+    assert busy.kind == kinds.SNAK and busy.body["retry"] and "busy" in busy.body["reason"]
     assert donor.wanted == 2 and donor.stats.state_sessions_refused == 1
     snap = Snapshot.build(state(1500, 5), step=3, layout=LAYOUT, chunk_bytes=1024)
     answers = donor.handle(SnapshotTaken(snap, donor.wanted), 1.0)
     assert [(r.addr, r.kind, r.body["index"], "hashes" in r.body) for r in answers] == [
-        ("sim://n1:1", st.SREP, 0, True), ("sim://n2:1", st.SREP, 0, True)
+        ("sim://n1:1", kinds.SREP, 0, True), ("sim://n2:1", kinds.SREP, 0, True)
     ]
     (unknown,) = ask("n3", manifest=False)
-    assert unknown.kind == st.SNAK and not unknown.body["retry"]
+    assert unknown.kind == kinds.SNAK and not unknown.body["retry"]
     (beyond,) = ask("n1", index=2, manifest=False, now=1.0)
-    assert beyond.kind == st.SNAK and not beyond.body["retry"]  # the state has 2 chunks
+    assert beyond.kind == kinds.SNAK and not beyond.body["retry"]  # the state has 2 chunks
     ask("n1", index=CLOSE, now=1.0)  # n1 is done: its slot is free
     (idle,) = ask("n3", now=2.0)  # no safe point for longer than state.request_timeout: not training any more
-    assert idle.kind == st.SNAK and "not training" in idle.body["reason"]
+    assert idle.kind == kinds.SNAK and "not training" in idle.body["reason"]
     donor.stepped_at = 2.0
     assert ask("n3", now=2.0) == []
     donor.handle(Expire(), 20.0)  # idle past state.session_timeout
@@ -296,7 +297,7 @@ def test_the_snapshot_is_taken_once_at_the_safe_point_and_training_does_not_chan
         req = reqs.pop(0)
         if req.index != CLOSE:
             body = {"sid": req.sid, "index": req.index, "manifest": req.manifest}
-            endpoint.on_message(Message(st.SREQ, "new", "sim://new:1", "fp", 0, body))
+            endpoint.on_message(Message(kinds.SREQ, "new", "sim://new:1", "fp", 0, body))
         hook(2)  # the trainer's safe point: copies at most once per waiting session
         with torch.no_grad():
             for p in model.parameters():

@@ -30,6 +30,8 @@ import torch
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net import kinds
+from gossiptrain.net.dtypes import DTYPE_NAMES, DTYPES, MAX_NAME_LEN, MAX_NDIM
 
 if TYPE_CHECKING:
     # typing.Buffer is 3.12+: anything with the buffer protocol (bytes, memoryview, zmq.Frame).
@@ -37,32 +39,11 @@ if TYPE_CHECKING:
 
 PROTOCOL_VERSION = 2  # 2: SWIM membership entries (state and suspector replace the heartbeat)
 
-KINDS: frozenset[str] = frozenset(
-    {"join", "welcome", "refuse", "gossip", "leave", "report", "xreq", "xrep", "xnak", "xpush", "sreq", "srep", "snak"}
-    | {"sync", "ping", "ping-req", "ack"}  # SWIM membership (gossiptrain.protocol.membership)
-    | {"query", "roster", "stop", "fin"}  # the end of a run and tools outside the swarm (gossiptrain.protocol.finish)
-)
-
-#: The only tensor element types accepted on the wire, by their wire names.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+KINDS = kinds.ALL  # re-exported: every kind, from gossiptrain.net.kinds
 
 # Part of the protocol rather than tunables (changing them changes what a
 # valid message is), hence constants here and not fields of Limits.
 MAX_BODY_DEPTH = 8  # containers nested in a body, counting the body itself
-MAX_NAME_LEN = 256  # characters in a tensor name
-MAX_NDIM = 32  # dimensions of one tensor
 
 _HEADER_KEYS = frozenset({"v", "kind", "sender", "addr", "fp", "step", "body", "tensors"})
 _INT_MIN = -(1 << 63)  # msgpack's integer range
@@ -399,11 +380,11 @@ def _byte_view(frame: Any) -> memoryview:
 def _tensor_dtype_name(name: Any, tensor: Any) -> str:
     if not isinstance(tensor, torch.Tensor):
         raise ProtocolError(f"tensor {_show(name)} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.dtype not in _DTYPE_NAMES:
+    if tensor.dtype not in DTYPE_NAMES:
         raise ProtocolError(f"tensor {_show(name)} has dtype {tensor.dtype}; allowed: {sorted(DTYPES)}")
     if tensor.layout is not torch.strided or tensor.device.type == "meta":
         raise ProtocolError(f"tensor {_show(name)} must be a dense tensor with data (layout {tensor.layout})")
-    return _DTYPE_NAMES[tensor.dtype]
+    return DTYPE_NAMES[tensor.dtype]
 
 
 def _chunk_count(nbytes: int, chunk_bytes: int) -> int:

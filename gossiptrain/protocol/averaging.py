@@ -37,12 +37,10 @@ from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.staleness import StalenessPolicy
+from gossiptrain.net.kinds import XNAK, XPUSH, XREP, XREQ
 
 log = logging.getLogger(__name__)
 
-XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
-XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
-EXCHANGE_KINDS = (XREQ, XREP, XNAK, XPUSH)
 
 #: Scalars an exchange message may carry besides its xid, and their allowed ranges (checked by
 #: the node before an event reaches an algorithm): push-sum weight, pairwise mixing weight,

@@ -32,10 +32,10 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from gossiptrain.codec_spec import CODECS, parse_codec_spec
 from gossiptrain.errors import ConfigError, ProtocolError
 
 #: Codec names ``get_codec`` knows.
-CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
 
 SEP = "#"  # between a parameter name and a part suffix in wire names
 _INT32_MAX = (1 << 31) - 1
@@ -269,65 +269,16 @@ def get_codec(spec: str, field: str = "compression") -> Codec:
     """The codec a spec names: "none", "fp16", "bf16", "int8[:stochastic=1,seed=N]", "topk[:ratio=R]".
 
     ``field`` is the config field the spec came from; ConfigError messages name it.
+    The spec is parsed and checked by ``gossiptrain.codec_spec`` (which the config uses too).
     """
-    if not isinstance(spec, str):
-        raise ConfigError(f"{field} must be a codec spec string, got {type(spec).__name__}")
-    name, colon, rest = spec.strip().partition(":")
-    if name not in CODECS:
-        raise ConfigError(f"{field} names unknown codec {name!r}; choose from {', '.join(CODECS)}")
-    params: dict[str, str] = {}
-    if colon:
-        for item in rest.split(","):
-            key, eq, value = (s.strip() for s in item.partition("="))
-            if not key or not eq or not value:
-                raise ConfigError(f"{field}: codec parameter {item.strip()!r} is not key=value")
-            if key in params:
-                raise ConfigError(f"{field}: codec parameter {key!r} given twice")
-            params[key] = value
-    allowed = {"none": (), "fp16": (), "bf16": (), "int8": ("stochastic", "seed"), "topk": ("ratio",)}[name]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        takes = f"takes {', '.join(allowed)}" if allowed else "takes no parameters"
-        raise ConfigError(f"{field}: codec {name!r} {takes}, not {', '.join(unknown)}")
-    if name == "none":
+    parsed = parse_codec_spec(spec, field)
+    if parsed.name == "none":
         return NoneCodec()
-    if name in ("fp16", "bf16"):
-        return Fp16Codec() if name == "fp16" else Bf16Codec()
-    if name == "int8":
-        return Int8Codec(
-            stochastic=_parse_bool(params.get("stochastic", "0"), f"{field} int8 stochastic"),
-            seed=_parse_int(params.get("seed", "0"), f"{field} int8 seed"),
-        )
-    ratio = _parse_float(params.get("ratio", "0.01"), f"{field} topk ratio")
-    if not 0 < ratio <= 1:
-        raise ConfigError(f"{field} topk ratio must be in (0, 1], got {ratio}")
-    return TopKCodec(ratio)
-
-
-def _parse_bool(text: str, what: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{what} must be a boolean (1/0, true/false), got {text!r}")
-
-
-def _parse_int(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{what} must be an integer, got {text!r}") from None
-
-
-def _parse_float(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{what} must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"{what} must be finite, got {text!r}")
-    return value
+    if parsed.name in ("fp16", "bf16"):
+        return Fp16Codec() if parsed.name == "fp16" else Bf16Codec()
+    if parsed.name == "int8":
+        return Int8Codec(stochastic=bool(parsed.params["stochastic"]), seed=int(parsed.params["seed"]))
+    return TopKCodec(float(parsed.params["ratio"]))
 
 
 # ---------------------------------------------------------------- error feedback

@@ -52,11 +52,10 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.membership import ALIVE, Member
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.net.wire import Message
+from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 
 log = logging.getLogger(__name__)
 
-QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
-KINDS = (QUERY, ROSTER, STOP, FIN)
 DONE, WRITTEN = "done", "written"
 
 _ID_LIMIT = 1 << 63

@@ -25,10 +25,10 @@ from gossiptrain.protocol.membership import Member, members_from_wire
 from gossiptrain.net.transport import TcpTransport, Transport
 from gossiptrain.net.transport.tcp import CURVE_QUERY
 from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.kinds import JOIN, REFUSE, WELCOME
 
 log = logging.getLogger(__name__)
 
-JOIN, WELCOME, REFUSE = "join", "welcome", "refuse"
 
 
 def new_member_id(rng: random.Random) -> str:

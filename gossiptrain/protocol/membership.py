@@ -44,6 +44,7 @@ from typing import Any, Iterable, Sequence
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, PING, PING_REQ, SYNC
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 _STATES = (ALIVE, SUSPECT, DEAD, LEFT)
@@ -152,8 +153,6 @@ Event = Tick | Digest | Ping | PingReq | Ack | Leave
 
 # -- actions -----------------------------------------------------------------------------
 
-GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "ping-req", "ack"
-KINDS = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 
 
 @dataclass(frozen=True)

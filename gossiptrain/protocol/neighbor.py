@@ -34,11 +34,12 @@ from typing import Mapping
 
 import torch
 
-from gossiptrain.protocol.averaging import XPUSH, Action, Averaging, Event, Received, Rejected, SendExchange, Tick
+from gossiptrain.protocol.averaging import Action, Averaging, Event, Received, Rejected, SendExchange, Tick
 from gossiptrain.protocol.choco import ChocoEdges
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.robust import trimmed_mean
+from gossiptrain.net.kinds import XPUSH
 
 #: Senders whose latest model is held between two merges; more evict the oldest (bounds memory).
 MAX_HELD_SENDERS = 64

@@ -26,8 +26,9 @@ from typing import Mapping
 
 import torch
 
-from gossiptrain.protocol.averaging import XNAK, XPUSH, Action, Averaging, Event, Received, Rejected, SendExchange, Tick
+from gossiptrain.protocol.averaging import Action, Averaging, Event, Received, Rejected, SendExchange, Tick
 from gossiptrain.config import GossipConfig
+from gossiptrain.net.kinds import XNAK, XPUSH
 
 #: Pushes remembered so that a refused one can be taken back (each holds one model-sized tensor set).
 UNACKED_PUSHES = 2

@@ -118,11 +118,12 @@ from gossiptrain.state.snapshot import (  # the format, re-exported: the protoco
     wire_table,
 )
 from gossiptrain.net.wire import Message
+from gossiptrain.net.kinds import SNAK, SREP, SREQ
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CLOSE", "KINDS", "OPTIMIZER_PREFIX", "SNAK", "SREP", "SREQ", "Chunk", "ChunkRequest", "Donor", "Entry", "Expire",
+    "CLOSE", "OPTIMIZER_PREFIX", "SNAK", "SREP", "SREQ", "Chunk", "ChunkRequest", "Donor", "Entry", "Expire",
     "Fetcher", "Manifest", "OptimizerTemplate", "Refusal", "Reply", "RequestChunk", "Snapshot", "SnapshotHook",
     "SnapshotTaken", "StateCopy", "StateEndpoint", "Tick", "TransferResult", "TransferStats", "catch_up", "chunk_count",
     "decode_state", "entries_of", "entry_nbytes", "first_difference", "flatten", "hash_list_digest", "install", "layout_of",
@@ -130,8 +131,6 @@ __all__ = [
     "tensors_from",
 ]
 
-SREQ, SREP, SNAK = "sreq", "srep", "snak"
-KINDS = (SREQ, SREP, SNAK)
 CLOSE = -1  # the chunk index of an sreq that ends its session
 
 _SID_LIMIT = 1 << 31

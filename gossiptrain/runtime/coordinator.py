@@ -23,14 +23,16 @@ from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.protocol.finish import KINDS as FINISH_KINDS, FinishEndpoint
-from gossiptrain.protocol.joining import JOIN, WELCOME, JoinRequest, answer_join
+from gossiptrain.protocol.finish import FinishEndpoint
+from gossiptrain.net import kinds
+from gossiptrain.protocol.joining import JoinRequest, answer_join
 from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
-from gossiptrain.runtime.peer_network import GOSSIP, REPORT
+
 from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.runtime.service import Service
+from gossiptrain.service import Service
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.kinds import GOSSIP, JOIN, REPORT, WELCOME
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class Coordinator(Service):
             self.stats.reports += 1
             self._note_count()
             self._introduce(member)
-        elif msg.kind in FINISH_KINDS:
+        elif msg.kind in kinds.FINISH:
             self.finish.on_message(msg, frames)
         else:
             self.stats.unexpected += 1

@@ -39,7 +39,7 @@ from gossiptrain.protocol.membership import Member
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.runtime.service import Status
+from gossiptrain.service import Status
 from gossiptrain.protocol.state_transfer import SnapshotHook, TransferResult, catch_up, install
 from gossiptrain.net.transport import TcpTransport
 from gossiptrain.net.transport.tcp import curve_address

@@ -27,7 +27,7 @@ from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.protocol.joining import JOIN, WELCOME, JoinRequest, answer_join
+from gossiptrain.protocol.joining import JoinRequest, answer_join
 from gossiptrain.protocol import membership
 from gossiptrain.protocol.membership import (
     Ack,
@@ -45,18 +45,19 @@ from gossiptrain.protocol.membership import (
     members_from_wire,
 )
 from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.runtime.service import Service
+from gossiptrain.service import Service
 from gossiptrain.protocol.state_transfer import StateEndpoint
 from gossiptrain.net.transport import Transport
+from gossiptrain.net import kinds
 from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.kinds import JOIN, WELCOME
 
 log = logging.getLogger(__name__)
 
-GOSSIP, LEAVE, REPORT = membership.GOSSIP, membership.LEAVE, "report"
-_NEEDS_ANSWER = (averaging.XREQ, averaging.XPUSH)  # a sender wants to know when these were not taken
+_NEEDS_ANSWER = (kinds.XREQ, kinds.XPUSH)  # a sender wants to know when these were not taken
 _ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
 _DEATHS_KEPT = 256  # recent death verdicts kept for inspection (tests, debugging)
-_PROBES = (membership.PING, membership.PING_REQ, membership.ACK)
+_PROBES = (kinds.PING, kinds.PING_REQ, kinds.ACK)
 
 
 @dataclass
@@ -160,7 +161,7 @@ class PeerNode(Service):
         """Tell everyone we know that we are leaving (best effort, never blocks)."""
         self._apply(self.membership.handle(Leave(), self.clock.now()))
         if self.coordinator:
-            self._send(self.coordinator, REPORT, self._report_body())
+            self._send(self.coordinator, kinds.REPORT, self._report_body())
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -183,7 +184,7 @@ class PeerNode(Service):
         ok = addr is not None and self._send(addr, action.kind, body, dict(action.tensors))
         if not ok and action.kind in _NEEDS_ANSWER:
             # Tell the trainer at once: an exchange need not wait out its timeout, a push takes its mass back.
-            self._offer(Received(action.to, averaging.XNAK, action.xid))
+            self._offer(Received(action.to, kinds.XNAK, action.xid))
 
     def _address_of(self, member_id: str) -> str | None:
         m = self.membership.get(member_id)
@@ -204,7 +205,7 @@ class PeerNode(Service):
 
     async def _report_loop(self) -> None:
         while True:
-            self._send(self.coordinator, REPORT, self._report_body())
+            self._send(self.coordinator, kinds.REPORT, self._report_body())
             await self.clock.sleep(self.config.membership.report_interval)
 
     def _report_body(self) -> dict[str, Any]:
@@ -232,24 +233,24 @@ class PeerNode(Service):
             else:
                 self.stats.joins_throttled += 1
             return
-        if msg.kind == finish.QUERY:  # from tools outside the swarm, which do not know the run yet
+        if msg.kind == kinds.QUERY:  # from tools outside the swarm, which do not know the run yet
             self.finish.on_message(msg, frames)
             return
         if msg.fingerprint != self.fingerprint:
             self.stats.wrong_run += 1
             return
-        if msg.kind in membership.KINDS:
+        if msg.kind in kinds.MEMBERSHIP:
             self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
-        elif msg.kind in averaging.EXCHANGE_KINDS:
+        elif msg.kind in kinds.EXCHANGE:
             xid = msg.body.get("xid")
             if type(xid) is not int:
                 raise ProtocolError("exchange message without an int xid")
             meta = exchange_meta(msg.body)
             self._remember_addr(msg.sender, msg.addr)
             self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
-        elif msg.kind in state_transfer.KINDS:
+        elif msg.kind in kinds.STATE:
             self.state.on_message(msg)
-        elif msg.kind in finish.KINDS:
+        elif msg.kind in kinds.FINISH:
             self.finish.on_message(msg, frames)
         else:
             self.stats.unexpected += 1
@@ -262,7 +263,7 @@ class PeerNode(Service):
             if event.kind in _NEEDS_ANSWER:
                 addr = self._address_of(event.sender)
                 if addr:
-                    self._send(addr, averaging.XNAK, {"xid": event.xid})
+                    self._send(addr, kinds.XNAK, {"xid": event.xid})
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
@@ -297,7 +298,7 @@ class PeerNode(Service):
                 body: dict[str, Any] = {"members": [m.to_wire() for m in a.entries]}
                 if a.kind in _PROBES:
                     body["seq"] = a.seq
-                if a.kind == membership.PING_REQ:
+                if a.kind == kinds.PING_REQ:
                     body["target"], body["taddr"] = a.target, a.target_addr
                 self._send(a.addr, a.kind, body)
             elif isinstance(a, Suspected):
@@ -324,14 +325,14 @@ def membership_event(msg: Message, max_members: int) -> membership.Event:
     """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed."""
     body = msg.body
     entries = members_from_wire(body.get("members"), max_members)
-    if msg.kind in (membership.GOSSIP, membership.LEAVE, membership.SYNC):
-        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == membership.SYNC)
+    if msg.kind in (kinds.GOSSIP, kinds.LEAVE, kinds.SYNC):
+        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == kinds.SYNC)
     seq = body.get("seq")
     if type(seq) is not int or not 0 <= seq < 1 << 63:
         raise ProtocolError(f"{msg.kind} without a valid seq")
-    if msg.kind == membership.PING:
+    if msg.kind == kinds.PING:
         return Ping(msg.sender, msg.addr, seq, entries)
-    if msg.kind == membership.ACK:
+    if msg.kind == kinds.ACK:
         return Ack(msg.sender, seq, entries)
     target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
     return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries)

@@ -21,6 +21,7 @@ from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.protocol.quarantine import Quarantine
+from gossiptrain.net import kinds
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,13 @@ class SafePoint:
                 break
             if quarantine.blocks(event.sender, now):
                 quarantine.refused()
-                if event.kind in (averaging.XREQ, averaging.XPUSH):  # so that it moves on (and takes back a push)
-                    actions.append(SendExchange(event.sender, averaging.XNAK, event.xid, {}))
+                if event.kind in (kinds.XREQ, kinds.XPUSH):  # so that it moves on (and takes back a push)
+                    actions.append(SendExchange(event.sender, kinds.XNAK, event.xid, {}))
                 continue
             actions += self.averaging.handle(event, now)
         partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
         started = self.averaging.handle(averaging.Tick(step, partners), now)
-        if not partners or any(isinstance(a, SendExchange) and a.kind in (averaging.XREQ, averaging.XPUSH) for a in started):
+        if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
             self.rounds += 1
         actions += started
         for action in actions:

@@ -49,17 +49,18 @@ from gossiptrain.state.checkpoint import _encode_metadata, _for_saving, _fsync_d
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.config import Limits, RunConfig, SecurityConfig
 from gossiptrain.errors import CheckpointError, ConfigError, GossipError, JoinError, ProtocolError
-from gossiptrain.protocol.finish import QUERY, ROSTER, STOP, new_stop_id
+from gossiptrain.protocol.finish import new_stop_id
 from gossiptrain.protocol.joining import parse_hostport, route_address, tcp_url
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.protocol.membership import ALIVE, Member, members_from_wire
-from gossiptrain.protocol.state_transfer import KINDS as STATE_KINDS
+from gossiptrain.net import kinds
 from gossiptrain.protocol.state_transfer import (
     Entry, Fetcher, StateEndpoint, TransferResult, entries_of, first_difference, table_layout, tensors_from,
 )
 from gossiptrain.net.transport import TcpTransport
 from gossiptrain.net.transport.tcp import curve_address
 from gossiptrain.net.wire import DTYPES, Message, decode, encode
+from gossiptrain.net.kinds import QUERY, ROSTER, STOP
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +423,7 @@ class SwarmClient:
                 if msg.kind == ROSTER:
                     if not self._rosters.full():
                         self._rosters.put_nowait(Roster.from_message(msg, self.limits))
-                elif msg.kind in STATE_KINDS and self.roster is not None and self._endpoint is not None:
+                elif msg.kind in kinds.STATE and self.roster is not None and self._endpoint is not None:
                     if msg.fingerprint == self.roster.fingerprint:
                         self._endpoint.on_message(msg)
             except ProtocolError as e:

@@ -8,7 +8,7 @@ safe point with their ``Manifest``: size, chunking, the SHA-256 of every
 chunk and of their list, the donor's step and samples seen, and the table.
 Everything read from a peer is checked here (``Manifest.from_body``) before
 it is used; tensor bytes are only ever viewed as one of the wire's plain
-dtypes (``gossiptrain.net.wire.DTYPES``). See ``gossiptrain.protocol.state_transfer`` for
+dtypes (``gossiptrain.net.dtypes.DTYPES``). See ``gossiptrain.protocol.state_transfer`` for
 the protocol that moves them.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.wire import DTYPES, MAX_NAME_LEN, MAX_NDIM
+from gossiptrain.net.dtypes import DTYPES, MAX_NAME_LEN, MAX_NDIM
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = ("size", "chunk_bytes", "layout", "step", "hashes", "digest")

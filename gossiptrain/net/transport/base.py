@@ -20,7 +20,7 @@ from typing import Sequence
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import TransportClosed
-from gossiptrain.runtime.service import Service, Status
+from gossiptrain.service import Service, Status
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,30 @@
+"""Every message kind on the wire, defined once.
+
+A kind names what a message means; ``gossiptrain.net.wire`` accepts only
+these, and each protocol imports the kinds it speaks from here. Grouped by
+the protocol that owns them, so a dispatch table can route a whole group.
+"""
+
+from __future__ import annotations
+
+# Joining (gossiptrain.protocol.joining): a newcomer asks the coordinator or any member.
+JOIN, WELCOME, REFUSE = "join", "welcome", "refuse"
+# A member's periodic report to the coordinator (gossiptrain.runtime.coordinator).
+REPORT = "report"
+# SWIM membership (gossiptrain.protocol.membership).
+GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "ping-req", "ack"
+# Averaging (gossiptrain.protocol.averaging and the other algorithms).
+XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
+XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
+# State transfer to newcomers (gossiptrain.protocol.state_transfer).
+SREQ, SREP, SNAK = "sreq", "srep", "snak"
+# The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
+QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
+
+JOINING = (JOIN, WELCOME, REFUSE)
+MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
+EXCHANGE = (XREQ, XREP, XNAK, XPUSH)
+STATE = (SREQ, SREP, SNAK)
+FINISH = (QUERY, ROSTER, STOP, FIN)
+
+ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + FINISH)
