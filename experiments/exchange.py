@@ -52,9 +52,9 @@ import zmq  # noqa: E402
 
 from experiments import harness  # noqa: E402
 from gossiptrain.config import Limits  # noqa: E402
-from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
 from gossiptrain.net.transport import listen  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
+from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
 
 MiB = 1 << 20
 SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")

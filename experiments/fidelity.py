@@ -53,8 +53,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,18 +62,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gossiptrain.protocol.averaging import PairwiseAveraging, Received, Tick  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
-from gossiptrain.train.local_trainer import LocalTrainer  # noqa: E402
-from gossiptrain.train.metrics import read_metrics  # noqa: E402
-from gossiptrain.runtime.coordinator_process import BackgroundCoordinator  # noqa: E402
-from gossiptrain.sim import SimConfig, simulate  # noqa: E402
-from gossiptrain.sim.cluster import measure_step_time  # noqa: E402
+from gossiptrain.net.kinds import XREP, XREQ
 from gossiptrain.net.transport import Transport, listen  # noqa: E402
 from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
+from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Received  # noqa: E402
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator  # noqa: E402
+from gossiptrain.sim import SimConfig, simulate  # noqa: E402
+from gossiptrain.sim.cluster import measure_step_time  # noqa: E402
+from gossiptrain.train.local_trainer import LocalTrainer  # noqa: E402
+from gossiptrain.train.metrics import read_metrics  # noqa: E402
 from gossiptrain.train.workload import load_workload  # noqa: E402
-from gossiptrain.net.kinds import XREP, XREQ
 
 EVAL_EVERY = 0.25  # seconds, real and virtual: both sides see accuracy at the same cadence
 HOLD = 3  # grid points the target must hold for
@@ -125,7 +125,7 @@ def measure_exchange_time(run: RunConfig, repeats: int = 40) -> tuple[float, flo
             operations, messages = [], []
             for i in range(repeats + 5):
                 c0 = time.process_time()
-                (req,) = a.handle(Tick(step=i + 1, partners=["B"]), float(i))
+                (req,) = a.handle(AtSafePoint(step=i + 1, partners=["B"]), float(i))
                 start = time.process_time() - c0
                 got, there = await wire(ta, tb, req.tensors)
                 c0 = time.process_time()

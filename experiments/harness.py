@@ -589,9 +589,9 @@ def run_sim(
     to read the peers' averaging counters at the end, such as updates
     dropped as too stale.
     """
+    from gossiptrain.net.transport.sim import LinkProfile
     from gossiptrain.sim import Cluster, SimConfig
     from gossiptrain.sim.vtime import run_virtual
-    from gossiptrain.net.transport.sim import LinkProfile
 
     run = RunConfig().with_overrides({**run_overrides(peers, seed), **overrides})
     config = SimConfig(

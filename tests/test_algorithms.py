@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topologies
-from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Received, SendExchange, Tick
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.kinds import XNAK, XPUSH
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import AtSafePoint, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.rounds import Lockstep
-from gossiptrain.net.kinds import XNAK, XPUSH
 
 PROPERTY = settings(deadline=None, max_examples=40)
 TOPOLOGIES = tuple(name for name in topologies.names() if name != "file")
@@ -67,7 +67,7 @@ def test_push_sum_conserves_total_mass_exactly(n: int, topology: str, rounds: in
 def test_push_sum_takes_back_the_mass_of_a_refused_push() -> None:
     params = {"x": torch.tensor([4.0, 8.0], dtype=torch.float64)}
     ps = PushSum(params, gossip("push-sum", "ring"), random.Random(0), me="A")
-    (push,) = ps.handle(Tick(1, ["B"]), 0.0)
+    (push,) = ps.handle(AtSafePoint(1, ["B"]), 0.0)
     assert isinstance(push, SendExchange) and push.kind == XPUSH and push.meta["w"] == 0.5
     assert ps.weight == 0.5
     ps.handle(Received("B", XNAK, push.xid), 0.0)
@@ -78,7 +78,7 @@ def test_push_sum_takes_back_the_mass_of_a_refused_push() -> None:
 def test_push_sum_refuses_a_push_beyond_the_staleness_bound_and_keeps_its_model() -> None:
     params = {"x": torch.tensor([1.0])}
     ps = PushSum(params, gossip("push-sum", "ring", staleness_bound=3), random.Random(0), me="B")
-    ps.handle(Tick(10, []), 0.0)
+    ps.handle(AtSafePoint(10, []), 0.0)
     actions = ps.handle(Received("A", XPUSH, 7, {"x": torch.tensor([5.0])}, step=2, meta={"w": 0.5}), 0.0)
     assert [a.kind for a in actions if isinstance(a, SendExchange)] == [XNAK]
     assert ps.weight == 1.0 and torch.equal(params["x"], torch.tensor([1.0])) and ps.stats.stale_dropped == 1
@@ -178,8 +178,8 @@ def test_pairwise_staleness_weight_is_shared_by_both_ends() -> None:
     pa, pb = {"x": torch.tensor([0.0])}, {"x": torch.tensor([8.0])}
     a = make_averaging(pa, cfg, random.Random(0), me="A")
     b = make_averaging(pb, cfg, random.Random(1), me="B")
-    b.handle(Tick(4, []), 0.0)  # B is 3 steps ahead of A
-    (req,) = a.handle(Tick(1, ["B"]), 0.0)
+    b.handle(AtSafePoint(4, []), 0.0)  # B is 3 steps ahead of A
+    (req,) = a.handle(AtSafePoint(1, ["B"]), 0.0)
     (rep,) = b.handle(Received("A", req.kind, req.xid, req.tensors, step=1, meta=dict(req.meta)), 0.0)
     assert rep.meta["a"] == pytest.approx(0.5 / 4)  # 0.5 * 1 / (1 + 3)
     a.handle(Received("B", rep.kind, rep.xid, rep.tensors, step=4, meta=dict(rep.meta)), 0.1)
@@ -191,7 +191,7 @@ def test_pairwise_refuses_a_request_beyond_the_staleness_bound() -> None:
     cfg = gossip("pairwise", "ring", staleness_bound=2)
     pb = {"x": torch.tensor([8.0])}
     b = make_averaging(pb, cfg, random.Random(1), me="B")
-    b.handle(Tick(10, []), 0.0)
+    b.handle(AtSafePoint(10, []), 0.0)
     (nak,) = b.handle(Received("A", "xreq", 5, {"x": torch.tensor([0.0])}, step=1), 0.0)
     assert nak.kind == XNAK and b.stats.stale_dropped == 1 and float(pb["x"]) == 8.0
 
@@ -201,7 +201,7 @@ def test_neighbor_keeps_only_the_newest_model_per_sender() -> None:
     nb = NeighborAveraging(params, gossip("neighbor", "ring"), random.Random(0), me="A")
     nb.handle(Received("B", XPUSH, 1, {"x": torch.tensor([6.0])}, meta={"deg": 1, "ver": 5}), 0.0)
     nb.handle(Received("B", XPUSH, 2, {"x": torch.tensor([100.0])}, meta={"deg": 1, "ver": 4}), 0.0)  # older
-    nb.handle(Tick(1, []), 0.0)
+    nb.handle(AtSafePoint(1, []), 0.0)
     assert float(params["x"]) == pytest.approx(3.0)  # (0 + 6) / 2: MH weight 1/(1+max(1,1))
     assert nb.stats.late == 1 and nb.stats.served == 1
 
@@ -229,7 +229,7 @@ def test_averaging_keeps_the_local_steps_taken_since_the_model_was_sent(algorith
                 got = peer.handle(Received(ids[src], msg.kind, msg.xid, msg.tensors, step - 1, dict(msg.meta)), float(step))
                 out += [(i, a) for a in got if isinstance(a, SendExchange)]
             partners = [ids[1 - i]] if algorithm == "neighbor" or i == 0 else []
-            out += [(i, a) for a in peer.handle(Tick(step, partners), float(step)) if isinstance(a, SendExchange)]
+            out += [(i, a) for a in peer.handle(AtSafePoint(step, partners), float(step)) if isinstance(a, SendExchange)]
         in_flight = out
     mean = sum(float(p["x"].mean()) for p in params) / 2
     assert mean == pytest.approx(-lr * steps, rel=1e-6)
@@ -240,10 +240,10 @@ def test_neighbor_merges_a_fast_neighbours_models_without_overshooting() -> None
     """Several models from one neighbour before our next round: each adds only what changed since the last."""
     params = {"x": torch.tensor([0.0])}
     nb = NeighborAveraging(params, gossip("neighbor", "ring"), random.Random(0), me="A")
-    nb.handle(Tick(1, ["B"]), 0.0)  # our round: we send x = 0
+    nb.handle(AtSafePoint(1, ["B"]), 0.0)  # our round: we send x = 0
     for step, theirs in enumerate([4.0, 4.0, 4.0, 4.0], start=2):
         nb.handle(Received("B", XPUSH, step, {"x": torch.tensor([theirs])}, meta={"deg": 1, "ver": step}), 0.0)
-        nb.handle(Tick(step, []), 0.0)  # merge only (no partners: no round)
+        nb.handle(AtSafePoint(step, []), 0.0)  # merge only (no partners: no round)
     # 0 -> 2 -> 3 -> 3.5 -> 3.75: towards B's 4, never past it
     assert float(params["x"]) == pytest.approx(3.75)
 
@@ -251,7 +251,7 @@ def test_neighbor_merges_a_fast_neighbours_models_without_overshooting() -> None
 def test_local_sgd_exchanges_every_h_steps() -> None:
     cfg = GossipConfig(topology="ring", algorithm="local-sgd", local_steps=4)
     m = make_averaging({"x": torch.tensor([1.0])}, cfg, random.Random(0), me="A")
-    sent_at = [s for s in range(1, 13) if m.handle(Tick(s, ["B", "C"]), 0.0)]
+    sent_at = [s for s in range(1, 13) if m.handle(AtSafePoint(s, ["B", "C"]), 0.0)]
     assert sent_at == [1, 5, 9]
 
 
@@ -261,11 +261,11 @@ def test_local_sgd_outer_nesterov_step() -> None:
     params = {"x": torch.tensor([10.0])}
     m = make_averaging(params, cfg, random.Random(0), me="A")
     params["x"] -= 2.0  # a round of local steps: delta = anchor - x = 2
-    m.handle(Tick(1, []), 0.0)
+    m.handle(AtSafePoint(1, []), 0.0)
     # m = 0.5 * 0 + 2 = 2; Nesterov step = delta + mu m = 2 + 1 = 3; x = 10 - 0.5 * 3
     assert float(params["x"]) == pytest.approx(8.5)
     params["x"] -= 1.0  # delta = 8.5 - 7.5 = 1; m = 0.5 * 2 + 1 = 2; step = 1 + 1 = 2; x = 8.5 - 1
-    m.handle(Tick(2, []), 0.0)
+    m.handle(AtSafePoint(2, []), 0.0)
     assert float(params["x"]) == pytest.approx(7.5)
 
 
@@ -290,7 +290,7 @@ def test_compressed_pushes_are_smaller_on_the_wire() -> None:
     sizes = {}
     for codec in ("none", "fp16", "int8"):
         m = make_averaging({"x": torch.randn(1000)}, gossip("neighbor", "ring", compression=codec), random.Random(0))
-        (send, _) = m.handle(Tick(1, ["B", "C"]), 0.0)
+        (send, _) = m.handle(AtSafePoint(1, ["B", "C"]), 0.0)
         frames = encode(Message(send.kind, "A", "sim://a:1", "f" * 16, 1, {"xid": send.xid, **send.meta}, dict(send.tensors)), Limits())
         sizes[codec] = sum(len(f) for f in frames)
     assert sizes["fp16"] < 0.55 * sizes["none"] and sizes["int8"] < 0.3 * sizes["none"]

@@ -8,17 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossiptrain.config import GossipConfig
+from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.protocol.averaging import (
+    AtSafePoint,
     PairwiseAveraging,
     ParamSpec,
     Received,
     Rejected,
     RttEstimator,
     SendExchange,
-    Tick,
 )
-from gossiptrain.net.kinds import XNAK, XREP, XREQ
-from gossiptrain.config import GossipConfig
 
 CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
 
@@ -29,7 +29,7 @@ def make(values: list[float], seed: int = 0) -> tuple[PairwiseAveraging, dict[st
 
 
 def exchange_once(a: PairwiseAveraging, b: PairwiseAveraging, now: float = 0.0) -> None:
-    (req,) = a.handle(Tick(step=1, partners=["B"]), now)
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), now)
     assert isinstance(req, SendExchange) and req.kind == XREQ and req.to == "B"
     (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors), now)
     assert isinstance(rep, SendExchange) and rep.kind == XREP and rep.to == "A"
@@ -47,7 +47,7 @@ def test_an_exchange_averages_and_keeps_progress_made_in_flight(xa: list[float],
     b, pb = make(xb[:n], seed=1)
     start_a = {k: v.clone() for k, v in pa.items()}
     start_b = {k: v.clone() for k, v in pb.items()}
-    (req,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
     # A keeps training while its request is in flight.
     step = {"w": torch.tensor(drift[: n - 1] or [0.0]), "b": torch.tensor([drift[n - 1]])}
     for k in pa:
@@ -71,7 +71,7 @@ def test_many_exchanges_reach_consensus_and_conserve_the_mean() -> None:
     names = list(peers)
     for t in range(300):
         i, j = rng.sample(names, 2)
-        (req,) = peers[i][0].handle(Tick(step=t, partners=[j]), float(t))
+        (req,) = peers[i][0].handle(AtSafePoint(step=t, partners=[j]), float(t))
         (rep,) = peers[j][0].handle(Received(i, XREQ, req.xid, req.tensors), float(t))
         peers[i][0].handle(Received(j, XREP, rep.xid, rep.tensors), float(t))
     ws = torch.stack([p["w"] for _, p in peers.values()])
@@ -81,11 +81,11 @@ def test_many_exchanges_reach_consensus_and_conserve_the_mean() -> None:
 
 def test_one_exchange_in_flight_then_timeout_moves_on() -> None:
     a, _ = make([1.0, 2.0])
-    (req,) = a.handle(Tick(step=1, partners=["B", "C"]), 0.0)
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B", "C"]), 0.0)
     assert a.busy
-    assert a.handle(Tick(step=2, partners=["B", "C"]), 0.1) == []  # still waiting
+    assert a.handle(AtSafePoint(step=2, partners=["B", "C"]), 0.1) == []  # still waiting
     timeout = a.rtt.timeout()
-    actions = a.handle(Tick(step=3, partners=["B", "C"]), timeout + 0.01)
+    actions = a.handle(AtSafePoint(step=3, partners=["B", "C"]), timeout + 0.01)
     assert a.stats.timeouts == 1
     (req2,) = actions
     assert req2.to != req.to  # the silent partner is avoided for a while
@@ -100,8 +100,8 @@ def test_crossing_requests_average_once_instead_of_swapping() -> None:
     pb = {"w": torch.tensor([4.0, 8.0])}
     a = PairwiseAveraging(pa, CONFIG, random.Random(0), me="A")
     b = PairwiseAveraging(pb, CONFIG, random.Random(1), me="B")
-    (req_a,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
-    (req_b,) = b.handle(Tick(step=1, partners=["A"]), 0.0)
+    (req_a,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+    (req_b,) = b.handle(AtSafePoint(step=1, partners=["A"]), 0.0)
     # Both requests are in flight at once; each side now receives the other's.
     (from_a,) = a.handle(Received("B", XREQ, req_b.xid, req_b.tensors), 0.01)
     (from_b,) = b.handle(Received("A", XREQ, req_a.xid, req_a.tensors), 0.01)
@@ -115,7 +115,7 @@ def test_crossing_requests_average_once_instead_of_swapping() -> None:
 
 def test_a_refusal_frees_the_exchange_at_once() -> None:
     a, _ = make([1.0, 2.0])
-    (req,) = a.handle(Tick(step=1, partners=["B"]), 0.0)
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
     a.handle(Received("B", XNAK, req.xid), 0.01)
     assert not a.busy and a.stats.refused == 1
 
@@ -126,7 +126,7 @@ def test_exchange_every_steps_spaces_out_exchanges() -> None:
     a = PairwiseAveraging(params, cfg, random.Random(0))
     started = []
     for step in range(1, 10):
-        for act in a.handle(Tick(step=step, partners=["B"]), float(step)):
+        for act in a.handle(AtSafePoint(step=step, partners=["B"]), float(step)):
             started.append(step)
             a.handle(Received("B", XNAK, act.xid), float(step))
     assert started == [1, 4, 7]
@@ -154,7 +154,7 @@ def test_bad_updates_are_rejected_and_leave_the_model_bit_identical() -> None:
 
 def test_no_partner_no_exchange() -> None:
     a, _ = make([1.0, 2.0])
-    assert a.handle(Tick(step=1, partners=[]), 0.0) == []
+    assert a.handle(AtSafePoint(step=1, partners=[]), 0.0) == []
     assert not a.busy
 
 

@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.state.checkpoint import Checkpointer, latest_good, list_checkpoints, read_checkpoint, restore
 from gossiptrain.config import RunConfig, TrainConfig
 from gossiptrain.errors import CheckpointError, GossipError
+from gossiptrain.state.checkpoint import Checkpointer, latest_good, list_checkpoints, read_checkpoint, restore
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.peer_loop import PeerOptions, run_peer
 from peers.digits import DigitsWorkload

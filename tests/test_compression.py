@@ -17,6 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossiptrain.config import Limits
+from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net import wire
 from gossiptrain.protocol.compression import (
     CODECS,
@@ -30,8 +32,6 @@ from gossiptrain.protocol.compression import (
     TopKCodec,
     get_codec,
 )
-from gossiptrain.config import Limits
-from gossiptrain.errors import ConfigError, ProtocolError
 
 Params = dict[str, torch.Tensor]
 SPECS = ("none", "fp16", "bf16", "int8", "int8:stochastic=1,seed=3", "topk", "topk:ratio=0.3")

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from gossiptrain.config import RunConfig
-from gossiptrain.runtime.coordinator import Coordinator
-from gossiptrain.protocol.membership import Member
-
-from gossiptrain.sim.vtime import LoopClock, run_virtual
+from gossiptrain.net.kinds import GOSSIP, REPORT
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
 from gossiptrain.net.wire import Message, decode, encode
-from gossiptrain.net.kinds import GOSSIP, REPORT
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.sim.vtime import LoopClock, run_virtual
 
 
 def test_a_report_is_answered_with_other_live_members_so_lonely_peers_meet() -> None:

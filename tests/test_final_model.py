@@ -18,19 +18,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from gossiptrain.state import merged_model as fm
 from gossiptrain.cli.main import main
 from gossiptrain.config import FinalConfig, RunConfig
 from gossiptrain.errors import CheckpointError, ConfigError, ProtocolError
-from gossiptrain.protocol.finish import DONE, WRITTEN, FinalPhase, FinishEndpoint
-from gossiptrain.protocol.membership import Member
-from gossiptrain.runtime.peer import Peer
+from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 from gossiptrain.net.wire import Message
+from gossiptrain.protocol.finish import DONE, WRITTEN, Announce, Event, FinishEndpoint
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.final_phase import FinalPhase, finish_event
+from gossiptrain.runtime.peer import Peer
+from gossiptrain.state import merged_model as fm
 from gossiptrain.train.workload import load_workload
 
 from .conftest import fast_config
 from .swarm import Procs, next_host, wait_for
-from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 
 # -- the weighted mean ---------------------------------------------------------------------
 
@@ -159,27 +160,46 @@ def test_final_settings_name_the_field() -> None:
 # -- stop, fin and query, sans IO ------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:  # pragma: no cover - not used here
-        self.t += seconds
-
-
 CONFIG = RunConfig()
 FP = CONFIG.fingerprint()
 
 
-def endpoint(me: str, view: list[str]) -> tuple[FinishEndpoint, list[tuple[str, str, dict[str, Any]]]]:
+class Driven:
+    """A FinishEndpoint fed as the runtime feeds it: messages turned into events, the actions' sends collected."""
+
+    def __init__(self, machine: FinishEndpoint, sent: list[tuple[str, str, dict[str, Any]]]) -> None:
+        self.machine, self.sent = machine, sent
+
+    def handle(self, event: Event) -> None:
+        self.sent.extend((a.addr, a.kind, a.body) for a in self.machine.handle(event, 0.0))
+
+    def on_message(self, m: Message) -> None:
+        self.handle(finish_event(m))  # no frames: the source is the claimed address, as on sim://
+
+    def announce(self, phase: str, writer: bool, everyone: bool = True) -> None:
+        self.handle(Announce(phase, writer, everyone))
+
+    @property
+    def stop(self) -> Any:
+        return self.machine.stop
+
+    @property
+    def stats(self) -> Any:
+        return self.machine.stats
+
+    @property
+    def done(self) -> dict[str, bool]:
+        return self.machine.done
+
+    @property
+    def written(self) -> set[str]:
+        return self.machine.written
+
+
+def endpoint(me: str, view: list[str]) -> tuple[Driven, list[tuple[str, str, dict[str, Any]]]]:
     sent: list[tuple[str, str, dict[str, Any]]] = []
     members = [Member(m, f"tcp://127.0.0.1:{1000 + i}", 0, 1) for i, m in enumerate(view)]
-    e = FinishEndpoint(CONFIG, me=me, send=lambda a, k, b: sent.append((a, k, b)) or True, members=lambda: members,
-                       clock=Clock())
-    return e, sent
+    return Driven(FinishEndpoint(CONFIG, me=me, members=lambda: members), sent), sent
 
 
 def msg(kind: str, sender: str, body: dict[str, Any], fp: str = FP) -> Message:
@@ -262,7 +282,7 @@ class Schedule:
         self.events = dict(events or {})
         self.notices: list[tuple[float, str, bool, bool]] = []
         self.phase = FinalPhase(
-            config, me="a", endpoint=self.endpoint, view=lambda: self.view, idle=self.idle,
+            config, me="a", endpoint=self.endpoint.machine, view=lambda: self.view, idle=self.idle,
             notify=lambda p, w, e: self.notices.append((round(self.t, 3), p, w, e)), renotify_every=0.5, clock=lambda: self.t,
         )
 

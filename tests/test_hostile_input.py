@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.runtime.peer import Peer
-from gossiptrain.net.transport import TcpTransport
+from gossiptrain.net.transport.tcp import TcpTransport
 from gossiptrain.net.wire import KINDS, MAX_BODY_DEPTH, Message, decode, encode
+from gossiptrain.runtime.peer import Peer
 
 from .conftest import fast_config
 from .swarm import next_host, wait_for

@@ -1,29 +1,26 @@
 """The SWIM membership state machine, driven in virtual time with no sockets.
 
-``Cluster`` is a small discrete-event network: every message takes ``delay``
-seconds and is lost with probability ``loss``; each member is ticked at the
-time its machine asks for (``next_timer``), as the asyncio driver does.
+``Cluster`` (from ``gossiptrain.testing.membership_cluster``) is a small
+discrete-event network: every message takes ``delay`` seconds and is lost
+with probability ``loss``; each member is ticked at the time its machine
+asks for (``next_timer``), as the asyncio driver does.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import random
-from typing import Any, Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import PING
 from gossiptrain.protocol.membership import (
     ALIVE,
     DEAD,
     LEFT,
     SUSPECT,
-    Ack,
     Digest,
     Leave,
     Member,
@@ -31,102 +28,16 @@ from gossiptrain.protocol.membership import (
     Membership,
     MemberUp,
     Ping,
-    PingReq,
     Send,
     Suspected,
     Tick,
     least_loaded_shard,
     members_from_wire,
 )
-from gossiptrain.net.kinds import ACK, PING, PING_REQ, SYNC
+from gossiptrain.testing.matchers import match, only
+from gossiptrain.testing.membership_cluster import DEFAULT_CONFIG, Cluster
 
-CONFIG = MembershipConfig(heartbeat_interval=1.0)
-
-
-def event_for(src: Membership, a: Send) -> Any:
-    """The event a Send becomes at its recipient (what the node's decoder does)."""
-    sender, addr = src.me.id, src.me.addr
-    if a.kind == PING:
-        return Ping(sender, addr, a.seq, a.entries)
-    if a.kind == ACK:
-        return Ack(sender, a.seq, a.entries)
-    if a.kind == PING_REQ:
-        return PingReq(sender, addr, a.seq, a.target, a.target_addr, a.entries)
-    return Digest(a.entries, sender, addr, reply=a.kind == SYNC)
-
-
-class Cluster:
-    """n members on a simulated network with per-message delay and loss, all from one seed."""
-
-    def __init__(self, n: int, seed: int, *, loss: float = 0.0, delay: float = 0.01, config: MembershipConfig = CONFIG):
-        self.rng = random.Random(seed)
-        self.config = config
-        self.loss, self.delay = loss, delay
-        self.now = 0.0
-        self.nodes: dict[str, Membership] = {}
-        self.crashed: set[str] = set()
-        self.events: list[tuple[float, str, Any]] = []
-        self.blocked: Callable[[str, str], bool] = lambda src, dst: False
-        self._queue: list[tuple[float, int, str, Any]] = []
-        self._order = itertools.count()
-        self._generation: dict[str, int] = {}
-        for i in range(n):
-            self.add(f"m{i:03d}", incarnation=1)
-
-    def add(self, mid: str, incarnation: int) -> Membership:
-        """Start (or restart) a member, joined through one live member as a welcome does."""
-        me = Member(mid, f"sim://{mid}", 0, incarnation)
-        node = Membership(me, self.config, random.Random(self.rng.random()))
-        seed = next((m for k, m in self.nodes.items() if k != mid and k not in self.crashed), None)
-        self.nodes[mid] = node
-        self.crashed.discard(mid)
-        self._generation[mid] = self._generation.get(mid, 0) + 1
-        if seed is not None:
-            self._carry(mid, node.handle(Digest([seed.me]), self.now))
-            self._carry(seed.me.id, seed.handle(Digest([me]), self.now))
-        self._push(self.now + self.rng.uniform(0, self.config.heartbeat_interval), "tick", (mid, self._generation[mid]))
-        return node
-
-    def _push(self, at: float, kind: str, payload: Any) -> None:
-        heapq.heappush(self._queue, (at, next(self._order), kind, payload))
-
-    def _carry(self, src: str, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                dst = a.addr.removeprefix("sim://")
-                if self.blocked(src, dst) or self.rng.random() < self.loss:
-                    continue
-                self._push(self.now + self.delay, "msg", (dst, event_for(self.nodes[src], a)))
-            else:
-                self.events.append((self.now, src, a))
-
-    def run(self, seconds: float) -> None:
-        end = self.now + seconds
-        while self._queue and self._queue[0][0] <= end:
-            at, _, kind, payload = heapq.heappop(self._queue)
-            self.now = at
-            if kind == "tick":
-                mid, generation = payload
-                if mid in self.crashed or generation != self._generation[mid]:
-                    continue
-                node = self.nodes[mid]
-                self._carry(mid, node.handle(Tick(), at))
-                self._push(max(node.next_timer(), at + 0.001), "tick", payload)
-            else:
-                dst, event = payload
-                if dst in self.nodes and dst not in self.crashed:
-                    self._carry(dst, self.nodes[dst].handle(event, at))
-        self.now = end
-
-    def crash(self, mid: str) -> None:
-        self.crashed.add(mid)
-
-    def views(self) -> dict[str, set[str]]:
-        return {mid: {m.id for m in n.alive()} for mid, n in self.nodes.items() if mid not in self.crashed}
-
-    def deaths(self) -> list[tuple[float, str, str]]:
-        """(when, observer, member) of every death verdict."""
-        return [(t, src, a.member.id) for t, src, a in self.events if isinstance(a, MemberDown) and a.reason == "dead"]
+CONFIG = DEFAULT_CONFIG  # the cluster's config: the bounds below are computed from it
 
 
 def periods(n: int) -> float:
@@ -192,7 +103,7 @@ def test_a_falsely_suspected_member_refutes_with_a_higher_incarnation() -> None:
     victim = c.nodes["m003"]
     before = victim.me.incarnation
     claim = Member("m003", "sim://m003", 0, before, SUSPECT, by="m000")
-    c._carry("m000", c.nodes["m000"].handle(Digest([claim], "m004", "sim://m004"), c.now))
+    c.carry("m000", c.nodes["m000"].handle(Digest([claim], "m004", "sim://m004"), c.now))
     assert c.nodes["m000"].get("m003").state == SUSPECT
     c.run(CONFIG.suspicion_timeout_max(5))
     assert victim.me.incarnation > before and victim.stats.refutations >= 1
@@ -206,7 +117,7 @@ def test_independent_suspicions_shorten_the_timeout_lifeguard() -> None:
         node.handle(Digest([Member(x, f"sim://{x}", 0, 1) for x in "bcdefg"]), now=0.0)
         for by in suspectors:
             actions = node.handle(Digest([Member("b", "sim://b", 0, 1, SUSPECT, by=by)]), now=0.0)
-            assert by != suspectors[0] or any(isinstance(a, Suspected) for a in actions)
+            assert by != suspectors[0] or only(actions, Suspected)
         return node
 
     lo, hi = CONFIG.suspicion_timeout(7), CONFIG.suspicion_timeout_max(7)
@@ -260,7 +171,7 @@ def test_clean_leave_is_immediate_and_final() -> None:
     c = Cluster(6, seed=1)
     c.run(periods(6))
     leaver = c.nodes["m002"]
-    c._carry("m002", leaver.handle(Leave(), c.now))
+    c.carry("m002", leaver.handle(Leave(), c.now))
     c.crash("m002")
     c.run(0.1)
     assert all("m002" not in view for view in c.views().values())
@@ -282,7 +193,7 @@ def test_stale_news_does_not_resurrect_a_dead_member() -> None:
     assert not node.is_alive("b")
     newer = Member("b", "sim://b", 0, 2)  # it refuted, or restarted
     actions = node.handle(Digest([newer]), now=101.0)
-    assert node.is_alive("b") and any(isinstance(a, MemberUp) for a in actions)
+    assert node.is_alive("b") and only(actions, MemberUp)
 
 
 def test_a_death_verdict_spreads_and_blocks_resurrection_even_where_it_was_never_known() -> None:
@@ -291,19 +202,18 @@ def test_a_death_verdict_spreads_and_blocks_resurrection_even_where_it_was_never
     node.handle(Digest([Member("b", "sim://b", 0, 1, SUSPECT, by="c")]), now=0.0)
     node.handle(Tick(), now=0.0)
     now = CONFIG.suspicion_timeout_max(3) + 0.5
-    sent = [a for a in node.handle(Tick(), now=now) if isinstance(a, Send)]
+    sent = only(node.handle(Tick(), now=now), Send)
     assert node.get("b").state == DEAD
     told = [m for a in sent for m in a.entries if m.id == "b"]
     assert told and all(m.state == DEAD for m in told)  # the verdict rides on our messages
     # A member that never knew b takes the verdict as a tombstone: stale news of b cannot bring it in.
     stranger = Membership(Member("d", "sim://d", 0, 1), CONFIG, random.Random(1))
-    assert not [a for a in stranger.handle(Digest([Member("b", "sim://b", 0, 1, DEAD)]), now=0.0) if isinstance(a, MemberUp)]
+    assert not only(stranger.handle(Digest([Member("b", "sim://b", 0, 1, DEAD)]), now=0.0), MemberUp)
     assert stranger.handle(Digest([Member("b", "sim://b", 0, 1)]), now=1.0) == []
     assert not stranger.is_alive("b")
     # A message from the dead member is answered with its verdict, so that it can refute if alive after all.
     hint = node.handle(Digest([Member("b", "sim://b", 0, 1)], "b", "sim://b"), now=now + 50)
-    assert any(isinstance(a, Send) and a.addr == "sim://b" and any(m.id == "b" and m.state == DEAD for m in a.entries)
-               for a in hint)
+    assert any(any(m.id == "b" and m.state == DEAD for m in a.entries) for a in only(hint, Send, addr="sim://b"))
 
 
 def test_a_member_we_hold_dead_hears_only_its_own_verdict_not_its_sides() -> None:
@@ -316,7 +226,7 @@ def test_a_member_we_hold_dead_hears_only_its_own_verdict_not_its_sides() -> Non
     start = CONFIG.suspicion_timeout_max(3) + 0.5
     sent: list[Send] = []
     for k in range(3 * CONFIG.probe_dead_every):
-        sent += [a for a in node.handle(Tick(), now=start + k) if isinstance(a, Send)]
+        sent += only(node.handle(Tick(), now=start + k), Send)
     probes = [a for a in sent if a.addr in ("sim://b", "sim://c")]
     assert probes
     for a in probes:
@@ -331,18 +241,18 @@ def test_a_welcomed_member_is_not_probed_until_it_starts_and_dropped_if_it_never
     sent: list[Send] = []
     t = 0.0
     while t < CONFIG.newcomer_grace / 2:
-        sent += [a for a in node.handle(Tick(), now=t) if isinstance(a, Send)]
+        sent += only(node.handle(Tick(), now=t), Send)
         t += CONFIG.heartbeat_interval
-    assert not [a for a in sent if a.kind == PING]
+    assert not only(sent, Send, kind=PING)
     assert node.is_alive("late") and node.is_alive("never") and not node.suspects()
     node.handle(Digest([Member("late", "sim://late", 0, 12345)]), now=t)  # it started: its own entry
     pinged: set[str] = set()
     downs = []
     while t < 2 * CONFIG.newcomer_grace:
         for a in node.handle(Tick(), now=t):
-            if isinstance(a, Send) and a.kind == PING:
+            if match(a, Send, kind=PING):
                 pinged.add(a.addr)
-            elif isinstance(a, MemberDown):
+            elif match(a, MemberDown):
                 downs.append(a.member.id)
         t += CONFIG.heartbeat_interval
     assert "sim://late" in pinged and "sim://never" not in pinged
@@ -362,7 +272,7 @@ def test_every_message_is_bounded() -> None:
     c = Cluster(40, seed=9)
     c.run(periods(40))
     node = c.nodes["m000"]
-    sends = [a for a in node.handle(Ping("m001", "sim://m001", 1, ()), c.now) if isinstance(a, Send)]
+    sends = only(node.handle(Ping("m001", "sim://m001", 1, ()), c.now), Send)
     assert sends and all(len(a.entries) <= 2 + CONFIG.max_piggyback for a in sends)
 
 

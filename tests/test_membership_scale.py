@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from gossiptrain.config import RunConfig
+from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
-from gossiptrain.net.transport.sim import LinkProfile
 
 
 def check_lossy_swarm(peers: int, crash_at: float, settle: float) -> None:

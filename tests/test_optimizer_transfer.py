@@ -17,19 +17,22 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from gossiptrain.protocol import state_transfer as st
-from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net import kinds
+from gossiptrain.net.wire import DTYPES, Message, decode, encode
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.peer import Peer
+from gossiptrain.runtime.state_endpoint import SnapshotHook, StateEndpoint, catch_up
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
-from gossiptrain.net.wire import DTYPES, Message, decode, encode
+from gossiptrain.state.optimizer_state import optimizer_template, parameter_names
+from gossiptrain.state.snapshot import Manifest, Snapshot, install, state_tensors, table_layout, tensors_from
 
 from .conftest import fast_config
 from .swarm import next_host
 from .test_state_transfer import run_cluster
-from gossiptrain.net import kinds
 
 RUN = RunConfig().with_overrides({
     "state.chunk_bytes": 1024, "state.request_timeout": 1.0, "state.max_seconds": 10.0, "state.transfer_optimizer": True,
@@ -67,12 +70,12 @@ class Wired:
 
     def __init__(self, run: RunConfig) -> None:
         self.run = run
-        self.endpoints: dict[str, st.StateEndpoint] = {}
+        self.endpoints: dict[str, StateEndpoint] = {}
         self.tamper: Callable[[str, str, dict[str, Any], dict[str, torch.Tensor]], dict[str, torch.Tensor]] = (
             lambda sender, kind, body, tensors: tensors
         )
 
-    def add(self, me: str) -> st.StateEndpoint:
+    def add(self, me: str) -> StateEndpoint:
         def send(addr: str, kind: str, body: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
             tensors = self.tamper(me, kind, body, tensors)
             frames = encode(Message(kind, me, f"sim://{me}:1", "fp", 0, body, tensors), self.run.limits)
@@ -80,12 +83,12 @@ class Wired:
             asyncio.get_running_loop().call_soon(lambda: self.endpoints[to].on_message(decode(frames, self.run.limits)))
             return True
 
-        endpoint = st.StateEndpoint(self.run, send=send, address_of=lambda m: f"sim://{m}:1", clock=REAL_CLOCK)
+        endpoint = StateEndpoint(self.run, send=send, address_of=lambda m: f"sim://{m}:1", clock=REAL_CLOCK)
         self.endpoints[me] = endpoint
         return endpoint
 
 
-async def safe_points(hook: st.SnapshotHook, samples: int) -> None:
+async def safe_points(hook: SnapshotHook, samples: int) -> None:
     """A donor's trainer reaching its safe point every millisecond (it does not train meanwhile)."""
     while True:
         hook(7, samples)
@@ -98,18 +101,18 @@ def transfer(
     new_opt: torch.optim.Optimizer | None,
     run: RunConfig = RUN,
     tamper: Any = None,
-) -> tuple[st.TransferResult, list[torch.Tensor] | None]:
+) -> tuple[TransferResult, list[torch.Tensor] | None]:
     """Run catch_up for ``newcomer`` against ``donors``; install what came, as Peer does."""
     wired = Wired(run)
     if tamper is not None:
         wired.tamper = tamper
 
-    async def main() -> tuple[st.TransferResult, list[torch.Tensor] | None]:
+    async def main() -> tuple[TransferResult, list[torch.Tensor] | None]:
         tasks = []
         for name, (m, opt) in donors.items():
             endpoint = wired.add(name)
             endpoint.mark_ready()
-            hook = st.SnapshotHook(endpoint, m, endpoint.offer_snapshot, REAL_CLOCK, optimizer=opt)
+            hook = SnapshotHook(endpoint, m, endpoint.offer_snapshot, REAL_CLOCK, optimizer=opt)
             tasks.append(asyncio.create_task(safe_points(hook, samples=320)))
         mine = wired.add("new")
         try:
@@ -119,14 +122,14 @@ def transfer(
                 t.cancel()
         return result, values
 
-    async def catch_up_all(endpoint: st.StateEndpoint, m: torch.nn.Module, opt: Any, members: list[str]) -> Any:
-        return await st.catch_up(
+    async def catch_up_all(endpoint: StateEndpoint, m: torch.nn.Module, opt: Any, members: list[str]) -> Any:
+        return await catch_up(
             endpoint, m, me="new", members=lambda: members, rng=random.Random(0), clock=REAL_CLOCK, optimizer=opt
         )
 
     result, values = asyncio.run(main())
     if values is not None:
-        st.install(st.state_tensors(newcomer), values)
+        install(state_tensors(newcomer), values)
         if result.optimizer_state is not None:
             assert new_opt is not None
             new_opt.load_state_dict(result.optimizer_state)
@@ -134,7 +137,7 @@ def transfer(
 
 
 def optimizer_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = st.parameter_names(m)
+    names = parameter_names(m)
     return {f"{names[id(p)]}/{k}": v for p, state in opt.state.items() for k, v in state.items()}
 
 
@@ -272,21 +275,21 @@ def test_the_template_is_what_a_stepped_optimizer_holds_and_leaves_the_original_
     before = {k: v.clone() for k, v in m.state_dict().items()}
     for make_opt, keys in [(sgd, {"momentum_buffer"}), (adam, {"exp_avg", "exp_avg_sq", "step"})]:
         opt = make_opt(m)
-        template = st.optimizer_template(m, opt)
+        template = optimizer_template(m, opt)
         assert not isinstance(template, str), template
         assert {name.rpartition("/")[2] for name, _, _ in template.entries} == keys
         assert len(template.entries) == len(keys) * len(list(m.parameters()))
         assert not opt.state  # the original never stepped
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
-    plain = st.optimizer_template(m, torch.optim.SGD(m.parameters(), lr=0.1))  # no momentum: no state to take
+    plain = optimizer_template(m, torch.optim.SGD(m.parameters(), lr=0.1))  # no momentum: no state to take
     assert not isinstance(plain, str) and plain.entries == ()
     other = torch.nn.Linear(2, 2)
-    assert "not one of the model's" in str(st.optimizer_template(m, torch.optim.SGD(other.parameters(), lr=0.1)))
+    assert "not one of the model's" in str(optimizer_template(m, torch.optim.SGD(other.parameters(), lr=0.1)))
 
 
 def test_optimizer_state_that_does_not_fit_the_template_is_refused() -> None:
     m = model(1)
-    template = st.optimizer_template(m, adam(m))
+    template = optimizer_template(m, adam(m))
     assert not isinstance(template, str)
     values = [torch.zeros(shape, dtype=DTYPES[d]) for _, d, shape in template.entries]
     assert isinstance(template.state_dict(values, ()), dict)
@@ -295,12 +298,12 @@ def test_optimizer_state_that_does_not_fit_the_template_is_refused() -> None:
 
 def test_a_manifest_table_must_add_up_and_hash_to_its_layout() -> None:
     entries = (("w", "float32", (2, 3)), ("optimizer/w/momentum_buffer", "float32", (2, 3)))
-    snap = st.Snapshot.build(
-        torch.zeros(48, dtype=torch.uint8), step=1, layout=st.table_layout(entries), chunk_bytes=1024, tensors=entries,
+    snap = Snapshot.build(
+        torch.zeros(48, dtype=torch.uint8), step=1, layout=table_layout(entries), chunk_bytes=1024, tensors=entries,
         samples=64, scalars=(("optimizer/w/count", 2),),
     )
     body = snap.manifest.to_body()
-    assert st.Manifest.from_body(body) == snap.manifest
+    assert Manifest.from_body(body) == snap.manifest
     bad_tables: list[Any] = [
         [["w", "float32", [2, 3]]],  # 24 bytes, the state 48
         [["w", "float32", [2, 3]], ["w", "float32", [2, 3]]],  # a name twice (and the layout differs)
@@ -310,12 +313,12 @@ def test_a_manifest_table_must_add_up_and_hash_to_its_layout() -> None:
     ]
     for table in bad_tables:
         with pytest.raises(ProtocolError):
-            st.Manifest.from_body({**body, "tensors": table})
+            Manifest.from_body({**body, "tensors": table})
     for scalars in ([["optimizer/w/count", float("nan")]], [["w/count", 1]], [["optimizer/w/count", "2"]], [[1, 2]]):
         with pytest.raises(ProtocolError):
-            st.Manifest.from_body({**body, "scalars": scalars})
+            Manifest.from_body({**body, "scalars": scalars})
     with pytest.raises(ProtocolError):
-        st.Manifest.from_body({**body, "samples": -1})
+        Manifest.from_body({**body, "samples": -1})
 
 
 # -- the simulator -----------------------------------------------------------------------------
@@ -327,12 +330,12 @@ def test_a_peer_rejoining_in_the_simulator_takes_its_donors_momentum() -> None:
     })
     trace = (ChurnEvent(1.0, 2, "crash"), ChurnEvent(3.0, 2, "join"))
     cluster = Cluster(SimConfig(peers=3, run=run, duration=3.5, step_time=0.1, sample_every=0.5, seed=4, churn_trace=trace))
-    served: list[st.Snapshot] = []
+    served: list[Snapshot] = []
     loaded: list[list[torch.Tensor]] = []
-    build = st.Snapshot.build
+    build = Snapshot.build
     load = torch.optim.SGD.load_state_dict
 
-    def spy_build(data: torch.Tensor, **kw: Any) -> st.Snapshot:
+    def spy_build(data: torch.Tensor, **kw: Any) -> Snapshot:
         served.append(build(data, **kw))
         return served[-1]
 
@@ -341,7 +344,7 @@ def test_a_peer_rejoining_in_the_simulator_takes_its_donors_momentum() -> None:
         loaded.append([v.clone() for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(st.Snapshot, "build", staticmethod(spy_build))
+        mp.setattr(Snapshot, "build", staticmethod(spy_build))
         mp.setattr(torch.optim.SGD, "load_state_dict", spy_load)
         run_cluster(cluster)
     late = cluster.peers[2]
@@ -349,7 +352,7 @@ def test_a_peer_rejoining_in_the_simulator_takes_its_donors_momentum() -> None:
     (snap,) = [s for s in served if s.manifest.digest == late.transfer.digest]
     table = snap.manifest.tensors
     assert table is not None and any(n.startswith("optimizer/") for n, _, _ in table)
-    tensors = st.tensors_from(table, snap.data)
+    tensors = tensors_from(table, snap.data)
     assert isinstance(tensors, dict) and loaded  # the last load is the rejoined peer's (others may have caught up at start)
     momentum = [v for n, v in tensors.items() if n.startswith("optimizer/")]
     assert len(momentum) == len(loaded[-1]) and any(bool(m.abs().sum() > 0) for m in momentum)

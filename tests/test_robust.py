@@ -12,17 +12,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Received, Rejected, SendExchange
 from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.kinds import XNAK, XREQ
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import Received, Rejected, SendExchange
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.protocol.robust import HISTORY, WARMUP, NormClip, trimmed_mean
 from gossiptrain.sim.cluster import SimConfig, simulate
 
 from .conftest import fast_config
 from .swarm import Procs
-from gossiptrain.net.kinds import XNAK, XREQ
 
 
 def test_norm_clip_refuses_scaled_models_and_clips_large_differences() -> None:

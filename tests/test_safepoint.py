@@ -5,11 +5,11 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from gossiptrain.protocol import averaging
-from gossiptrain.protocol.averaging import SendExchange, Tick
 from gossiptrain.config import RunConfig
-from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.net import kinds
+from gossiptrain.protocol import averaging
+from gossiptrain.protocol.averaging import AtSafePoint, SendExchange
+from gossiptrain.runtime.safepoint import SafePoint
 
 
 class StoppedClock:
@@ -39,7 +39,7 @@ class EveryThirdStep:
         self.asked: list[str] = []
 
     def handle(self, event: Any, now: float) -> list[averaging.Action]:
-        if isinstance(event, Tick) and event.step % 3 == 0 and event.partners:
+        if isinstance(event, AtSafePoint) and event.step % 3 == 0 and event.partners:
             self.asked.append(event.partners[0])
             return [SendExchange(event.partners[0], kinds.XREQ, event.step, {})]
         return []

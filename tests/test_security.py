@@ -30,15 +30,15 @@ import zmq.auth
 from gossiptrain.cli.main import main
 from gossiptrain.config import Limits, RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, JoinError
-from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.net.addressing import split_curve_address
 from gossiptrain.net.keys import read_keypair, read_public_key
-from gossiptrain.runtime.peer import Peer
-from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
-from gossiptrain.service import Status
-from gossiptrain.net.transport import TcpTransport
-from gossiptrain.net.transport.tcp import ReceivedFrames, split_curve_address
+from gossiptrain.net.transport.tcp import ReceivedFrames, TcpTransport
 from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
+from gossiptrain.runtime.peer import Peer
+from gossiptrain.service import Status
 
 from .conftest import fast_config
 from .swarm import Proc, Procs, next_host, wait_for
@@ -281,12 +281,18 @@ def test_join_limiter_gives_a_burst_then_the_rate_in_bounded_memory() -> None:
 
 
 def test_join_sources_are_ips_ipv6_by_slash_64_else_the_claimed_address() -> None:
-    assert join_source(ReceivedFrames([], "127.0.0.7"), "tcp://10.0.0.1:1") == "127.0.0.7"
-    assert join_source(ReceivedFrames([], "::ffff:10.1.2.3"), "") == "10.1.2.3"
-    assert join_source(ReceivedFrames([], "2001:db8:1:2:aaaa::1"), "") == join_source(ReceivedFrames([], "2001:db8:1:2::9"), "")
-    assert join_source(ReceivedFrames([], "2001:db8:1:2::9"), "") == "2001:db8:1:2::/64"
-    assert join_source([b"x"], "sim://p1:40000") == "addr sim://p1:40000"  # sim:// frames carry no IP
-    assert len(join_source([b"x"], "x" * 5000)) < 200
+    assert join_source("127.0.0.7", "tcp://10.0.0.1:1") == "127.0.0.7"
+    assert join_source("::ffff:10.1.2.3", "") == "10.1.2.3"
+    assert join_source("2001:db8:1:2:aaaa::1", "") == join_source("2001:db8:1:2::9", "")
+    assert join_source("2001:db8:1:2::9", "") == "2001:db8:1:2::/64"
+    assert join_source(None, "sim://p1:40000") == "addr sim://p1:40000"  # sim:// frames carry no IP
+    assert len(join_source(None, "x" * 5000)) < 200
+
+
+def test_the_tcp_transport_names_the_ip_a_message_came_from_and_others_none() -> None:
+    tcp = TcpTransport("tcp://127.0.0.1:0", Limits())
+    assert tcp.source_of(ReceivedFrames([], "127.0.0.7")) == "127.0.0.7"
+    assert tcp.source_of([b"x"]) is None
 
 
 def flood(target: str, source_host: str, frames: list[list[Any]], sent: list[int]) -> None:

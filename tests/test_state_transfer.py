@@ -17,20 +17,30 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from gossiptrain.protocol import state_transfer as st
 from gossiptrain.config import Limits, RunConfig, StateConfig
 from gossiptrain.errors import ConfigError, ProtocolError
+from gossiptrain.net import kinds
+from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.protocol import state_transfer as st
+from gossiptrain.protocol.state_transfer import (
+    CLOSE,
+    ChunkRequest,
+    Donor,
+    Expire,
+    Fetcher,
+    RequestChunk,
+    SnapshotTaken,
+    Tick,
+)
+from gossiptrain.runtime.state_endpoint import SnapshotHook, StateEndpoint
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
-from gossiptrain.protocol.state_transfer import (
-    CLOSE, ChunkRequest, Donor, Expire, Fetcher, Manifest, RequestChunk, Snapshot, SnapshotHook, SnapshotTaken, Tick,
-)
-from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.state import snapshot as fmt
+from gossiptrain.state.snapshot import Manifest, Snapshot
 
 from .conftest import fast_config
 from .swarm import Procs
-from gossiptrain.net import kinds
 
 LIMITS = Limits()
 LAYOUT = "L" * 16
@@ -49,7 +59,9 @@ def state(size: int, seed: int) -> torch.Tensor:
 def through_wire(reply: st.Reply, sender: str) -> st.FetchEvent:
     """A donor's reply as the newcomer's node would see it: encoded, decoded, validated."""
     msg = decode(encode(Message(reply.kind, sender, "sim://donor:1", "fp", 0, reply.body, reply.tensors), LIMITS), LIMITS)
-    return st.Chunk.from_message(msg) if reply.kind == kinds.SREP else st.Refusal.from_message(msg)
+    if reply.kind == kinds.SREP:
+        return st.Chunk.from_body(msg.sender, msg.body, msg.tensors)
+    return st.Refusal.from_body(msg.sender, msg.body)
 
 
 class Net:
@@ -282,16 +294,16 @@ def test_pacing_spaces_the_requests() -> None:
 def test_the_snapshot_is_taken_once_at_the_safe_point_and_training_does_not_change_it() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 5))
     clock = type("Clock", (), {"now": staticmethod(lambda: 0.0)})()
-    endpoint = st.StateEndpoint(RunConfig(state=config(window=1)), send=lambda *a: True, address_of=lambda m: m, clock=clock)
+    endpoint = StateEndpoint(RunConfig(state=config(window=1)), send=lambda *a: True, address_of=lambda m: m, clock=clock)
     hook = SnapshotHook(endpoint, model, endpoint.offer_snapshot, clock)
     hook(1)  # nothing waits: no copy
     assert endpoint.donor.stats.state_snapshots == 0
-    size = st.state_nbytes(hook.tensors)
-    newcomer = Fetcher(endpoint.config, me="new", size=size, layout=st.layout_of(model), rng=random.Random(0), now=0.0)
+    size = fmt.state_nbytes(hook.tensors)
+    newcomer = Fetcher(endpoint.config, me="new", size=size, layout=fmt.layout_of(model), rng=random.Random(0), now=0.0)
     endpoint.donor.ready = True
     sent: list[st.Reply] = []
     endpoint._execute = sent.extend  # type: ignore[method-assign]  # capture the donor's replies
-    at_transfer = st.flatten(hook.tensors)
+    at_transfer = fmt.flatten(hook.tensors)
     reqs = newcomer.handle(Tick(["new", "d"]), 0.0)
     while reqs:
         req = reqs.pop(0)
@@ -308,17 +320,17 @@ def test_the_snapshot_is_taken_once_at_the_safe_point_and_training_does_not_chan
     assert result is not None and result.ok and endpoint.donor.stats.state_snapshots == 1
     assert torch.equal(result.data, at_transfer)  # one consistent state: the one at the safe point after the request
     fresh = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 5))
-    values = st.decode_state(st.state_tensors(fresh), result.data)
+    values = fmt.decode_state(fmt.state_tensors(fresh), result.data)
     assert isinstance(values, list)
-    st.install(st.state_tensors(fresh), values)
-    assert torch.equal(st.flatten(st.state_tensors(fresh)), at_transfer)  # parameters and batch-norm buffers
+    fmt.install(fmt.state_tensors(fresh), values)
+    assert torch.equal(fmt.flatten(fmt.state_tensors(fresh)), at_transfer)  # parameters and batch-norm buffers
 
 
 def test_a_state_with_non_finite_values_is_not_installed() -> None:
     like = [torch.zeros(3), torch.zeros(2, dtype=torch.int64)]
-    data = st.flatten([torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([4, 5])])
-    assert st.decode_state(like, data) == "the state holds non-finite values"
-    assert "bytes" in str(st.decode_state(like, data[:-1]))
+    data = fmt.flatten([torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([4, 5])])
+    assert fmt.decode_state(like, data) == "the state holds non-finite values"
+    assert "bytes" in str(fmt.decode_state(like, data[:-1]))
     fetched = fetcher(data.numel(), config())
     fetched.result = st.TransferResult(True, "", data, ("a",))
     fetched.reject("the state holds non-finite values")
@@ -368,7 +380,7 @@ def first_accuracy_after_rejoin(run: RunConfig, seed: int = 2) -> tuple[float, f
     cluster.on_sample = on_sample
     snapshots: list[Snapshot] = []
     installed: list[torch.Tensor] = []
-    build, install = Snapshot.build, st.install
+    build, install = Snapshot.build, fmt.install
 
     def spy_build(data: torch.Tensor, **kw: Any) -> Snapshot:
         snapshots.append(build(data, **kw))
@@ -376,7 +388,7 @@ def first_accuracy_after_rejoin(run: RunConfig, seed: int = 2) -> tuple[float, f
 
     def spy_install(live: Any, values: Any) -> None:
         install(live, values)
-        installed.append(st.flatten(live))
+        installed.append(fmt.flatten(live))
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Snapshot, "build", staticmethod(spy_build))

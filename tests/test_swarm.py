@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-
 import signal
 import socket
 import time
 from typing import Any, Callable
 
+import pytest
 import zmq
 
-from gossiptrain.protocol.joining import parse_hostport
+from gossiptrain.net.addressing import parse_hostport
 
 from .conftest import fast_config
 from .swarm import Procs, next_host

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topologies
-from topologies import drawing
 from topologies import (
     Topology,
     diameter,
+    drawing,
     metropolis_hastings,
     mixing_matrix,
     spectral_gap,

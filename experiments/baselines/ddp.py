@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.harness import Straggler, build_model, run_config, shard_batches, sgd
+from experiments.harness import Straggler, build_model, run_config, sgd, shard_batches
 from gossiptrain.train.metrics import MetricsLog
 from gossiptrain.train.workload import load_workload
 

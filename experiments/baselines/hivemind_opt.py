@@ -122,8 +122,20 @@ if str(ROOT) not in sys.path:
 
 from experiments import harness  # noqa: E402
 from experiments.harness import (  # noqa: E402
-    EVAL_EVERY, STOP_GRACE, Point, Procs, Run, Straggler, build_model, fresh_dir, gossip_series, poll_run, python_m,
-    run_config, shard_batches, slowdown_of,
+    EVAL_EVERY,
+    STOP_GRACE,
+    Point,
+    Procs,
+    Run,
+    Straggler,
+    build_model,
+    fresh_dir,
+    gossip_series,
+    poll_run,
+    python_m,
+    run_config,
+    shard_batches,
+    slowdown_of,
 )
 from gossiptrain.train.metrics import MetricsLog, read_metrics  # noqa: E402
 from gossiptrain.train.workload import load_workload  # noqa: E402

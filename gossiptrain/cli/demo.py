@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gossiptrain.config import RunConfig
+from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.train.metrics import read_metrics
 from gossiptrain.train.progress import Progress
-from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """`gossiptrain export` and `gossiptrain stop`: tools that talk to a running swarm without joining it.
 
 ``export`` writes the merged model (every live member's state averaged,
-weighted by samples seen; see ``gossiptrain.state.merged_model``) of a running
-swarm. ``stop`` asks the swarm to finish: every peer runs its final phase
-and exits (see ``gossiptrain.protocol.finish``). Either takes ``--join`` as a peer
-does: the coordinator or any live peer.
+weighted by samples seen; see ``gossiptrain.state.merged_model`` and
+``gossiptrain.runtime.swarm_client``) of a running swarm. ``stop`` asks the
+swarm to finish: every peer runs its final phase and exits (see
+``gossiptrain.protocol.finish``). Either takes ``--join`` as a peer does: the
+coordinator or any live peer.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _say(line: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace, security: Any) -> int:
-    from gossiptrain.state.merged_model import NothingToMerge, export
+    from gossiptrain.runtime.swarm_client import export
+    from gossiptrain.state.merged_model import NothingToMerge
 
     _setup_logging(args.verbose)
     if not args.timeout > 0 or args.max_bytes < 1:
@@ -82,7 +84,7 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
 
 
 def cmd_stop(args: argparse.Namespace, security: Any) -> int:
-    from gossiptrain.state.merged_model import SwarmClient
+    from gossiptrain.runtime.swarm_client import SwarmClient
 
     _setup_logging(args.verbose)
 

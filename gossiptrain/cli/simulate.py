@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.train.progress import Progress
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim.faults import PartitionSpec, load_trace
+from gossiptrain.train.progress import Progress
 
 if TYPE_CHECKING:  # the cluster pulls in torch: imported when a simulation runs, not for --help
     from gossiptrain.sim.cluster import SimConfig, SimResult

@@ -21,10 +21,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections import OrderedDict
-from typing import Sequence
 
 from gossiptrain.config import Limits
-from gossiptrain.net.transport.tcp import received_from
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +73,11 @@ class JoinLimiter:
         return allowed
 
 
-def join_source(frames: Sequence[object], claimed_addr: str) -> str:
-    """The source a join is charged to: the sender's IP (IPv6: its /64), else the address it claims."""
-    ip = received_from(frames)
+def join_source(ip: str | None, claimed_addr: str) -> str:
+    """The source a join is charged to: the sender's IP (IPv6: its /64), else the address it claims.
+
+    ``ip`` is what the transport saw (``Transport.source_of``); None where it cannot tell (sim://).
+    """
     if ip is None:
         return "addr " + claimed_addr[:MAX_CLAIMED_SOURCE]
     try:

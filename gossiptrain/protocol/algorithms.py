@@ -12,10 +12,11 @@ from typing import Mapping
 
 import torch
 
-from gossiptrain.protocol.averaging import Averaging, PairwiseAveraging
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.protocol.neighbor import LocalSGD, NeighborAveraging
+from gossiptrain.protocol.averaging import Averaging, PairwiseAveraging
+from gossiptrain.protocol.local_sgd import LocalSGD
+from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
 
 _BY_NAME: dict[str, type[Averaging]] = {

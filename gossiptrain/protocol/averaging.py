@@ -32,12 +32,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gossiptrain.protocol.compression import get_codec
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import XNAK, XREP, XREQ
+from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.staleness import StalenessPolicy
-from gossiptrain.net.kinds import XNAK, XPUSH, XREP, XREQ
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
-class Tick:
+class AtSafePoint:
     """A safe point after local step ``step``; ``partners`` are the topology's neighbours now."""
 
     step: int
@@ -127,7 +127,7 @@ class Received:
     meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
 
 
-Event = Tick | Received
+Event = AtSafePoint | Received
 
 # -- actions -----------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ class Averaging:
         self.poison = 1.0
         self.version = 0
         self._next_xid = rng.getrandbits(31)
-        self._step = 0  # our latest local step, from the last Tick
+        self._step = 0  # our latest local step, from the last AtSafePoint
 
     @property
     def busy(self) -> bool:
@@ -361,7 +361,7 @@ class PairwiseAveraging(Averaging):
         return self._inflight is not None
 
     def handle(self, event: Event, now: float) -> list[Action]:
-        if isinstance(event, Tick):
+        if isinstance(event, AtSafePoint):
             return self._tick(event, now)
         if isinstance(event, Received):
             if event.kind == XREQ:
@@ -375,7 +375,7 @@ class PairwiseAveraging(Averaging):
 
     # -- initiating ------------------------------------------------------------------------
 
-    def _tick(self, tick: Tick, now: float) -> list[Action]:
+    def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._step = tick.step
         inflight = self._inflight
         if inflight is not None:

@@ -32,7 +32,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from gossiptrain.codec_spec import CODECS, parse_codec_spec
+from gossiptrain.codec_spec import parse_codec_spec
 from gossiptrain.errors import ConfigError, ProtocolError
 
 #: Codec names ``get_codec`` knows.

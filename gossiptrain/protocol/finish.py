@@ -2,8 +2,9 @@
 
 A run ends for a peer when its budget is spent (``train.max_steps``,
 ``train.max_seconds``) or when the swarm is asked to stop (``gossiptrain
-stop``). The peer then runs a final phase (``FinalPhase``) on its training
-thread, taking no more local steps but still averaging at its safe points:
+stop``). The peer then runs a final phase (``FinalPhase``,
+``gossiptrain.runtime.final_phase``) on its training thread, taking no more
+local steps but still averaging at its safe points:
 
 1. it tells its view it is done (and whether it will write the merged
    model), then waits until every live member is done too, at most
@@ -34,25 +35,25 @@ Messages (bodies checked; nothing but small msgpack values):
   the final phase, so that a lost message costs one interval.
 
 ``FinishEndpoint`` keeps this state for a ``PeerNode`` (or the coordinator)
-on the network thread; the training thread only reads it.
+on the network thread; the training thread only reads it. It is sans-IO,
+like ``gossiptrain.protocol.membership``: ``handle(event, now)`` takes an
+event (a message's plain values, built by the runtime, or a local request)
+and returns the ``Send`` actions its driver puts on the wire.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
-from gossiptrain.runtime.clock import Clock
-from gossiptrain.config import FinalConfig, RunConfig
+from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import FIN, ROSTER, STOP
+from gossiptrain.protocol.admission import JoinLimiter
 from gossiptrain.protocol.membership import ALIVE, Member
-from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.net.wire import Message
-from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 
 log = logging.getLogger(__name__)
 
@@ -98,29 +99,95 @@ def roster_body(config: RunConfig, members: Sequence[Member], stopping: bool) ->
     }
 
 
+# -- events (the runtime builds them from messages, or from local requests) ----------------------
+
+
+@dataclass(frozen=True)
+class Query:
+    """A ``query`` from anyone (no fingerprint needed); ``source`` is what it is rate limited by (its IP, say)."""
+
+    addr: str
+    source: str
+
+
+@dataclass(frozen=True)
+class StopNotice:
+    """A ``stop`` message: its sender (a member id, or a tool's), where to answer, the run it is for, its body."""
+
+    sender: str
+    addr: str
+    fingerprint: str
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class FinNotice:
+    """A ``fin`` message: its sender is done, or has written the merged model."""
+
+    sender: str
+    addr: str
+    fingerprint: str
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RosterNotice:
+    """A ``roster`` message: it answers a query, and members send none, so it is refused."""
+
+    sender: str
+    addr: str
+
+
+@dataclass(frozen=True)
+class RequestStop:
+    """Stop the swarm: asked locally (``origin`` empty: us), or passed on from a stop message."""
+
+    reason: str
+    origin: str = ""
+    stop_id: int | None = None  # None: a new one
+    came_from: str = ""  # the member it came from, which needs no copy back
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Tell the live members of our view that we are done, or wrote the merged model (``everyone=False``: a reminder)."""
+
+    phase: str
+    writer: bool
+    everyone: bool = True
+
+
+Event = Query | StopNotice | FinNotice | RosterNotice | RequestStop | Announce
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Put a message of ``kind`` with ``body`` on the wire to ``addr``, with our fingerprint."""
+
+    addr: str
+    kind: str
+    body: dict[str, Any]
+
+
+Action = Send
+
+
 class FinishEndpoint:
     """Stop requests, fin notices and queries for one member, or for the coordinator.
 
-    ``send(addr, kind, body) -> bool`` puts a message on the wire with our
-    fingerprint; ``members()`` are the members we know (our membership's
-    alive ones, or the coordinator's registry).
+    ``handle(event, now)`` returns the messages to send. ``members()`` are
+    the members we know (our membership's alive ones, or the coordinator's
+    registry): read, never changed, at each event.
     """
 
-    def __init__(
-        self,
-        config: RunConfig,
-        *,
-        me: str,
-        send: Callable[[str, str, dict[str, Any]], bool],
-        members: Callable[[], Sequence[Member]],
-        clock: Clock,
-    ) -> None:
+    def __init__(self, config: RunConfig, *, me: str, members: Callable[[], Sequence[Member]]) -> None:
         self.config = config
         self.fingerprint = config.fingerprint()
         self.me = me
-        self._send = send
         self._members = members
-        self._clock = clock
         self.stop: StopRequest | None = None  # written on the network thread, read by the training thread
         self.done: dict[str, bool] = {}  # member -> whether it will write the merged model; those in a final phase
         self.written: set[str] = set()  # members that wrote the merged model
@@ -128,44 +195,50 @@ class FinishEndpoint:
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._limiter = JoinLimiter.from_limits(config.limits)
 
-    # -- messages (the network thread) ---------------------------------------------------------
-
-    def on_message(self, msg: Message, frames: Sequence[object] = ()) -> None:
-        """Handle a query, stop or fin; ProtocolError if malformed. A roster is not for us: dropped."""
-        if msg.kind == QUERY:
-            if not self._limiter.allow(join_source(frames, msg.addr), self._clock.now()):
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Handle one event; ProtocolError if a message is malformed (or a roster, which is not for us)."""
+        out: list[Action] = []
+        if isinstance(event, Query):
+            if not self._limiter.allow(event.source, now):
                 self.stats.queries_throttled += 1
-                return
+                return out
             self.stats.queries_answered += 1
-            self._send(msg.addr, ROSTER, roster_body(self.config, self._members(), self.stop is not None))
-            return
-        if msg.kind == ROSTER:
+            out.append(Send(event.addr, ROSTER, roster_body(self.config, self._members(), self.stop is not None)))
+        elif isinstance(event, RosterNotice):
             raise ProtocolError("a roster answers a query; members send none")
-        if msg.fingerprint != self.fingerprint:
-            raise ProtocolError("a stop or fin of another run")
-        if msg.kind == STOP:
-            self._on_stop(msg)
-        elif msg.kind == FIN:
-            self._on_fin(msg)
+        elif isinstance(event, (StopNotice, FinNotice)):
+            if event.fingerprint != self.fingerprint:
+                raise ProtocolError("a stop or fin of another run")
+            if isinstance(event, StopNotice):
+                self._on_stop(event, out)
+            else:
+                self._on_fin(event)
+        elif isinstance(event, RequestStop):
+            self._request_stop(event.reason, event.origin, event.stop_id, event.came_from, out)
+        elif isinstance(event, Announce):
+            self._announce(event.phase, event.writer, event.everyone, out)
+        return out
 
-    def _on_stop(self, msg: Message) -> None:
-        body = msg.body
+    # -- messages ------------------------------------------------------------------------------
+
+    def _on_stop(self, event: StopNotice, out: list[Action]) -> None:
+        body = event.body
         sid, reason = body.get("id"), body.get("reason")
         if type(sid) is not int or not 0 < sid < _ID_LIMIT or not isinstance(reason, str):
             raise ProtocolError("stop needs an int id in [1, 2**63) and a str reason")
         self.stats.stops_received += 1
         members = list(self._members())
-        if not any(m.id == msg.sender for m in members):
+        if not any(m.id == event.sender for m in members):
             # A tool (or a member we do not know yet): acknowledge with what we know, so it can report it.
-            self._send(msg.addr, ROSTER, roster_body(self.config, members, True))
-        self.request_stop(reason[:_REASON_CHARS], origin=msg.sender or msg.addr, stop_id=sid, came_from=msg.sender)
+            out.append(Send(event.addr, ROSTER, roster_body(self.config, members, True)))
+        self._request_stop(reason[:_REASON_CHARS], event.sender or event.addr, sid, event.sender, out)
 
-    def _on_fin(self, msg: Message) -> None:
-        phase, writer = msg.body.get("phase"), msg.body.get("writer")
-        if phase not in (DONE, WRITTEN) or type(writer) is not bool or not msg.sender:
+    def _on_fin(self, event: FinNotice) -> None:
+        phase, writer = event.body.get("phase"), event.body.get("writer")
+        if phase not in (DONE, WRITTEN) or type(writer) is not bool or not event.sender:
             raise ProtocolError("fin needs phase done or written and a bool writer")
         self.stats.notices_received += 1
-        self._note(msg.sender, phase, writer)
+        self._note(event.sender, phase, writer)
 
     def _note(self, member: str, phase: str, writer: bool) -> None:
         self.done[member] = self.done.get(member, False) or writer
@@ -176,13 +249,13 @@ class FinishEndpoint:
             del self.done[oldest]
             self.written.discard(oldest)
 
-    # -- local actions (the network thread) ------------------------------------------------------
+    # -- local requests --------------------------------------------------------------------------
 
-    def request_stop(self, reason: str, *, origin: str = "", stop_id: int | None = None, came_from: str = "") -> bool:
-        """Mark the swarm as stopping and pass the request on to everyone we know; False if we had it already."""
+    def _request_stop(self, reason: str, origin: str, stop_id: int | None, came_from: str, out: list[Action]) -> None:
+        """Mark the swarm as stopping and pass the request on to everyone we know, unless we had it already."""
         sid = stop_id if stop_id is not None else new_stop_id()
         if sid in self._seen:
-            return False
+            return
         self._seen[sid] = None
         while len(self._seen) > _REMEMBERED:
             self._seen.popitem(last=False)
@@ -192,10 +265,9 @@ class FinishEndpoint:
         body = {"id": sid, "reason": reason}
         for m in self._members():
             if m.state == ALIVE and m.id not in (self.me, came_from):
-                self._send(m.addr, STOP, body)
-        return True
+                out.append(Send(m.addr, STOP, body))
 
-    def announce(self, phase: str, writer: bool, everyone: bool = True) -> None:
+    def _announce(self, phase: str, writer: bool, everyone: bool, out: list[Action]) -> None:
         """Tell the live members of our view that we are done, or wrote the merged model.
 
         ``everyone=False`` (a reminder) tells only those that have not said
@@ -205,139 +277,6 @@ class FinishEndpoint:
         self._note(self.me, phase, writer)
         targets = [m for m in self._members() if m.state == ALIVE and m.id != self.me and (everyone or m.id not in self.done)]
         for m in targets:
-            self._send(m.addr, FIN, {"phase": phase, "writer": writer})
+            out.append(Send(m.addr, FIN, {"phase": phase, "writer": writer}))
             if self.stop is not None:  # the stop again, for members that joined since or missed it
-                self._send(m.addr, STOP, {"id": self.stop.id, "reason": self.stop.reason})
-
-
-# -- the final phase (the training thread) -----------------------------------------------------
-
-
-@dataclass
-class FinalReport:
-    """How a peer's final phase went, for its summary."""
-
-    reason: str  # budget, stop
-    waited_seconds: float = 0.0  # in the wait for the others
-    all_done: bool = False  # every live member was done when the wait ended
-    consensus_seconds: float = 0.0
-    rounds: int = 0  # safe points run without a local step
-    final_model: str | None = None  # where this peer wrote the merged model
-    merged_members: list[str] = field(default_factory=list)
-    skipped_members: list[str] = field(default_factory=list)
-    merge_error: str = ""
-    seconds: float = 0.0
-    aborted: bool = False  # interrupted (a signal): left at once
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "finish": self.reason, "final_waited_s": round(self.waited_seconds, 3), "final_all_done": self.all_done,
-            "final_rounds": self.rounds, "final_seconds": round(self.seconds, 3), "final_model": self.final_model,
-            "final_merged": self.merged_members, "final_skipped": self.skipped_members,
-            **({"final_error": self.merge_error} if self.merge_error else {}),
-        }
-
-
-class FinalPhase:
-    """One peer's final phase (see the module docstring), driven from its training thread.
-
-    ``idle()`` runs one safe point without a local step and paces itself;
-    ``notify(phase, writer, everyone)`` runs ``FinishEndpoint.announce`` on
-    the network thread; ``view()`` is the live member ids (us included); ``abort()`` says
-    to leave at once (a signal). ``merge()``, for a writer, starts writing the
-    merged model and returns a ``concurrent.futures.Future``-like object whose
-    result is a ``(merged, skipped)`` pair of member id lists.
-    """
-
-    def __init__(
-        self,
-        config: FinalConfig,
-        *,
-        me: str,
-        endpoint: FinishEndpoint,
-        view: Callable[[], Sequence[str]],
-        idle: Callable[[], None],
-        notify: Callable[[str, bool, bool], None],
-        abort: Callable[[], bool] = lambda: False,
-        renotify_every: float = 0.5,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.config = config
-        self.me = me
-        self.endpoint = endpoint
-        self.view = view
-        self.idle = idle
-        self.notify = notify
-        self.abort = abort
-        self.renotify_every = renotify_every
-        self.clock = clock
-
-    def run(self, reason: str, merge: Callable[[], Any] | None = None, final_model: str | None = None) -> FinalReport:
-        report = FinalReport(reason)
-        began = self.clock()
-        writer = merge is not None
-        self._last_notice = -1e18
-        self._notice(DONE, writer, force=True)
-        log.info("final phase (%s): waiting for the others to finish", reason)
-        # 1. Everyone done (the barrier), averaging meanwhile with those still training.
-        report.all_done = self._until(lambda: not self._others_training(), self.config.wait_seconds, report, DONE, writer)
-        report.waited_seconds = self.clock() - began
-        if not report.all_done and not report.aborted:
-            log.warning("final phase: %s still training after final.wait_seconds", ", ".join(self._others_training()))
-        # 2. Consensus: averaging only, everyone together.
-        if not report.aborted and len(self.view()) > 1 and self.config.consensus_seconds > 0:
-            t = self.clock()
-            self._until(lambda: False, self.config.consensus_seconds, report, DONE, writer)
-            report.consensus_seconds = self.clock() - t
-        # 3. The merged model, then 4. stay for the writers we know of.
-        lingering_since = self.clock()
-        if merge is not None and not report.aborted:
-            future = merge()
-            self._until(future.done, self.config.merge_seconds, report, DONE, writer)
-            if future.done():
-                try:
-                    report.merged_members, report.skipped_members = future.result()
-                    report.final_model = final_model
-                except Exception as e:  # a failed write must not stop the leave; the summary names it
-                    report.merge_error = f"{type(e).__name__}: {e}"
-                    log.error("final phase: could not write the merged model: %s", report.merge_error)
-            else:
-                future.cancel()
-                report.merge_error = f"not written within final.merge_seconds={self.config.merge_seconds:g}"
-                log.error("final phase: the merged model was %s", report.merge_error)
-            self._notice(WRITTEN, True, force=True)
-        if not report.aborted:
-            left = self.config.merge_seconds - (self.clock() - lingering_since)
-            self._until(lambda: not self._writers_pending(), max(0.0, left), report, WRITTEN if writer else DONE, writer)
-        report.seconds = self.clock() - began
-        return report
-
-    def _others_training(self) -> list[str]:
-        done = self.endpoint.done
-        return [m for m in self.view() if m != self.me and m not in done]
-
-    def _writers_pending(self) -> list[str]:
-        e = self.endpoint
-        view = set(self.view())
-        return [m for m, writer in list(e.done.items()) if writer and m != self.me and m in view and m not in e.written]
-
-    def _until(self, condition: Callable[[], Any], seconds: float, report: FinalReport, phase: str, writer: bool) -> bool:
-        """Idle at safe points until ``condition()`` holds (True) or ``seconds`` pass (False); renotify meanwhile."""
-        deadline = self.clock() + seconds
-        while True:
-            if condition():
-                return True
-            if self.abort():
-                report.aborted = True
-                return False
-            if self.clock() >= deadline:
-                return False
-            self.idle()
-            report.rounds += 1
-            self._notice(phase, writer)
-
-    def _notice(self, phase: str, writer: bool, force: bool = False) -> None:
-        now = self.clock()
-        if force or now - self._last_notice >= self.renotify_every:
-            self._last_notice = now
-            self.notify(phase, writer, force)  # a reminder goes only to members not done yet
+                out.append(Send(m.addr, STOP, {"id": self.stop.id, "reason": self.stop.reason}))

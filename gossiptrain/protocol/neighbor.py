@@ -1,4 +1,4 @@
-"""Neighbour averaging (D-PSGD, Lian et al. 2017) and local SGD, as sans-IO state machines.
+"""Neighbour averaging (D-PSGD, Lian et al. 2017) as a sans-IO state machine.
 
 Every round (``exchange_every_steps`` local steps) a peer pushes its model to
 all its current topology neighbours. Models that arrive are kept, the newest
@@ -13,14 +13,8 @@ update, with the library's mixing matrix; asynchronously, a neighbour that
 sent nothing since the last merge simply leaves its weight with us, so the
 update never waits.
 
-``LocalSGD`` is the same exchange every ``local_steps`` (H) steps, with an
-optional outer optimizer in the style of DiLoCo (Douillard et al. 2023):
-the change of the model over a round (local steps and merges) is treated
-as a gradient, ``delta = anchor - x``, and applied to the round's starting
-point with Nesterov momentum. ``outer_lr=1, outer_momentum=0`` is plain
-local SGD with gossip averaging.
-
-With ``compression="topk:..."`` both send compressed changes against
+Local SGD (``gossiptrain.protocol.local_sgd``) is this exchange every H steps.
+With ``compression="topk:..."`` it sends compressed changes against
 per-edge references instead of models, and mix with the references once per
 round (CHOCO-gossip, see ``gossiptrain.protocol.choco``).
 """
@@ -34,12 +28,12 @@ from typing import Mapping
 
 import torch
 
-from gossiptrain.protocol.averaging import Action, Averaging, Event, Received, Rejected, SendExchange, Tick
-from gossiptrain.protocol.choco import ChocoEdges
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.protocol.robust import trimmed_mean
 from gossiptrain.net.kinds import XPUSH
+from gossiptrain.protocol.averaging import Action, AtSafePoint, Averaging, Event, Received, Rejected, SendExchange
+from gossiptrain.protocol.choco import ChocoEdges
+from gossiptrain.protocol.robust import trimmed_mean
 
 #: Senders whose latest model is held between two merges; more evict the oldest (bounds memory).
 MAX_HELD_SENDERS = 64
@@ -69,7 +63,7 @@ class NeighborAveraging(Averaging):
         self._sent: list[torch.Tensor] | None = None
 
     def handle(self, event: Event, now: float) -> list[Action]:
-        if isinstance(event, Tick):
+        if isinstance(event, AtSafePoint):
             return self._tick(event)
         if isinstance(event, Received):
             if event.kind == XPUSH:
@@ -93,7 +87,7 @@ class NeighborAveraging(Averaging):
             self._held.popitem(last=False)
         return []
 
-    def _tick(self, tick: Tick) -> list[Action]:
+    def _tick(self, tick: AtSafePoint) -> list[Action]:
         self._step = tick.step
         actions = self._merge() if self.choco is None else []
         if tick.step - self._last_round_step < self.every:
@@ -236,31 +230,3 @@ class NeighborAveraging(Averaging):
 
     def _end_of_round(self) -> None:
         """Called once per round, after merging and before sending (local SGD's outer step)."""
-
-
-class LocalSGD(NeighborAveraging):
-    """H local steps, then a neighbour-averaging round and an optional outer (Nesterov) step."""
-
-    def __init__(
-        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
-    ) -> None:
-        super().__init__(params, config, rng, me)
-        self.every = config.local_steps
-        self.outer = config.outer_lr != 1.0 or config.outer_momentum != 0.0
-        self._anchor = self._snapshot() if self.outer else []  # the model at the start of the round
-        self._momentum = [torch.zeros_like(p) for p in self.params] if config.outer_momentum else []
-
-    def _end_of_round(self) -> None:
-        if not self.outer:
-            return
-        lr, mu = self.config.outer_lr, self.config.outer_momentum
-        with torch.no_grad():
-            delta = torch._foreach_sub(self._anchor, self.params)  # the round's "outer gradient"
-            if mu:
-                torch._foreach_mul_(self._momentum, mu)
-                torch._foreach_add_(self._momentum, delta)  # m <- mu m + delta
-                torch._foreach_add_(delta, self._momentum, alpha=mu)  # Nesterov: delta + mu m
-            # x <- anchor - lr * step
-            for p, a, d in zip(self.params, self._anchor, delta):
-                p.copy_(a).add_(d, alpha=-lr)
-        self._anchor = self._snapshot()

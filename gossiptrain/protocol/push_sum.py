@@ -26,9 +26,9 @@ from typing import Mapping
 
 import torch
 
-from gossiptrain.protocol.averaging import Action, Averaging, Event, Received, Rejected, SendExchange, Tick
 from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XNAK, XPUSH
+from gossiptrain.protocol.averaging import Action, AtSafePoint, Averaging, Event, Received, Rejected, SendExchange
 
 #: Pushes remembered so that a refused one can be taken back (each holds one model-sized tensor set).
 UNACKED_PUSHES = 2
@@ -53,7 +53,7 @@ class PushSum(Averaging):
         return [p.detach() * self.weight for p in self.params], self.weight
 
     def handle(self, event: Event, now: float) -> list[Action]:
-        if isinstance(event, Tick):
+        if isinstance(event, AtSafePoint):
             return self._tick(event)
         if isinstance(event, Received):
             if event.kind == XPUSH:
@@ -63,7 +63,7 @@ class PushSum(Averaging):
             return []  # another algorithm's message (a misconfigured sender): ignore
         raise TypeError(f"unknown event {event!r}")
 
-    def _tick(self, tick: Tick) -> list[Action]:
+    def _tick(self, tick: AtSafePoint) -> list[Action]:
         self._step = tick.step
         if tick.step - self._last_push_step < self.config.exchange_every_steps or not tick.partners:
             return []

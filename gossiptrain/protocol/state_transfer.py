@@ -75,61 +75,39 @@ Wire (all bodies checked; tensors are raw uint8 bytes, nothing executable):
 The stream's format (bytes, tensor tables, manifests, snapshots) is
 ``gossiptrain.state.snapshot``; optimizer state, ``gossiptrain.state.optimizer_state``.
 
-``StateEndpoint`` is the glue ``PeerNode`` uses, in a real process and in the
-simulator: it answers ``sreq`` as a donor, routes ``srep``/``snak`` to a
-running download, and ``download`` drives a ``Fetcher`` on the node's loop.
-``SnapshotHook`` runs at the trainer's safe point and hands the node a copy
-of the state when a session waits for one.
+This module is sans-IO: events are built from plain values (``from_body``),
+never from wire messages, so that it can be tested step by step and runs
+the same in a real process and in the simulator. The driver that feeds it
+(``StateEndpoint``, ``catch_up``, ``SnapshotHook``) is
+``gossiptrain.runtime.state_endpoint``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from gossiptrain.runtime.clock import Clock
-from gossiptrain.config import Limits, RunConfig, StateConfig
-from gossiptrain.errors import GossipError, ProtocolError
-from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
-from gossiptrain.state.snapshot import (  # the format, re-exported: the protocol's users need one import
+from gossiptrain.config import Limits, StateConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import SNAK, SREP
+from gossiptrain.state.snapshot import (
     OPTIMIZER_PREFIX,
     Entry,
     Manifest,
     Snapshot,
     chunk_count,
-    decode_state,
-    entries_of,
     entry_nbytes,
     first_difference,
-    flatten,
     hash_list_digest,
-    install,
-    layout_of,
     sha256_hex,
-    state_nbytes,
-    state_tensors,
     table_layout,
-    tensors_from,
-    wire_table,
 )
-from gossiptrain.net.wire import Message
-from gossiptrain.net.kinds import SNAK, SREP, SREQ
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "CLOSE", "OPTIMIZER_PREFIX", "SNAK", "SREP", "SREQ", "Chunk", "ChunkRequest", "Donor", "Entry", "Expire",
-    "Fetcher", "Manifest", "OptimizerTemplate", "Refusal", "Reply", "RequestChunk", "Snapshot", "SnapshotHook",
-    "SnapshotTaken", "StateCopy", "StateEndpoint", "Tick", "TransferResult", "TransferStats", "catch_up", "chunk_count",
-    "decode_state", "entries_of", "entry_nbytes", "first_difference", "flatten", "hash_list_digest", "install", "layout_of",
-    "optimizer_template", "optimizer_tensors", "parameter_names", "state_nbytes", "state_tensors", "table_layout",
-    "tensors_from",
-]
 
 CLOSE = -1  # the chunk index of an sreq that ends its session
 
@@ -158,15 +136,16 @@ class Chunk:
     manifest: Manifest | None = None
 
     @classmethod
-    def from_message(cls, msg: Message) -> "Chunk":
-        sid, index = _sid(msg.body), msg.body.get("index")
+    def from_body(cls, sender: str, body: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> "Chunk":
+        """The srep ``sender`` sent, from its checked body and tensors; ProtocolError if malformed."""
+        sid, index = _sid(body), body.get("index")
         if type(index) is not int or index < 0:
             raise ProtocolError("srep index must be an int >= 0")
-        data = msg.tensors.get("chunk")
-        if len(msg.tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
+        data = tensors.get("chunk")
+        if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
             raise ProtocolError("srep must carry exactly one 1-d uint8 tensor named chunk")
-        manifest = Manifest.from_body(msg.body) if "hashes" in msg.body else None
-        return cls(msg.sender, sid, index, data, manifest)
+        manifest = Manifest.from_body(body) if "hashes" in body else None
+        return cls(sender, sid, index, data, manifest)
 
 
 @dataclass(frozen=True)
@@ -179,11 +158,12 @@ class Refusal:
     retry: bool
 
     @classmethod
-    def from_message(cls, msg: Message) -> "Refusal":
-        reason, retry = msg.body.get("reason"), msg.body.get("retry")
+    def from_body(cls, sender: str, body: Mapping[str, Any]) -> "Refusal":
+        """The snak ``sender`` sent, from its body; ProtocolError if malformed."""
+        reason, retry = body.get("reason"), body.get("retry")
         if not isinstance(reason, str) or type(retry) is not bool:
             raise ProtocolError("snak needs a str reason and a bool retry")
-        return cls(msg.sender, _sid(msg.body), reason[:_REASON_CHARS], retry)
+        return cls(sender, _sid(body), reason[:_REASON_CHARS], retry)
 
 
 @dataclass(frozen=True)
@@ -599,11 +579,12 @@ class ChunkRequest:
     optim: bool = False  # opening a session: the optimizer state too, if we have one
 
     @classmethod
-    def from_message(cls, msg: Message) -> "ChunkRequest":
-        index, manifest, optim = msg.body.get("index"), msg.body.get("manifest"), msg.body.get("optim", False)
+    def from_body(cls, sender: str, addr: str, body: Mapping[str, Any]) -> "ChunkRequest":
+        """The sreq ``sender`` sent (to be answered at ``addr``), from its body; ProtocolError if malformed."""
+        index, manifest, optim = body.get("index"), body.get("manifest"), body.get("optim", False)
         if type(index) is not int or index < CLOSE or type(manifest) is not bool or type(optim) is not bool:
             raise ProtocolError("sreq needs an int index >= -1, a bool manifest and optionally a bool optim")
-        return cls(msg.sender, msg.addr, _sid(msg.body), index, manifest, optim)
+        return cls(sender, addr, _sid(body), index, manifest, optim)
 
 
 @dataclass(frozen=True)
@@ -762,288 +743,3 @@ def _sid(body: Mapping[str, Any]) -> int:
     if type(sid) is not int or not 0 <= sid < _SID_LIMIT:
         raise ProtocolError("state transfer sid must be an int in [0, 2**31)")
     return sid
-
-
-# -- drivers -----------------------------------------------------------------------------
-
-
-class StateEndpoint:
-    """``PeerNode``'s side of state transfer, on the node's event loop.
-
-    ``send(addr, kind, body, tensors) -> bool`` and ``address_of(member)`` are
-    the node's. ``offload`` hashes snapshots in a worker thread (a real peer:
-    neither its training nor its network side waits for the hashing); the
-    simulator hashes inline, which keeps its runs deterministic.
-    """
-
-    def __init__(
-        self,
-        config: RunConfig,
-        *,
-        send: Callable[[str, str, dict[str, Any], dict[str, torch.Tensor]], bool],
-        address_of: Callable[[str], str | None],
-        clock: Clock,
-    ) -> None:
-        self.config = config.state
-        self.donor = Donor(config.state, config.limits)
-        self.transfer = TransferStats()
-        self.offload = False
-        self.fetcher: Fetcher | None = None  # the download running now, if any
-        self._send = send
-        self._address_of = address_of
-        self._clock = clock
-        self._inbox: asyncio.Queue[FetchEvent] | None = None
-        self._snapshots: asyncio.Queue[StateCopy] = asyncio.Queue(maxsize=1)
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.transfer.to_dict(), **self.donor.stats.to_dict()}
-
-    def mark_ready(self) -> None:
-        """Our state is worth giving from now on (after our own download, or when there was none)."""
-        self.donor.ready = True
-
-    # -- messages (the node's receive loop) --------------------------------------------------
-
-    def on_message(self, msg: Message) -> None:
-        """Handle an sreq, srep or snak; ProtocolError if it is malformed."""
-        if msg.kind == SREQ:
-            req = ChunkRequest.from_message(msg)
-            # Answer a member at the address our membership knows (as exchanges do), a stranger where it says.
-            req = replace(req, addr=self._address_of(req.sender) or req.addr)
-            self._execute(self.donor.handle(req, self._clock.now()))
-            return
-        inbox = self._inbox
-        if inbox is None:  # no download running: not even worth parsing (a manifest may list 65,536 hashes)
-            self.transfer.state_stale += 1
-            return
-        event: FetchEvent = Chunk.from_message(msg) if msg.kind == SREP else Refusal.from_message(msg)
-        try:
-            inbox.put_nowait(event)
-        except asyncio.QueueFull:  # the download is behind: it asks again or moves on after its timeout
-            self.transfer.state_stale += 1
-
-    def tick(self, now: float) -> None:
-        """Expire idle donor sessions (the node's heartbeat calls this)."""
-        self._execute(self.donor.handle(Expire(), now))
-
-    def _execute(self, replies: list[Reply]) -> None:
-        for r in replies:
-            self._send(r.addr, r.kind, r.body, r.tensors)
-
-    # -- snapshots (taken on the trainer thread, see SnapshotHook) ---------------------------
-
-    def offer_snapshot(self, copy: "StateCopy") -> None:
-        """A copy of the state for sessions waiting since ``copy.serial`` (call on the node's loop)."""
-        if not self.offload:
-            self._snapshot_taken(copy, *self._build(copy, self.donor.needs(copy.serial)))
-            return
-        if self._snapshots.full():  # a newer copy replaces one not yet hashed: it serves the same sessions and more
-            self._snapshots.get_nowait()
-        self._snapshots.put_nowait(copy)
-
-    async def run(self) -> None:
-        """Hash offloaded snapshots in a worker thread (a background task of the node)."""
-        while True:
-            copy = await self._snapshots.get()
-            needs = self.donor.needs(copy.serial)  # here, on the loop that changes the sessions
-            snaps = await asyncio.to_thread(self._build, copy, needs)
-            self._snapshot_taken(copy, *snaps)
-
-    def _build(self, copy: "StateCopy", needs: tuple[bool, bool]) -> tuple[Snapshot | None, Snapshot | None]:
-        """The snapshots the waiting sessions want (``Donor.needs``): the model's state, and with the optimizer's."""
-        plain, full = needs
-        chunk = self.config.chunk_bytes
-        model = copy.tensors[: copy.model_entries]
-        with_optimizer = None
-        if full and copy.model_entries < len(copy.tensors):
-            table = wire_table(copy.tensors)
-            layout = table_layout(copy.tensors)
-            with_optimizer = Snapshot.build(
-                copy.data, step=copy.step, layout=layout, chunk_bytes=chunk, tensors=table, samples=copy.samples,
-                scalars=copy.scalars,
-            )
-        snapshot = None
-        if plain or with_optimizer is None:
-            data = copy.data[: copy.model_bytes]
-            snapshot = Snapshot.build(
-                data, step=copy.step, layout=table_layout(model), chunk_bytes=chunk, tensors=wire_table(model),
-                samples=copy.samples,
-            )
-        return snapshot, with_optimizer
-
-    def _snapshot_taken(self, copy: "StateCopy", snapshot: Snapshot | None, with_optimizer: Snapshot | None) -> None:
-        base = snapshot or with_optimizer
-        assert base is not None
-        self._execute(self.donor.handle(SnapshotTaken(base, copy.serial, with_optimizer), self._clock.now()))
-
-    # -- downloading -------------------------------------------------------------------------
-
-    async def download(self, fetcher: Fetcher, members: Callable[[], Sequence[str]]) -> TransferResult:
-        """Drive ``fetcher`` until it has the state or gives up; one download at a time."""
-        if self._inbox is not None:
-            raise GossipError("a state download is already running")
-        inbox = self._inbox = asyncio.Queue(maxsize=4 * self.config.window + 4)
-        self.transfer = fetcher.stats
-        self.fetcher = fetcher
-        clock = self._clock
-        try:
-            events: list[FetchEvent] = [Tick(members())]
-            while True:
-                while events:
-                    for req in fetcher.handle(events.pop(0), clock.now()):
-                        if not self._request(req) and req.index != CLOSE:
-                            events.append(Unreachable(req.to, req.sid))
-                if fetcher.result is not None:
-                    return fetcher.result
-                now = clock.now()
-                if not inbox.empty():
-                    events.append(inbox.get_nowait())
-                    continue
-                try:
-                    events.append(await asyncio.wait_for(inbox.get(), timeout=max(0.0, fetcher.wakeup(now) - now)))
-                except TimeoutError:
-                    events.append(Tick(members()))
-        finally:
-            self._inbox = None
-            self.fetcher = None
-
-    def _request(self, req: RequestChunk) -> bool:
-        addr = self._address_of(req.to)
-        body = {"sid": req.sid, "index": req.index, "manifest": req.manifest}
-        if req.optim:
-            body["optim"] = True
-        return addr is not None and self._send(addr, SREQ, body, {})
-
-
-async def catch_up(
-    endpoint: StateEndpoint,
-    model: torch.nn.Module,
-    *,
-    me: str,
-    members: Callable[[], Sequence[str]],
-    rng: random.Random,
-    clock: Clock,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> tuple[TransferResult, list[torch.Tensor] | None]:
-    """Download a live member's state for ``model``: the result and the decoded tensors (None if it failed).
-
-    Runs on the node's loop; the caller installs the tensors (``install``) on
-    its training thread, and ``result.optimizer_state`` (when not None) into
-    ``optimizer`` with ``load_state_dict``. The optimizer state is asked for
-    when ``optimizer`` is given and ``state.transfer_optimizer`` is set. A
-    state that cannot be used (non-finite values) is fetched again from other
-    donors, within the same bounds.
-    """
-    live = state_tensors(model)
-    model_table = entries_of(model.state_dict(keep_vars=True).items())
-    template: OptimizerTemplate | None = None
-    if optimizer is not None and endpoint.config.transfer_optimizer:
-        made = optimizer_template(model, optimizer)
-        if isinstance(made, str):
-            log.error("state transfer: cannot take optimizer state (%s): downloading the parameters only", made)
-        else:
-            template = made
-    fetcher = Fetcher(
-        endpoint.config, me=me, size=state_nbytes(live), layout=layout_of(model), rng=rng, now=clock.now(),
-        tensors=model_table, optimizer=template.entries if template is not None else None,
-    )
-    while True:
-        result = await endpoint.download(fetcher, members)
-        if not result.ok:
-            s = fetcher.stats
-            # Refused by everyone (a swarm starting: nobody trains yet) is normal; losing donors is worth a warning.
-            only_refused = s.state_chunks_received == s.state_timeouts == s.state_checksum_failures == 0
-            level = logging.INFO if only_refused else logging.WARNING
-            log.log(level, "no state downloaded (%s): training from our own initial weights", result.reason)
-            return result, None
-        assert result.data is not None
-        like = live + (list(template.like) if result.optimizer and template is not None else [])
-        decoded = decode_state(like, result.data)
-        problem = decoded if isinstance(decoded, str) else None
-        optim_state: dict[str, Any] | None = None
-        if isinstance(decoded, list) and result.optimizer and template is not None:
-            fitted = template.state_dict(decoded[len(live):], result.scalars)
-            if isinstance(fitted, str):
-                problem = f"its optimizer state: {fitted}"
-            else:
-                optim_state = fitted
-        if problem is None:
-            assert isinstance(decoded, list)
-            log.info(
-                "state transfer: %d bytes from %s in %.3f s (donor step %d, digest %s%s)",
-                result.data.numel(), ", ".join(result.donors), result.seconds, result.step, result.digest[:16],
-                ", with optimizer state" if optim_state is not None else "",
-            )
-            return replace(result, optimizer_state=optim_state), decoded[: len(live)]
-        fetcher.reject(problem)  # the next download() picks up with other donors
-
-
-# -- the donor's safe point --------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class StateCopy:
-    """What the trainer copied at a safe point for the sessions waiting since request ``serial``."""
-
-    data: torch.Tensor  # (bytes,) uint8: the model's state, then the optimizer's tensors (if any)
-    step: int
-    serial: int
-    tensors: tuple[Entry, ...]  # what ``data`` holds, in order
-    model_entries: int  # the first this many of ``tensors`` are the model's state
-    model_bytes: int
-    samples: int = 0
-    scalars: tuple[tuple[str, int | float], ...] = ()
-
-
-class SnapshotHook:
-    """Runs at the trainer's safe point: copies the state when a donor session waits for a snapshot.
-
-    The copy (one memcpy of the state, and of the optimizer's with
-    ``state.transfer_optimizer`` and an ``optimizer``) is all the trainer
-    pays; ``submit`` hands it to the node's loop (``StateEndpoint.offer_snapshot``),
-    where it is hashed and served. ``Donor.wanted`` is written by the loop
-    and read here; ``_served`` only here, so no lock is needed.
-    """
-
-    def __init__(
-        self,
-        endpoint: StateEndpoint,
-        model: torch.nn.Module,
-        submit: Callable[[StateCopy], None],
-        clock: Clock,
-        optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.clock = clock
-        self.tensors = state_tensors(model)
-        self.table = entries_of(model.state_dict(keep_vars=True).items())
-        self.layout = table_layout(self.table)
-        self.submit = submit
-        self.optimizer = optimizer if endpoint.config.transfer_optimizer else None
-        self._names = parameter_names(model)
-        self._served = 0
-        self._warned = False
-
-    def __call__(self, step: int, samples: int = 0) -> None:
-        """Our safe point after local step ``step``, having trained on ``samples`` samples in all."""
-        donor = self.endpoint.donor
-        donor.stepped_at = self.clock.now()
-        wanted = donor.wanted
-        if wanted == self._served:
-            return
-        self._served = wanted
-        tensors, table = list(self.tensors), self.table
-        scalars: tuple[tuple[str, int | float], ...] = ()
-        if self.optimizer is not None:
-            listed = optimizer_tensors(self._names, self.optimizer)
-            if isinstance(listed, str):
-                if not self._warned:
-                    log.warning("state transfer: cannot give our optimizer state: %s", listed)
-                    self._warned = True
-            else:
-                tensors += [t for _, t in listed[0]]
-                table = table + entries_of(listed[0])
-                scalars = tuple(listed[1])
-        data = flatten(tensors)
-        model_bytes = state_nbytes(self.tensors)
-        self.submit(StateCopy(data, step, wanted, table, len(self.table), model_bytes, samples, scalars))

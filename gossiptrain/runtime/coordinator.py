@@ -19,20 +19,20 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from gossiptrain.protocol.averaging import ParamSpec
-from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.net import kinds
-from gossiptrain.protocol.joining import JoinRequest, answer_join
-from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
-
-from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.service import Service
+from gossiptrain.net.kinds import GOSSIP, JOIN, REPORT, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
-from gossiptrain.net.kinds import GOSSIP, JOIN, REPORT, WELCOME
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.finish import FinishEndpoint
+from gossiptrain.protocol.joining import JoinRequest, answer_join
+from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
+from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.runtime.final_phase import finish_event
+from gossiptrain.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Coordinator(Service):
         self._last_count = 0
         self.join_limiter = JoinLimiter.from_limits(config.limits)
         # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
-        self.finish = FinishEndpoint(config, me="coordinator", send=self._send, members=self.members, clock=clock)
+        self.finish = FinishEndpoint(config, me="coordinator", members=self.members)
 
     def _send(self, addr: str, kind: str, body: dict[str, object]) -> bool:
         frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
@@ -133,7 +133,7 @@ class Coordinator(Service):
 
     def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
         if msg.kind == JOIN:
-            if not self.join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+            if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
                 self.stats.joins_throttled += 1
                 return
             self._answer_join(msg)
@@ -151,7 +151,8 @@ class Coordinator(Service):
             self._note_count()
             self._introduce(member)
         elif msg.kind in kinds.FINISH:
-            self.finish.on_message(msg, frames)
+            for a in self.finish.handle(finish_event(msg, self.transport.source_of(frames)), self.clock.now()):
+                self._send(a.addr, a.kind, a.body)
         else:
             self.stats.unexpected += 1
 

@@ -7,11 +7,11 @@ import signal
 from typing import Callable
 
 from gossiptrain.config import RunConfig, SecurityConfig
-from gossiptrain.runtime.coordinator import Coordinator
-from gossiptrain.protocol.joining import parse_hostport, tcp_url
-from gossiptrain.runtime.loop_thread import LoopThread, new_event_loop
+from gossiptrain.net.addressing import parse_hostport, tcp_url
+from gossiptrain.net.transport import listen
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.net.transport import TcpTransport
+from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.runtime.loop_thread import LoopThread, new_event_loop
 
 
 async def serve_coordinator(
@@ -23,7 +23,7 @@ async def serve_coordinator(
 ) -> None:
     """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set; CURVE with ``security``."""
     host, port = parse_hostport(bind, "bind address")
-    transport = TcpTransport(tcp_url(host, port), config.limits, security=security)
+    transport = listen(tcp_url(host, port), config.limits, security=security)
     async with transport, Coordinator(config, transport) as coordinator:
         if security is None:
             warn_open("coordinator", transport.address)

@@ -25,24 +25,29 @@ from typing import Any, Callable
 
 import torch
 
-from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import ParamSpec
-from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
-from gossiptrain.state.merged_model import MemberInfo, merge_members
-from gossiptrain.protocol.finish import FinalPhase, FinalReport
-from gossiptrain.protocol.joining import JoinRequest, Welcome, join_swarm, parse_hostport, route_address, tcp_url
+from gossiptrain.net.addressing import curve_address, parse_hostport, plain_address, route_address, tcp_url
 from gossiptrain.net.keys import join_server_key
-from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.net.transport import Transport, listen
+from gossiptrain.protocol.admission import warn_open
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.finish import Announce, RequestStop
+from gossiptrain.protocol.joining import JoinRequest, Welcome
 from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
+from gossiptrain.runtime.join_client import join_swarm
+from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.safepoint import SafePoint
-from gossiptrain.protocol.admission import warn_open
+from gossiptrain.runtime.state_endpoint import SnapshotHook, catch_up
+from gossiptrain.runtime.swarm_client import merge_members
 from gossiptrain.service import Status
-from gossiptrain.protocol.state_transfer import SnapshotHook, TransferResult, catch_up, install
-from gossiptrain.net.transport import TcpTransport
-from gossiptrain.net.transport.tcp import curve_address
+from gossiptrain.state.merged_model import MemberInfo
+from gossiptrain.state.snapshot import install
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +120,18 @@ class Peer:
             server_key = join_server_key(security)
             join_target = curve_address(join_target, server_key)
         self._loop = LoopThread().start()
-        self._transport: TcpTransport | None = None
+        self._transport: Transport | None = None
         self._node: PeerNode | None = None
         try:
-            self._transport = TcpTransport(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
-            if self._transport.curve is not None and server_key not in self._transport.curve.allowed:
+            self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
+            if server_key is not None and not self._transport.accepts_key(server_key):
                 # The member we join answers from its own key: refused by our allow-list, we would hear nothing.
                 raise ConfigError(
                     f"the public key of the --join target (security.server_key_file) is not in "
-                    f"security.allow_dir {self._transport.curve.allow_dir}: its answer would be refused"
+                    f"security.allow_dir {security.allow_dir if security else ''}: its answer would be refused"
                 )
             self._loop.run(self._transport.start(), timeout=10)
-            self.address = self._transport.reachable_at(tcp_url(advertise, self._transport.port))
+            self.address = self._transport.reachable_at(tcp_url(advertise, parse_hostport(plain_address(self._transport.address))[1]))
             if security is None:
                 warn_open("peer", self.address)
             module = model if isinstance(model, torch.nn.Module) else None
@@ -296,7 +301,7 @@ class Peer:
     def request_stop(self, reason: str = "requested by a member") -> None:
         """Ask the whole swarm to finish its run, as ``gossiptrain stop`` does."""
         node = self._check_open()
-        self._loop.call_soon(node.finish.request_stop, reason)
+        self._loop.call_soon(node.on_finish, RequestStop(reason))
 
     def finish(
         self, reason: str = "budget", final_model: str | Path | None = None, abort: Callable[[], bool] = lambda: False
@@ -312,8 +317,8 @@ class Peer:
         node = self._check_open()
         phase = FinalPhase(
             self.config.final, me=self.id, endpoint=node.finish, view=node.view, idle=self._idle,
-            notify=lambda phase, writer, everyone: self._loop.call_soon(node.finish.announce, phase, writer, everyone),
-            abort=abort, renotify_every=self.config.membership.heartbeat_interval,
+            notify=lambda phase, writer, everyone: self._loop.call_soon(node.on_finish, Announce(phase, writer, everyone)),
+            abort=abort, renotify_every=self.config.membership.heartbeat_interval, clock=self._clock.now,
         )
         path = str(final_model) if final_model is not None else None
         merge = (lambda: self._start_merge(path)) if path is not None else None

@@ -21,22 +21,24 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import topologies
-
-from gossiptrain.protocol import averaging, finish, state_transfer
-from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
-from gossiptrain.runtime.clock import Clock
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net import kinds
+from gossiptrain.net.kinds import JOIN, WELCOME
+from gossiptrain.net.transport import Transport
+from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.protocol import averaging, finish, membership
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest, answer_join
-from gossiptrain.protocol import membership
 from gossiptrain.protocol.membership import (
     Ack,
     Digest,
     Leave,
     Member,
     MemberDown,
-    MemberUp,
     Membership,
+    MemberUp,
     Ping,
     PingReq,
     Send,
@@ -44,13 +46,10 @@ from gossiptrain.protocol.membership import (
     Tick,
     members_from_wire,
 )
-from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.runtime.clock import Clock
+from gossiptrain.runtime.final_phase import finish_event
+from gossiptrain.runtime.state_endpoint import StateEndpoint
 from gossiptrain.service import Service
-from gossiptrain.protocol.state_transfer import StateEndpoint
-from gossiptrain.net.transport import Transport
-from gossiptrain.net import kinds
-from gossiptrain.net.wire import Message, decode, encode
-from gossiptrain.net.kinds import JOIN, WELCOME
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ class PeerNode(Service):
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
         self.state = StateEndpoint(config, send=self._send, address_of=self._address_of, clock=clock)
         # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
-        self.finish = finish.FinishEndpoint(config, me=me.id, send=self._send, members=self.membership.alive, clock=clock)
+        self.finish = finish.FinishEndpoint(config, me=me.id, members=self.membership.alive)
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -228,13 +227,13 @@ class PeerNode(Service):
 
     def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
         if msg.kind == JOIN:
-            if self._join_limiter.allow(join_source(frames, msg.addr), self.clock.now()):
+            if self._join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
                 self._answer_join(msg)
             else:
                 self.stats.joins_throttled += 1
             return
         if msg.kind == kinds.QUERY:  # from tools outside the swarm, which do not know the run yet
-            self.finish.on_message(msg, frames)
+            self.on_finish(finish_event(msg, self.transport.source_of(frames)))
             return
         if msg.fingerprint != self.fingerprint:
             self.stats.wrong_run += 1
@@ -251,9 +250,14 @@ class PeerNode(Service):
         elif msg.kind in kinds.STATE:
             self.state.on_message(msg)
         elif msg.kind in kinds.FINISH:
-            self.finish.on_message(msg, frames)
+            self.on_finish(finish_event(msg, self.transport.source_of(frames)))
         else:
             self.stats.unexpected += 1
+
+    def on_finish(self, event: finish.Event) -> None:
+        """Feed the end-of-run machine (a message's event, or a local stop or announce) and send what it says."""
+        for a in self.finish.handle(event, self.clock.now()):
+            self._send(a.addr, a.kind, a.body)
 
     def _offer(self, event: Received) -> None:
         try:

@@ -16,12 +16,12 @@ import logging
 import queue
 from typing import Callable
 
+from gossiptrain.net import kinds
 from gossiptrain.protocol import averaging
 from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
+from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
-from gossiptrain.protocol.quarantine import Quarantine
-from gossiptrain.net import kinds
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class SafePoint:
                 continue
             actions += self.averaging.handle(event, now)
         partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
-        started = self.averaging.handle(averaging.Tick(step, partners), now)
+        started = self.averaging.handle(averaging.AtSafePoint(step, partners), now)
         if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
             self.rounds += 1
         actions += started

@@ -24,16 +24,15 @@ from typing import Any, Callable
 import torch
 
 import topologies
-
 from gossiptrain.config import RunConfig
-from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.errors import ConfigError
-from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
-from gossiptrain.train.workload import Workload, load_workload
+from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_schedule
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
 from gossiptrain.sim.vtime import LoopClock, run_virtual
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.train.workload import Workload, load_workload
 
 log = logging.getLogger(__name__)
 

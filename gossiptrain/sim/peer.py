@@ -21,18 +21,21 @@ from typing import Callable
 
 import torch
 
+from gossiptrain.config import RunConfig
+from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec
-from gossiptrain.config import RunConfig
-from gossiptrain.protocol.joining import JoinRequest, join_swarm
-from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.safepoint import SafePoint
-from gossiptrain.protocol.state_transfer import SnapshotHook, TransferResult, catch_up, install
-from gossiptrain.net.transport.sim import SimNetwork, SimTransport
-from gossiptrain.train.workload import Workload
+from gossiptrain.runtime.state_endpoint import SnapshotHook, catch_up
 from gossiptrain.sim.vtime import LoopClock
+from gossiptrain.state.snapshot import install
+from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.train.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ virtual time, as real peers run. Theory, though, is stated in synchronous
 rounds: every peer sends, every message arrives, every peer merges. This
 driver runs exactly that with the same state machines the runtime uses (so
 its results test them, not a model of them): in round r each peer gets a
-``Tick`` with its topology neighbours for round r, and every message is
+``AtSafePoint`` with its topology neighbours for round r, and every message is
 delivered, replies included, before the next round. ``flush`` makes each
 peer merge what arrived in the last round without starting another.
 
@@ -21,10 +21,9 @@ from collections import deque
 import torch
 
 import topologies
-
-from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Averaging, Received, SendExchange, Tick
 from gossiptrain.config import GossipConfig
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import AtSafePoint, Averaging, Received, SendExchange
 
 
 class Lockstep:
@@ -60,7 +59,7 @@ class Lockstep:
         queue: deque[tuple[int, SendExchange]] = deque()
         for i, machine in enumerate(self.machines):
             partners = [self.ids[j] for j in self.topology.neighbours(self.n, i, self.round)]
-            queue.extend((i, a) for a in machine.handle(Tick(self.round, partners), float(self.round)) if _is_send(a))
+            queue.extend((i, a) for a in machine.handle(AtSafePoint(self.round, partners), float(self.round)) if _is_send(a))
         while queue:
             src, send = queue.popleft()
             self.messages += 1
@@ -72,7 +71,7 @@ class Lockstep:
     def flush(self) -> None:
         """Let every peer merge what arrived, starting nothing new (a tick with no neighbours)."""
         for machine in self.machines:
-            actions = machine.handle(Tick(self.round, []), float(self.round))
+            actions = machine.handle(AtSafePoint(self.round, []), float(self.round))
             if any(_is_send(a) for a in actions):
                 raise RuntimeError("a flush tick must not send")
 

@@ -11,7 +11,8 @@ A checkpoint is three files in one directory sharing a name
 whatever the step. Every file is written under a temporary name, flushed,
 fsynced and renamed over its final name, and the directory is fsynced; the
 JSON goes last, so a checkpoint exists only once all of its bytes are on
-disk. A crash at any point leaves the previous checkpoint the newest one.
+disk (the helpers are ``gossiptrain.state.atomic_files``, which merged models
+share). A crash at any point leaves the previous checkpoint the newest one.
 
 Reading checks sizes and hashes before parsing, so a truncated file or a
 flipped byte is caught even when the file would still parse, and
@@ -38,6 +39,15 @@ import torch
 from torch import Tensor
 
 from gossiptrain.errors import CheckpointError, ConfigError
+from gossiptrain.state.atomic_files import (
+    TMP_SUFFIX,
+    encode_metadata,
+    for_saving,
+    fsync_directory,
+    metadata_checksum,
+    serialize_tensors,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +58,7 @@ MAX_METADATA_BYTES = 64 << 20  # a metadata file larger than this is refused unr
 _MODEL = ".model.safetensors"
 _OPTIM = ".optim.safetensors"
 _META = ".json"
-_TMP = ".tmp"
+_TMP = TMP_SUFFIX
 _LOCK = ".lock"
 _COMPLETE = re.compile(r"^ckpt-(\d+)-step-(\d+)\.json$")
 _OURS = re.compile(r"^\.?(ckpt-(\d+)-step-\d+)\.")  # any file a save writes, temporary ones included
@@ -157,16 +167,16 @@ class Checkpointer:
         # Everything that can be refused is done before the first byte is written.
         optim_tensors, optim_meta = _optimizer_state(model, optimizer) if optimizer is not None else ({}, None)
         blobs = {
-            "model": (_MODEL, _serialize(_for_saving(model.state_dict(), "model"), "the model")),
-            "optimizer": (_OPTIM, _serialize(optim_tensors, "the optimizer state")),
+            "model": (_MODEL, serialize_tensors(for_saving(model.state_dict(), "model"), "the model")),
+            "optimizer": (_OPTIM, serialize_tensors(optim_tensors, "the optimizer state")),
         }
         run_json = _jsonable(dict(run), "run") if run is not None else None
         try:
             files = {}
             for role, (suffix, data) in blobs.items():
-                _write_atomic(self.directory, name + suffix, data)
+                write_atomic(self.directory, name + suffix, data)
                 files[role] = {"file": name + suffix, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            _fsync_directory(self.directory)  # the data files are durable before the metadata names them
+            fsync_directory(self.directory)  # the data files are durable before the metadata names them
             meta: dict[str, Any] = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -182,8 +192,8 @@ class Checkpointer:
                 "optimizer": optim_meta,
             }
             path = self.directory / (name + _META)
-            _write_atomic(self.directory, path.name, _encode_metadata(meta))
-            _fsync_directory(self.directory)
+            write_atomic(self.directory, path.name, encode_metadata(meta))
+            fsync_directory(self.directory)
         except OSError as e:
             self._remove_files_of(name)
             raise CheckpointError(f"could not write checkpoint {name} in {self.directory}: {e.strerror or e}") from e
@@ -346,30 +356,6 @@ def _lock_directory(directory: Path) -> Any:
     return fh
 
 
-def _write_atomic(directory: Path, name: str, data: bytes) -> None:
-    """Write ``data`` to ``directory/name`` via a temporary file: all of it or, after a crash, none of it."""
-    tmp = directory / f".{name}{_TMP}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / name)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make renames in ``directory`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a directory; the renames are still atomic
-    finally:
-        os.close(fd)
-
-
 def _remove(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
@@ -392,30 +378,6 @@ def _next_seq(directory: Path) -> int:
 def _complete_names(directory: Path) -> list[str]:
     found = [(int(m.group(1)), entry) for entry in _listdir(directory) if (m := _COMPLETE.match(entry))]
     return [entry.removesuffix(_META) for _, entry in sorted(found, reverse=True)]
-
-
-def _for_saving(state: Mapping[str, Any], what: str) -> dict[str, Tensor]:
-    """Contiguous CPU tensors, none sharing memory (safetensors refuses shared or strided ones)."""
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, value in state.items():
-        if not isinstance(value, Tensor):
-            raise CheckpointError(f"cannot checkpoint {what} entry {name!r}: a {type(value).__name__}, not a tensor")
-        t = value.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or t.numel() != t.untyped_storage().nbytes() // max(t.element_size(), 1):
-            t = t.clone()  # tied weights, or a view of a larger tensor
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
-
-
-def _serialize(tensors: dict[str, Tensor], what: str) -> bytes:
-    try:
-        return safetensors.torch.save(tensors, metadata={"format": "pt"})
-    except (ValueError, KeyError, TypeError) as e:
-        detail = f"safetensors cannot store {e.args[0]} tensors" if isinstance(e, KeyError) else str(e)  # an unknown dtype
-        raise CheckpointError(f"cannot checkpoint {what}: {detail}") from None
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -446,7 +408,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             else:
                 entry[key] = {"value": _jsonable(value, f"optimizer state {key!r} of {pname!r}")}
     meta = {"class": type(optimizer).__name__, "param_groups": groups, "state": state}
-    return _for_saving(tensors, "optimizer state"), meta
+    return for_saving(tensors, "optimizer state"), meta
 
 
 def _jsonable(value: Any, what: str) -> Any:
@@ -462,17 +424,6 @@ def _jsonable(value: Any, what: str) -> Any:
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return {k: _jsonable(v, what) for k, v in value.items()}
     raise CheckpointError(f"cannot checkpoint {what}: a {type(value).__name__} is neither a tensor nor a JSON value")
-
-
-def _encode_metadata(meta: dict[str, Any]) -> bytes:
-    body = {**meta, "checksum": _checksum(meta)}
-    return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
-
-
-def _checksum(meta: Mapping[str, Any]) -> str:
-    """SHA-256 of the metadata without its checksum: catches edits that still parse (a flipped digit)."""
-    rest = {k: v for k, v in meta.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # -- helpers: reading ----------------------------------------------------------------------
@@ -494,7 +445,7 @@ def _read_metadata(path: Path) -> CheckpointInfo:
         raise CheckpointError(f"{path}: not a {FORMAT} metadata file")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {meta.get('version')!r}; this gossiptrain reads version {VERSION}")
-    if meta.get("checksum") != _checksum(meta):
+    if meta.get("checksum") != metadata_checksum(meta):
         raise CheckpointError(f"{path}: its checksum does not match its content (corrupt)")
     try:
         info = _info_from(path, meta)

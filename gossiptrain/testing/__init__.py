@@ -1,1 +1,19 @@
-"""Kits for testing code built on gossiptrain (placeholder until the kits move here)."""
+"""Testing kits for code built on gossiptrain: what its own tests use, shipped for reuse.
+
+- ``transport_checks``: the ``Transport`` conformance suite (``CHECKS``,
+  ``check_transport``) and ``Backend`` descriptions for tcp:// and sim://, so
+  that a new backend is held to the same contract.
+- ``membership_cluster``: ``Cluster``, SWIM ``Membership`` machines on a
+  virtual-time network with delay and loss, for protocol tests and experiments.
+- ``matchers``: ``match`` / ``only``, for assertions on the action lists that
+  sans-IO state machines return.
+
+This is the top layer (beside ``gossiptrain.cli``): it may import any part of
+the library, and the library never imports it.
+"""
+
+from gossiptrain.testing.matchers import match, only
+from gossiptrain.testing.membership_cluster import Cluster, event_for
+from gossiptrain.testing.transport_checks import CHECKS, Backend, check_transport, sim_backend, tcp_backend
+
+__all__ = ["CHECKS", "Backend", "Cluster", "check_transport", "event_for", "match", "only", "sim_backend", "tcp_backend"]

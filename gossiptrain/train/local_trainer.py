@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gossiptrain.state.checkpoint import Checkpoint, restore
 from gossiptrain.config import TrainConfig
 from gossiptrain.errors import WorkloadError
+from gossiptrain.state.checkpoint import Checkpoint, restore
 from gossiptrain.train.evaluation import EvalResult
 from gossiptrain.train.partition import class_histogram, describe
 from gossiptrain.train.workload import Workload, batches

@@ -24,13 +24,13 @@ from typing import Any, Callable
 
 import torch
 
-from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import CheckpointError, ConfigError
-from gossiptrain.train.metrics import MetricsLog
 from gossiptrain.runtime.peer import Peer
-from gossiptrain.train.progress import Progress
+from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.train.metrics import MetricsLog
+from gossiptrain.train.progress import Progress
 from gossiptrain.train.workload import Workload, load_workload
 
 log = logging.getLogger(__name__)

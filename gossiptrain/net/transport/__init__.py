@@ -7,18 +7,19 @@ backend, so a peer runs unchanged on ``tcp://`` and in the simulator's
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.base import Transport, TransportStats
-from gossiptrain.net.transport.sim import SimNetwork, SimTransport
+from gossiptrain.net.transport.sim import SimTransport
 from gossiptrain.net.transport.tcp import TcpTransport
 
-__all__ = ["Transport", "TransportStats", "TcpTransport", "SimNetwork", "SimTransport", "listen", "register", "schemes"]
+__all__ = ["Transport", "TransportStats", "listen", "register", "schemes"]
 
-#: Builds an unstarted transport bound (once started) at a URL of its scheme.
-Factory = Callable[[str, Limits], Transport]
+#: Builds an unstarted transport bound (once started) at a URL of its scheme;
+#: backend options (tcp's ``security``) come as keywords.
+Factory = Callable[..., Transport]
 
 _factories: dict[str, Factory] = {}
 
@@ -35,8 +36,11 @@ def schemes() -> tuple[str, ...]:
     return tuple(sorted(_factories))
 
 
-def listen(url: str, limits: Limits) -> Transport:
-    """An unstarted transport that will listen at ``url``; ConfigError names a bad URL."""
+def listen(url: str, limits: Limits, **options: Any) -> Transport:
+    """An unstarted transport that will listen at ``url``; ConfigError names a bad URL.
+
+    ``options`` go to the backend's constructor (``security=`` for tcp://).
+    """
     scheme, sep, _ = url.partition("://")
     if not sep:
         raise ConfigError(f"invalid transport URL {url!r}: expected scheme://address ({_known()})")
@@ -44,7 +48,7 @@ def listen(url: str, limits: Limits) -> Transport:
     if factory is None:
         raise ConfigError(f"invalid transport URL {url!r}: unknown scheme {scheme!r} ({_known()})")
     try:
-        return factory(url, limits)
+        return factory(url, limits, **options)
     except ConfigError:
         raise
     except ValueError as e:

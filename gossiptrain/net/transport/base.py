@@ -5,7 +5,7 @@ datagrams: ``send`` never blocks and may drop, ``recv`` yields one message's
 frames. It knows nothing of message contents (the sender's identity travels
 in the header, which the wire codec owns). Code above this layer talks only
 to ``Transport``, so ``tcp://`` and ``sim://`` are interchangeable and one
-conformance suite (tests/test_transport.py) holds both to the same contract.
+conformance suite (``gossiptrain.testing.transport_checks``, run by tests/test_transport.py) holds both to the same contract.
 """
 
 from __future__ import annotations
@@ -173,6 +173,22 @@ class Transport(Service, abc.ABC):
     @abc.abstractmethod
     def forget(self, address: str) -> None:
         """Drop the outgoing connection to ``address`` (a member that left) and its queue."""
+
+    def source_of(self, frames: Sequence[object]) -> str | None:
+        """The network source (an IP) a received message came from, where the backend can tell; else None."""
+        return None
+
+    def connect_failure(self, address: str) -> str | None:
+        """Why connecting to ``address`` failed for good (a refused key, say), where the backend can tell."""
+        return None
+
+    def accepts_key(self, public_key: bytes | None) -> bool:
+        """Whether a peer authenticating with ``public_key`` would be let in (backends without keys: always)."""
+        return True
+
+    def reachable_at(self, url: str) -> str:
+        """``url`` (this endpoint under an advertised host name) as others must dial it."""
+        return url
 
     async def recv(self) -> list[memoryview]:
         """The frames of the next whole message. Raises TransportClosed once closed."""

@@ -23,7 +23,6 @@ import asyncio
 import ipaddress
 import itertools
 import logging
-import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,11 +31,11 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from gossiptrain.config import Limits, SecurityConfig
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.addressing import CURVE_QUERY, curve_address, split_curve_address
 from gossiptrain.net.keys import CurveKeys, load_curve
 from gossiptrain.net.transport.base import Transport
 
@@ -62,10 +61,6 @@ _MONITOR_ENDPOINT = "inproc://handshakes"
 # While a new destination connects, its handshake events say why it failed, for error messages.
 _CONNECT_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-#: A secure member's address ends in this, then its CURVE public key in hex.
-CURVE_QUERY = "?curve="
-_CURVE_HEX = re.compile(r"[0-9a-f]{64}")
-
 _Message = tuple[list[bytes | memoryview], int]  # frames, total bytes
 
 
@@ -77,26 +72,6 @@ class ReceivedFrames(list):  # type: ignore[type-arg]
     def __init__(self, frames: list[memoryview], source: str | None) -> None:
         super().__init__(frames)
         self.source = source
-
-
-def received_from(frames: Sequence[object]) -> str | None:
-    """The IP a message received by a tcp:// transport came from; None for other transports."""
-    return frames.source if isinstance(frames, ReceivedFrames) else None
-
-
-def curve_address(url: str, public_key: bytes) -> str:
-    """``url`` with a CURVE public key (Z85, as in key files) attached: how a secure member is addressed."""
-    return f"{url}{CURVE_QUERY}{z85.decode(public_key).hex()}"
-
-
-def split_curve_address(address: str) -> tuple[str, bytes | None]:
-    """(plain URL, the server's Z85 public key or None); ValueError if the key part is malformed."""
-    url, sep, key = address.partition(CURVE_QUERY)
-    if not sep:
-        return address, None
-    if not _CURVE_HEX.fullmatch(key):
-        raise ValueError(f"the key after {CURVE_QUERY!r} must be 64 lowercase hex digits")
-    return url, z85.encode(bytes.fromhex(key))
 
 
 @dataclass(eq=False)
@@ -174,6 +149,14 @@ class TcpTransport(Transport):
         self._auth: ThreadAuthenticator | None = None
         self._destinations: dict[str, _Destination] = {}
         self._monitors = itertools.count()
+
+    def source_of(self, frames: Sequence[object]) -> str | None:
+        """The IP the connection a received message came on was from (ZeroMQ's Peer-Address)."""
+        return frames.source if isinstance(frames, ReceivedFrames) else None
+
+    def accepts_key(self, public_key: bytes | None) -> bool:
+        """Whether a handshake from ``public_key`` passes our allow-list (always, when not secure)."""
+        return self.curve is None or public_key in self.curve.allowed
 
     def reachable_at(self, url: str) -> str:
         """``url`` (this endpoint under another host name, e.g. the advertised one) as others must dial it."""

@@ -1,0 +1,69 @@
+"""Addresses, owned by the network layer: HOST:PORT parsing, tcp:// URLs, CURVE keys in addresses, routes.
+
+A secure member's address carries its CURVE public key
+(``tcp://host:port?curve=<64 hex digits>``), so whoever dials it can
+authenticate the answer; people read addresses without the key
+(``plain_address``).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+from zmq.utils import z85
+
+from gossiptrain.errors import ConfigError
+
+#: A secure member's address ends in this, then its CURVE public key in hex.
+CURVE_QUERY = "?curve="
+_CURVE_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
+    """'host:port', '[::1]:port' or 'tcp://host:port' -> (host, port), with a clear error."""
+    raw = text.removeprefix("tcp://")
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what} {text!r} must look like HOST:PORT (e.g. 127.0.0.1:7070)")
+    return host.strip("[]"), int(port)
+
+
+def tcp_url(host: str, port: int) -> str:
+    """tcp://host:port, with an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def route_address(remote_host: str) -> str:
+    """The local address of the interface that routes to ``remote_host`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(remote_host, 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot resolve join host {remote_host!r}: {e.strerror}") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+
+
+def curve_address(url: str, public_key: bytes) -> str:
+    """``url`` with a CURVE public key (Z85, as in key files) attached: how a secure member is addressed."""
+    return f"{url}{CURVE_QUERY}{z85.decode(public_key).hex()}"
+
+
+def split_curve_address(address: str) -> tuple[str, bytes | None]:
+    """(plain URL, the server's Z85 public key or None); ValueError if the key part is malformed."""
+    url, sep, key = address.partition(CURVE_QUERY)
+    if not sep:
+        return address, None
+    if not _CURVE_HEX.fullmatch(key):
+        raise ValueError(f"the key after {CURVE_QUERY!r} must be 64 lowercase hex digits")
+    return url, z85.encode(bytes.fromhex(key))
+
+
+def plain_address(address: str) -> str:
+    """An address without its CURVE key, for messages people read."""
+    return address.partition(CURVE_QUERY)[0]

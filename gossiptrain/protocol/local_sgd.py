@@ -1,0 +1,48 @@
+"""Local SGD with gossip averaging, and an optional DiLoCo-style outer optimizer (sans-IO).
+
+``LocalSGD`` is neighbour averaging (``gossiptrain.protocol.neighbor``) once
+every ``local_steps`` (H) steps, with an optional outer optimizer in the
+style of DiLoCo (Douillard et al. 2023):
+the change of the model over a round (local steps and merges) is treated
+as a gradient, ``delta = anchor - x``, and applied to the round's starting
+point with Nesterov momentum. ``outer_lr=1, outer_momentum=0`` is plain
+local SGD with gossip averaging.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Mapping
+
+import torch
+
+from gossiptrain.config import GossipConfig
+from gossiptrain.protocol.neighbor import NeighborAveraging
+
+
+class LocalSGD(NeighborAveraging):
+    """H local steps, then a neighbour-averaging round and an optional outer (Nesterov) step."""
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
+    ) -> None:
+        super().__init__(params, config, rng, me)
+        self.every = config.local_steps
+        self.outer = config.outer_lr != 1.0 or config.outer_momentum != 0.0
+        self._anchor = self._snapshot() if self.outer else []  # the model at the start of the round
+        self._momentum = [torch.zeros_like(p) for p in self.params] if config.outer_momentum else []
+
+    def _end_of_round(self) -> None:
+        if not self.outer:
+            return
+        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        with torch.no_grad():
+            delta = torch._foreach_sub(self._anchor, self.params)  # the round's "outer gradient"
+            if mu:
+                torch._foreach_mul_(self._momentum, mu)
+                torch._foreach_add_(self._momentum, delta)  # m <- mu m + delta
+                torch._foreach_add_(delta, self._momentum, alpha=mu)  # Nesterov: delta + mu m
+            # x <- anchor - lr * step
+            for p, a, d in zip(self.params, self._anchor, delta):
+                p.copy_(a).add_(d, alpha=-lr)
+        self._anchor = self._snapshot()
