@@ -22,33 +22,27 @@ from typing import Sequence
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.kinds import GOSSIP, JOIN, REPORT, WELCOME
+from gossiptrain.net.kinds import GOSSIP, WELCOME
 from gossiptrain.net.transport import Transport
-from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.wire import Message
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.protocol.joining import JoinRequest, answer_join
 from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.runtime.endpoint import Endpoint, EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
-from gossiptrain.service import Service
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class CoordinatorStats:
+class CoordinatorStats(EndpointStats):
     joins_answered: int = 0
     joins_refused: int = 0
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     reports: int = 0
-    bad_messages: int = 0
-    wrong_run: int = 0
-    unexpected: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
 
 class Registry:
@@ -73,17 +67,15 @@ class Registry:
         return [m for m, _ in self._seen.values()]
 
 
-class Coordinator(Service):
+class Coordinator(Endpoint):
     """Bootstraps membership for one run; see the module docstring."""
 
     def __init__(self, config: RunConfig, transport: Transport, clock: Clock = REAL_CLOCK, seed: int | None = None):
-        super().__init__()
+        super().__init__(transport, config.limits, sender="coordinator", fingerprint=config.fingerprint(), stats=CoordinatorStats())
+        self.stats: CoordinatorStats
         self.config = config
-        self.fingerprint = config.fingerprint()
-        self.transport = transport
         self.clock = clock
         self.rng = random.Random(seed)
-        self.stats = CoordinatorStats()
         self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
         m = config.membership
         self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
@@ -91,10 +83,9 @@ class Coordinator(Service):
         self.join_limiter = JoinLimiter.from_limits(config.limits)
         # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
         self.finish = FinishEndpoint(config, me="coordinator", members=self.members)
-
-    def _send(self, addr: str, kind: str, body: dict[str, object]) -> bool:
-        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
-        return self.transport.send(addr, frames)
+        self.handlers = {kinds.JOIN: self._on_join, kinds.REPORT: self._on_report, **dict.fromkeys(kinds.FINISH, self._on_finish)}
+        # Joins come from newcomers that do not know the run; the finish machine checks its own messages' runs.
+        self.open_kinds = frozenset((kinds.JOIN, *kinds.FINISH))
 
     @property
     def address(self) -> str:
@@ -104,7 +95,7 @@ class Coordinator(Service):
         return self.registry.alive(self.clock.now())
 
     async def _start(self) -> None:
-        self.spawn(self._receive_loop(), "receive")
+        await super()._start()  # the receive loop
         self.spawn(self._sweep_loop(), "sweep")
 
     async def _sweep_loop(self) -> None:
@@ -119,42 +110,25 @@ class Coordinator(Service):
             log.info("%d members alive (from joins and reports)", count)
             self._last_count = count
 
-    async def _receive_loop(self) -> None:
-        while True:
-            frames = await self.transport.recv()
-            try:
-                self._dispatch(decode(frames, self.config.limits), frames)
-            except ProtocolError as e:
-                self.stats.bad_messages += 1
-                log.debug("dropped a bad message: %s", e)
-            except Exception:
-                self.stats.bad_messages += 1
-                log.exception("error while handling a message; dropped it")
+    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
+        if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
+            self.stats.joins_throttled += 1
+            return
+        self._answer_join(msg)
 
-    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
-        if msg.kind == JOIN:
-            if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
-                self.stats.joins_throttled += 1
-                return
-            self._answer_join(msg)
-        elif msg.kind == REPORT:
-            if msg.fingerprint != self.fingerprint:
-                self.stats.wrong_run += 1
-                return
-            body = msg.body
-            member = Member.from_wire(body.get("member"))
-            if member.id != msg.sender:
-                raise ProtocolError("a report must be about its sender")
-            self._learn_spec(body.get("spec"))
-            self.registry.update(member, self.clock.now())
-            self.stats.reports += 1
-            self._note_count()
-            self._introduce(member)
-        elif msg.kind in kinds.FINISH:
-            for a in self.finish.handle(finish_event(msg, self.transport.source_of(frames)), self.clock.now()):
-                self._send(a.addr, a.kind, a.body)
-        else:
-            self.stats.unexpected += 1
+    def _on_report(self, msg: Message, frames: Sequence[object]) -> None:
+        member = Member.from_wire(msg.body.get("member"))
+        if member.id != msg.sender:
+            raise ProtocolError("a report must be about its sender")
+        self._learn_spec(msg.body.get("spec"))
+        self.registry.update(member, self.clock.now())
+        self.stats.reports += 1
+        self._note_count()
+        self._introduce(member)
+
+    def _on_finish(self, msg: Message, frames: Sequence[object]) -> None:
+        for a in self.finish.handle(finish_event(msg, self.transport.source_of(frames)), self.clock.now()):
+            self.send(a.addr, a.kind, a.body)
 
     def _introduce(self, reporter: Member) -> None:
         """Answer a report with a few other live members.
@@ -168,9 +142,7 @@ class Coordinator(Service):
         if not others:
             return
         sample = self.rng.sample(others, min(self.config.membership.sample_size, len(others)))
-        body = {"members": [m.to_wire() for m in sample]}
-        frames = encode(Message(GOSSIP, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
-        self.transport.send(reporter.addr, frames)
+        self.send(reporter.addr, GOSSIP, {"members": [m.to_wire() for m in sample]})
 
     def _learn_spec(self, raw: object) -> None:
         if raw is not None and self.spec is None:
@@ -201,5 +173,4 @@ class Coordinator(Service):
         else:
             self.stats.joins_refused += 1
             log.warning("refused a join from %s: %s", msg.addr, body["reason"])
-        frames = encode(Message(kind, "coordinator", self.transport.address, self.fingerprint, 0, body), self.config.limits)
-        self.transport.send(msg.addr, frames)
+        self.send(msg.addr, kind, body)

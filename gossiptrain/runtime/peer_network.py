@@ -1,14 +1,16 @@
 """The network side of one peer: membership gossip, answering joins, routing exchanges.
 
-``PeerNode`` runs in the peer's event loop. It decodes every message (a bad
-one is dropped and counted), drives the membership state machine on a
-heartbeat, answers joins like the coordinator does, reports to the
-coordinator when one is known, and hands exchange messages to the trainer
-through a bounded queue. The trainer consumes that queue at its safe points
-(see ``gossiptrain.runtime.peer``); when the queue is full, a request is refused at
-once so that its sender moves on instead of waiting for a timeout. State
-transfer messages go to ``self.state`` (``gossiptrain.protocol.state_transfer``): it
-answers newcomers as a donor and feeds our own download when we are one.
+``PeerNode`` runs in the peer's event loop, an ``Endpoint``
+(``gossiptrain.runtime.endpoint``) whose handler table routes each kind: it
+drives the membership state machine on a heartbeat, answers joins like the
+coordinator does, reports to the coordinator when one is known, and hands
+exchange messages to the trainer through a bounded queue. The trainer
+consumes that queue at its safe points (see ``gossiptrain.runtime.peer``);
+when the queue is full, a request is refused at once so that its sender
+moves on instead of waiting for a timeout. State transfer messages go to
+``self.state`` (``gossiptrain.runtime.state_endpoint``): it answers newcomers
+as a donor and feeds our own download when we are one. End-of-run messages
+go to ``self.finish`` (``gossiptrain.protocol.finish``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.kinds import JOIN, WELCOME
+from gossiptrain.net.kinds import WELCOME
 from gossiptrain.net.transport import Transport
-from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
@@ -47,9 +49,9 @@ from gossiptrain.protocol.membership import (
     members_from_wire,
 )
 from gossiptrain.runtime.clock import Clock
+from gossiptrain.runtime.endpoint import Endpoint, EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
 from gossiptrain.runtime.state_endpoint import StateEndpoint
-from gossiptrain.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +62,8 @@ _PROBES = (kinds.PING, kinds.PING_REQ, kinds.ACK)
 
 
 @dataclass
-class NodeStats:
-    bad_messages: int = 0  # failed to decode or validate
-    wrong_run: int = 0  # another run's fingerprint
-    unexpected: int = 0  # a kind this node does not take
+class NodeStats(EndpointStats):
     exchange_queue_full: int = 0  # requests refused because the trainer was behind
-    undeliverable: int = 0  # messages the transport could not queue
     joins_answered: int = 0
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     members_up: int = 0
@@ -73,11 +71,8 @@ class NodeStats:
     members_dead: int = 0  # declared dead: suspected and never refuted
     members_left: int = 0  # announced a clean leave
 
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
-
-class PeerNode(Service):
+class PeerNode(Endpoint):
     """Membership, join answering and exchange routing for one peer."""
 
     def __init__(
@@ -92,10 +87,11 @@ class PeerNode(Service):
         coordinator: str = "",
         seeds: list[Member] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            transport, config.limits, sender=me.id, fingerprint=config.fingerprint(), stats=NodeStats(), advertise=me.addr
+        )
+        self.stats: NodeStats
         self.config = config
-        self.fingerprint = config.fingerprint()
-        self.transport = transport
         self.clock = clock
         self.rng = rng
         self.spec = spec
@@ -103,8 +99,7 @@ class PeerNode(Service):
         self.membership = Membership(me, config.membership, rng)
         self.topology = topologies.parse(config.gossip.topology)
         self._fallback = topologies.get("complete")
-        self.stats = NodeStats()
-        self.step = 0  # the trainer's step, stamped on outgoing messages (written by the trainer thread)
+        # self.step: the trainer's step, stamped on outgoing messages (written by the trainer thread)
         # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.
         self.exchanges: queue.Queue[Received] = queue.Queue(maxsize=config.limits.averaging_queue)
         self._view: tuple[str, ...] = (me.id,)
@@ -113,9 +108,17 @@ class PeerNode(Service):
         self._join_limiter = JoinLimiter.from_limits(config.limits)
         self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
-        self.state = StateEndpoint(config, send=self._send, address_of=self._address_of, clock=clock)
+        self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock)
         # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
         self.finish = finish.FinishEndpoint(config, me=me.id, members=self.membership.alive)
+        self.handlers = {
+            kinds.JOIN: self._on_join,
+            **dict.fromkeys(kinds.MEMBERSHIP, self._on_membership),
+            **dict.fromkeys(kinds.EXCHANGE, self._on_exchange),
+            **dict.fromkeys(kinds.STATE, self._on_state),
+            **dict.fromkeys(kinds.FINISH, self._on_finish_message),
+        }
+        self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -150,7 +153,7 @@ class PeerNode(Service):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        self.spawn(self._receive_loop(), "receive")
+        await super()._start()  # the receive loop
         self.spawn(self._heartbeat_loop(), "heartbeat")
         self.spawn(self.state.run(), "state")
         if self.coordinator:
@@ -160,27 +163,15 @@ class PeerNode(Service):
         """Tell everyone we know that we are leaving (best effort, never blocks)."""
         self._apply(self.membership.handle(Leave(), self.clock.now()))
         if self.coordinator:
-            self._send(self.coordinator, kinds.REPORT, self._report_body())
+            self.send(self.coordinator, kinds.REPORT, self._report_body())
 
     # -- sending ---------------------------------------------------------------------------
-
-    def _send(self, addr: str, kind: str, body: dict[str, Any], tensors: dict[str, Any] | None = None) -> bool:
-        msg = Message(kind, self.me.id, self.me.addr, self.fingerprint, self.step, body, tensors or {})
-        try:
-            frames = encode(msg, self.config.limits)
-        except ProtocolError as e:
-            log.error("cannot send %s to %s: %s", kind, addr, e)
-            return False
-        if not self.transport.send(addr, frames):
-            self.stats.undeliverable += 1
-            return False
-        return True
 
     def send_exchange(self, action: SendExchange) -> None:
         """Carry out an averaging action (called in the loop thread via call_soon_threadsafe)."""
         addr = self._address_of(action.to)
         body = {"xid": action.xid, **action.meta}
-        ok = addr is not None and self._send(addr, action.kind, body, dict(action.tensors))
+        ok = addr is not None and self.send(addr, action.kind, body, dict(action.tensors))
         if not ok and action.kind in _NEEDS_ANSWER:
             # Tell the trainer at once: an exchange need not wait out its timeout, a push takes its mass back.
             self._offer(Received(action.to, kinds.XNAK, action.xid))
@@ -204,60 +195,41 @@ class PeerNode(Service):
 
     async def _report_loop(self) -> None:
         while True:
-            self._send(self.coordinator, kinds.REPORT, self._report_body())
+            self.send(self.coordinator, kinds.REPORT, self._report_body())
             await self.clock.sleep(self.config.membership.report_interval)
 
     def _report_body(self) -> dict[str, Any]:
         return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None}
 
-    async def _receive_loop(self) -> None:
-        while True:
-            frames = await self.transport.recv()
-            try:
-                msg = decode(frames, self.config.limits)
-                self._dispatch(msg, frames)
-            except ProtocolError as e:
-                self.stats.bad_messages += 1
-                log.debug("dropped a bad message: %s", e)
-            except Exception:  # a bug must not let one peer's message kill the receiver
-                self.stats.bad_messages += 1
-                log.exception("error while handling a message; dropped it")
-
     # -- handling --------------------------------------------------------------------------
 
-    def _dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
-        if msg.kind == JOIN:
-            if self._join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
-                self._answer_join(msg)
-            else:
-                self.stats.joins_throttled += 1
-            return
-        if msg.kind == kinds.QUERY:  # from tools outside the swarm, which do not know the run yet
-            self.on_finish(finish_event(msg, self.transport.source_of(frames)))
-            return
-        if msg.fingerprint != self.fingerprint:
-            self.stats.wrong_run += 1
-            return
-        if msg.kind in kinds.MEMBERSHIP:
-            self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
-        elif msg.kind in kinds.EXCHANGE:
-            xid = msg.body.get("xid")
-            if type(xid) is not int:
-                raise ProtocolError("exchange message without an int xid")
-            meta = exchange_meta(msg.body)
-            self._remember_addr(msg.sender, msg.addr)
-            self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
-        elif msg.kind in kinds.STATE:
-            self.state.on_message(msg)
-        elif msg.kind in kinds.FINISH:
-            self.on_finish(finish_event(msg, self.transport.source_of(frames)))
+    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
+        if self._join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
+            self._answer_join(msg)
         else:
-            self.stats.unexpected += 1
+            self.stats.joins_throttled += 1
+
+    def _on_membership(self, msg: Message, frames: Sequence[object]) -> None:
+        self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
+
+    def _on_exchange(self, msg: Message, frames: Sequence[object]) -> None:
+        xid = msg.body.get("xid")
+        if type(xid) is not int:
+            raise ProtocolError("exchange message without an int xid")
+        meta = exchange_meta(msg.body)
+        self._remember_addr(msg.sender, msg.addr)
+        self._offer(Received(msg.sender, msg.kind, xid, msg.tensors, msg.step, meta))
+
+    def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
+        self.state.on_message(msg)
+
+    def _on_finish_message(self, msg: Message, frames: Sequence[object]) -> None:
+        self.on_finish(finish_event(msg, self.transport.source_of(frames)))
 
     def on_finish(self, event: finish.Event) -> None:
         """Feed the end-of-run machine (a message's event, or a local stop or announce) and send what it says."""
         for a in self.finish.handle(event, self.clock.now()):
-            self._send(a.addr, a.kind, a.body)
+            self.send(a.addr, a.kind, a.body)
 
     def _offer(self, event: Received) -> None:
         try:
@@ -267,7 +239,7 @@ class PeerNode(Service):
             if event.kind in _NEEDS_ANSWER:
                 addr = self._address_of(event.sender)
                 if addr:
-                    self._send(addr, kinds.XNAK, {"xid": event.xid})
+                    self.send(addr, kinds.XNAK, {"xid": event.xid})
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
@@ -293,7 +265,7 @@ class PeerNode(Service):
             log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
         else:
             log.warning("refused a join from %s: %s", msg.addr, body["reason"])
-        self._send(msg.addr, kind, body)
+        self.send(msg.addr, kind, body)
 
     def _apply(self, actions: list[Any]) -> None:
         changed = False
@@ -304,7 +276,7 @@ class PeerNode(Service):
                     body["seq"] = a.seq
                 if a.kind == kinds.PING_REQ:
                     body["target"], body["taddr"] = a.target, a.target_addr
-                self._send(a.addr, a.kind, body)
+                self.send(a.addr, a.kind, body)
             elif isinstance(a, Suspected):
                 self.stats.members_suspected += 1
                 log.debug("member %s is suspected (by %s)", a.member.id, a.member.by or "?")

@@ -35,11 +35,12 @@ from gossiptrain.net.addressing import curve_address, parse_hostport, plain_addr
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.net.kinds import QUERY, ROSTER, STOP
 from gossiptrain.net.transport import Transport, listen
-from gossiptrain.net.wire import Message, decode, encode
+from gossiptrain.net.wire import Message
 from gossiptrain.protocol.finish import new_stop_id
 from gossiptrain.protocol.membership import ALIVE, Member, members_from_wire
 from gossiptrain.protocol.state_transfer import Fetcher, TransferResult
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.runtime.endpoint import Endpoint
 from gossiptrain.runtime.state_endpoint import StateEndpoint
 from gossiptrain.state.merged_model import MemberInfo, MergedInfo, NothingToMerge, WeightedMean, write_merged
 from gossiptrain.state.snapshot import Entry, entries_of, table_layout, tensors_from
@@ -194,7 +195,7 @@ class SwarmClient:
         self.roster: Roster | None = None
         self.address = ""
         self._transport: Transport | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._net: Endpoint | None = None  # sends, and routes ROSTER and state-transfer answers to us
         self._rosters: asyncio.Queue[Roster] = asyncio.Queue(maxsize=16)
         self._endpoint: StateEndpoint | None = None
         self._addresses: dict[str, str] = {}
@@ -213,40 +214,33 @@ class SwarmClient:
         self._transport = transport
         port = parse_hostport(plain_address(transport.address), "visitor address")[1]  # port 0 bound to a real one
         self.address = transport.reachable_at(tcp_url(self._advertise, port))
-        self._receiver = asyncio.create_task(self._receive(transport))
+        net = Endpoint(transport, limits, sender=self.id, fingerprint=self._fingerprint(), advertise=self.address)
+        net.handlers = {ROSTER: self._on_roster, **dict.fromkeys(kinds.STATE, self._on_state)}
+        net.open_kinds = frozenset({ROSTER})  # the answer to a query: it tells us the run
+        self._net = await net.start()
+
+    def _fingerprint(self) -> str:
+        return self.roster.fingerprint if self.roster is not None else ""
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
-            self._receiver = None
+        if self._net is not None:
+            await self._net.close("visitor done")
+            self._net = None
         if self._transport is not None:
             await self._transport.close("visitor done")
             self._transport = None
 
     def _send(self, addr: str, kind: str, body: dict[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> bool:
-        assert self._transport is not None
-        fingerprint = self.roster.fingerprint if self.roster is not None else ""
-        msg = Message(kind, self.id, self.address, fingerprint, 0, body, dict(tensors or {}))
-        try:
-            return self._transport.send(addr, encode(msg, self.limits))
-        except ProtocolError as e:
-            log.error("cannot send %s to %s: %s", kind, addr, e)
-            return False
+        assert self._net is not None
+        return self._net.send(addr, kind, body, tensors)
 
-    async def _receive(self, transport: Transport) -> None:
-        while True:
-            frames = await transport.recv()
-            try:
-                msg = decode(frames, self.limits)
-                if msg.kind == ROSTER:
-                    if not self._rosters.full():
-                        self._rosters.put_nowait(Roster.from_message(msg, self.limits))
-                elif msg.kind in kinds.STATE and self.roster is not None and self._endpoint is not None:
-                    if msg.fingerprint == self.roster.fingerprint:
-                        self._endpoint.on_message(msg)
-            except ProtocolError as e:
-                log.debug("dropped a bad message: %s", e)
+    def _on_roster(self, msg: Message, frames: Sequence[object]) -> None:
+        if not self._rosters.full():
+            self._rosters.put_nowait(Roster.from_message(msg, self.limits))
+
+    def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
+        if self.roster is not None and self._endpoint is not None:  # the fingerprint was checked: the run's
+            self._endpoint.on_message(msg)
 
     async def _ask(self, kind: str, body: dict[str, Any], attempts: int, timeout: float) -> Roster:
         while not self._rosters.empty():  # answers to earlier asks
@@ -269,6 +263,8 @@ class SwarmClient:
             await self.close()
             await self._open(roster.config.limits)
         self.roster = roster
+        assert self._net is not None
+        self._net.fingerprint = roster.fingerprint  # state-transfer answers must carry it from now on
         self._addresses = {m.id: m.addr for m in roster.members}
         self._endpoint = StateEndpoint(roster.config, send=self._send, address_of=self._addresses.get, clock=self.clock)
         return roster
