@@ -30,7 +30,7 @@ from gossiptrain.protocol.state_transfer import (
     Fetcher,
     RequestChunk,
     SnapshotTaken,
-    Tick,
+    Wakeup,
 )
 from gossiptrain.runtime.state_endpoint import SnapshotHook, StateEndpoint
 from gossiptrain.sim.cluster import Cluster, SimConfig
@@ -86,7 +86,7 @@ class Net:
 
     def tick(self, members: list[str], at: float | None = None) -> None:
         self.now = self.now if at is None else at
-        self.run(self.fetcher.handle(Tick(members), self.now))
+        self.run(self.fetcher.handle(Wakeup(members), self.now))
 
     def run(self, actions: list[RequestChunk]) -> None:
         queue = list(actions)
@@ -304,7 +304,7 @@ def test_the_snapshot_is_taken_once_at_the_safe_point_and_training_does_not_chan
     sent: list[st.Reply] = []
     endpoint._execute = sent.extend  # type: ignore[method-assign]  # capture the donor's replies
     at_transfer = fmt.flatten(hook.tensors)
-    reqs = newcomer.handle(Tick(["new", "d"]), 0.0)
+    reqs = newcomer.handle(Wakeup(["new", "d"]), 0.0)
     while reqs:
         req = reqs.pop(0)
         if req.index != CLOSE:
@@ -392,7 +392,7 @@ def first_accuracy_after_rejoin(run: RunConfig, seed: int = 2) -> tuple[float, f
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Snapshot, "build", staticmethod(spy_build))
-        mp.setattr("gossiptrain.sim.peer.install", spy_install)
+        mp.setattr("gossiptrain.runtime.assembly.install", spy_install)  # where peers install a download
         run_cluster(cluster)
     cluster.snapshots, cluster.installed = snapshots, installed  # type: ignore[attr-defined]
     assert first, "the rejoined peer was never sampled"

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import time
 from typing import Any, Callable
 
+from gossiptrain.cli.common import EXIT_FAILED, setup_logging
 from gossiptrain.errors import GossipError
 from gossiptrain.runtime.loop_thread import new_event_loop
-
-EXIT_FAILED = 1
 
 
 def add_parsers(
@@ -49,11 +47,6 @@ def add_parsers(
     p.set_defaults(func=lambda args: cmd_stop(args, security(args)))
 
 
-def _setup_logging(verbosity: int) -> None:
-    level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -62,7 +55,7 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
     from gossiptrain.runtime.swarm_client import export
     from gossiptrain.state.merged_model import NothingToMerge
 
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     if not args.timeout > 0 or args.max_bytes < 1:
         raise GossipError("--timeout must be > 0 seconds and --max-bytes >= 1")
     try:
@@ -86,7 +79,7 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
 def cmd_stop(args: argparse.Namespace, security: Any) -> int:
     from gossiptrain.runtime.swarm_client import SwarmClient
 
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
 
     async def main() -> int:
         async with SwarmClient(args.join, advertise=args.advertise, security=security) as client:

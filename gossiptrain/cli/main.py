@@ -18,11 +18,9 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
+from gossiptrain.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, setup_logging
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
-
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -87,11 +85,6 @@ def _check_workload(config: RunConfig) -> None:
             raise ConfigError(f"train.workload: {e}") from None
 
 
-def _setup_logging(verbosity: int, default: int) -> None:
-    level = {0: default, 1: logging.INFO, 2: logging.DEBUG}.get(verbosity, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
 # -- commands ----------------------------------------------------------------------------
 
 
@@ -122,7 +115,7 @@ def _security(args: argparse.Namespace) -> SecurityConfig | None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from gossiptrain.runtime.coordinator_process import run_coordinator_forever
 
-    _setup_logging(args.verbose, logging.INFO)
+    setup_logging(args.verbose, logging.INFO)
     config = _run_config(args)
     _check_workload(config)
     security = _security(args)
@@ -157,7 +150,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     from gossiptrain.train.peer_loop import PeerOptions, run_peer
 
-    _setup_logging(args.verbose, logging.WARNING)
+    setup_logging(args.verbose, logging.WARNING)
     if args.checkpoint_dir is None:
         for flag in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_keep"):
             if getattr(args, flag) is not None:
@@ -197,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from gossiptrain.cli.demo import DemoOptions, format_table, run_demo, summary_json
 
-    _setup_logging(args.verbose, logging.WARNING)
+    setup_logging(args.verbose, logging.WARNING)
     _on_stop_signals(_interrupt)
     options = DemoOptions(
         peers=args.peers, target=args.target, timeout=args.timeout, workdir=Path(args.workdir) if args.workdir else None
@@ -212,7 +205,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from gossiptrain.cli.simulate import run_simulate
 
-    _setup_logging(args.verbose, logging.WARNING)
+    setup_logging(args.verbose, logging.WARNING)
     run = _run_config(args)
     if not args.config:
         # Simulated peers default to one shard each and to the simulation's duration as their budget.

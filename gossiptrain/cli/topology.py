@@ -16,9 +16,8 @@ import sys
 from typing import Any
 
 import topologies
+from gossiptrain.cli.common import EXIT_USAGE
 from topologies.drawing import save_png
-
-EXIT_USAGE = 2
 
 
 def add_parser(subparsers: Any) -> None:

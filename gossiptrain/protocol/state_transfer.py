@@ -119,7 +119,7 @@ _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
 
 
 @dataclass(frozen=True)
-class Tick:
+class Wakeup:
     """Time passed; ``members`` are the live members of our view now (us included or not)."""
 
     members: Sequence[str]
@@ -174,7 +174,7 @@ class Unreachable:
     sid: int
 
 
-FetchEvent = Tick | Chunk | Refusal | Unreachable
+FetchEvent = Wakeup | Chunk | Refusal | Unreachable
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ class Fetcher:
         if self.result is not None:
             return []
         out: list[RequestChunk] = []
-        if isinstance(event, Tick):
+        if isinstance(event, Wakeup):
             self._members = sorted({m for m in event.members if m != self.me})
         elif isinstance(event, Chunk):
             self._on_chunk(event, now, out)
@@ -320,7 +320,7 @@ class Fetcher:
         return out
 
     def reject(self, reason: str) -> None:
-        """The driver found the assembled state unusable: drop it and ban its donors; the next Tick fetches it again."""
+        """The driver found the assembled state unusable: drop it and ban its donors; the next Wakeup fetches it again."""
         if self.result is None or not self.result.ok:
             return
         log.warning("state transfer: discarding the state from %s: %s", ", ".join(self.result.donors), reason)
@@ -329,7 +329,7 @@ class Fetcher:
         self.result = None
 
     def wakeup(self, now: float) -> float:
-        """The latest time the driver should feed a ``Tick``."""
+        """The latest time the driver should feed a ``Wakeup``."""
         cfg = self.config
         times = [self.started + cfg.max_seconds, now + cfg.request_timeout / 4]  # notice view changes too
         s = self._session

@@ -31,23 +31,20 @@ from gossiptrain.net.addressing import curve_address, parse_hostport, plain_addr
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.net.transport import Transport, listen
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome
-from gossiptrain.protocol.membership import Member
 from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_network import PeerNode
-from gossiptrain.runtime.safepoint import SafePoint
-from gossiptrain.runtime.state_endpoint import SnapshotHook, catch_up
+from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.runtime.swarm_client import merge_members
 from gossiptrain.service import Status
 from gossiptrain.state.merged_model import MemberInfo
-from gossiptrain.state.snapshot import install
 
 log = logging.getLogger(__name__)
 
@@ -171,30 +168,26 @@ class Peer:
         self.id = welcome.member_id
         self.shard = welcome.shard
         self.joined_via = welcome.answered_by
-        # A restart under the same id must outrank what is remembered of us (even a death): wall-clock microseconds do.
-        me = Member(self.id, self.address, self.shard, incarnation=time.time_ns() // 1000)
         assert self._transport is not None
-        self._node = PeerNode(
-            me=me,
-            config=self.config,
+        node = self._node = node_for(
+            welcome,
+            address=self.address,
+            incarnation=time.time_ns() // 1000,  # wall-clock microseconds outrank an earlier process under this id
             transport=self._transport,
             clock=self._clock,
             rng=self._rng,
             spec=spec,
-            coordinator=welcome.coordinator,
-            seeds=welcome.members,
         )
-        self._loop.run(self._node.start(), timeout=10)
-        self._averaging = make_averaging(params, self.config.gossip, self._rng, me=self.id)
-        node = self._node
-        self._safepoint = SafePoint(node, self._averaging, self._clock, lambda a: self._loop.call_soon(node.send_exchange, a))
-        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+        self._loop.run(node.start(), timeout=10)
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
         node.state.offload = True
-        self._snapshots = SnapshotHook(
-            node.state, self.model, lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy), self._clock,
-            optimizer=self.optimizer,
+        side = self._side = training_side(
+            node, self.model, clock=self._clock, rng=self._rng, optimizer=self.optimizer,
+            send=lambda a: self._loop.call_soon(node.send_exchange, a),
+            offer=lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy),
         )
+        self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
+        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     def _catch_up(self, enabled: bool) -> None:
         """Download a live member's state into the model before the first step, if anyone else is alive."""
@@ -210,12 +203,9 @@ class Peer:
                 timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
             )
             self.transfer = result
-            if values is not None:
-                install(self._snapshots.tensors, values)  # here, on the training thread, before any step
-                if result.optimizer_state is not None and self.optimizer is not None:
-                    self.optimizer.load_state_dict(result.optimizer_state)
-                if self.config.state.transfer_step:
-                    self.resume_at(result.step)
+            install_transfer(result, values, self._side, self.optimizer)  # here, on the training thread
+            if values is not None and self.config.state.transfer_step:
+                self.resume_at(result.step)
         node.state.mark_ready()
 
     # -- the training loop's side ------------------------------------------------------------

@@ -40,10 +40,10 @@ from gossiptrain.protocol.state_transfer import (
     Reply,
     RequestChunk,
     SnapshotTaken,
-    Tick,
     TransferResult,
     TransferStats,
     Unreachable,
+    Wakeup,
 )
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
@@ -187,7 +187,7 @@ class StateEndpoint:
         self.fetcher = fetcher
         clock = self._clock
         try:
-            events: list[FetchEvent] = [Tick(members())]
+            events: list[FetchEvent] = [Wakeup(members())]
             while True:
                 while events:
                     for req in fetcher.handle(events.pop(0), clock.now()):
@@ -202,7 +202,7 @@ class StateEndpoint:
                 try:
                     events.append(await asyncio.wait_for(inbox.get(), timeout=max(0.0, fetcher.wakeup(now) - now)))
                 except TimeoutError:
-                    events.append(Tick(members()))
+                    events.append(Wakeup(members()))
         finally:
             self._inbox = None
             self.fetcher = None

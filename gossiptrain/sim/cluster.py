@@ -26,7 +26,8 @@ import torch
 import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
+from gossiptrain.net.transport import listen
+from gossiptrain.net.transport.sim import LinkProfile, SimNetwork
 from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_schedule
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
@@ -291,7 +292,7 @@ class Cluster:
         wall = time.perf_counter()
         stop = asyncio.Event()
         with self.network.activate():
-            transport = SimTransport(COORDINATOR, self.config.run.limits, network=self.network)
+            transport = listen(COORDINATOR, self.config.run.limits, network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
                 # Peers start evenly over join_spread, as machines do: not all in the same instant.
                 gap = self.config.join_spread / self.config.peers

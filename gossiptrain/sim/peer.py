@@ -22,18 +22,16 @@ from typing import Callable
 import torch
 
 from gossiptrain.config import RunConfig
+from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
-from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import Member
 from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.peer_network import PeerNode
-from gossiptrain.runtime.safepoint import SafePoint
-from gossiptrain.runtime.state_endpoint import SnapshotHook, catch_up
+from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.sim.vtime import LoopClock
-from gossiptrain.state.snapshot import install
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.workload import Workload
 
@@ -95,7 +93,7 @@ class SimPeer:
 
     async def run(self) -> None:
         limits = self.local.limits
-        transport = self.transport = SimTransport(f"sim://{self.spec.name}:0", limits, network=self.network)
+        transport = self.transport = listen(f"sim://{self.spec.name}:0", limits, network=self.network)
         async with transport:
             welcome = await join_swarm(
                 transport,
@@ -111,38 +109,35 @@ class SimPeer:
             config = welcome.config
             model = self.make_model() if self.make_model else None
             params = dict(model.named_parameters()) if model is not None else {}
-            # A restart must outrank what is remembered of the old process: virtual microseconds do, as wall ones do for Peer.
-            me = Member(welcome.member_id, transport.address, welcome.shard, int(self.clock.now() * 1e6) + 1)
-            node = self.node = PeerNode(
-                me=me,
-                config=config,
+            node = self.node = node_for(
+                welcome,
+                address=transport.address,
+                incarnation=int(self.clock.now() * 1e6) + 1,  # virtual microseconds, as Peer uses wall-clock ones
                 transport=transport,
                 clock=self.clock,
                 rng=self.rng,
                 spec=ParamSpec.of(params) if model is not None else None,
-                coordinator=welcome.coordinator,
-                seeds=welcome.members,
             )
             async with node:
                 self.joined_at = self.clock.now()
                 if model is None or self.workload is None:
                     await asyncio.Event().wait()  # membership only: the node's own tasks do the work
                     return
-                self.averaging = make_averaging(params, config.gossip, self.rng, me=node.me.id)
-                self.averaging.poison = self.spec.poison
-                safepoint = SafePoint(node, self.averaging, self.clock, node.send_exchange)
                 optimizer = make_optimizer(config.train, model)
-                snapshots = SnapshotHook(node.state, model, node.state.offer_snapshot, self.clock, optimizer=optimizer)
+                side = training_side(
+                    node, model, clock=self.clock, rng=self.rng, optimizer=optimizer,
+                    send=node.send_exchange, offer=node.state.offer_snapshot,
+                )
+                self.averaging = side.averaging
+                self.averaging.poison = self.spec.poison
+                safepoint, snapshots = side.safepoint, side.snapshots
                 if config.state.enabled and any(m != node.me.id for m in node.view()):
                     # As Peer does: the swarm's current state first, then training (virtual time passes meanwhile).
                     self.transfer, values = await catch_up(
                         node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock,
                         optimizer=optimizer,
                     )
-                    if values is not None:
-                        install(snapshots.tensors, values)
-                        if self.transfer.optimizer_state is not None:
-                            optimizer.load_state_dict(self.transfer.optimizer_state)
+                    install_transfer(self.transfer, values, side, optimizer)
                 node.state.mark_ready()
                 while len(node.view()) < self.spec.wait_for:  # the rendezvous, polled as the peer command polls it
                     await asyncio.sleep(0.05)

@@ -1,0 +1,104 @@
+"""Putting one peer together after a welcome: the same parts for ``Peer`` (real time) and ``SimPeer`` (virtual).
+
+Both turn a ``Welcome`` into a network side (``PeerNode``), an averaging
+state machine behind a ``SafePoint``, and a snapshot hook that offers our
+state to newcomers; both install a downloaded state the same way. They
+differ only in where things run: ``Peer`` drives the node on its own event
+loop thread and hands actions across with ``call_soon``, the simulator runs
+everything on one virtual-time loop. Keeping the assembly here means a new
+part (or a changed order) reaches real and simulated peers together, which
+is what keeps the simulator faithful.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gossiptrain.net.transport import Transport
+from gossiptrain.protocol.algorithms import make_averaging
+from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
+from gossiptrain.protocol.joining import Welcome
+from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.runtime.clock import Clock
+from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.safepoint import SafePoint
+from gossiptrain.runtime.state_endpoint import SnapshotHook, StateCopy
+from gossiptrain.state.snapshot import install
+
+
+def node_for(
+    welcome: Welcome,
+    *,
+    address: str,
+    incarnation: int,
+    transport: Transport,
+    clock: Clock,
+    rng: random.Random,
+    spec: ParamSpec | None,
+) -> PeerNode:
+    """The (unstarted) network side of the member ``welcome`` admitted, seeded with the members it named.
+
+    ``incarnation`` must outrank whatever the swarm remembers of an earlier
+    process under this id (even its death): callers pass the current time in
+    microseconds, wall-clock or virtual.
+    """
+    me = Member(welcome.member_id, address, welcome.shard, incarnation=incarnation)
+    return PeerNode(
+        me=me,
+        config=welcome.config,
+        transport=transport,
+        clock=clock,
+        rng=rng,
+        spec=spec,
+        coordinator=welcome.coordinator,
+        seeds=welcome.members,
+    )
+
+
+@dataclass
+class TrainingSide:
+    """What the training loop calls at each safe point: averaging, and offering our state to newcomers."""
+
+    averaging: Averaging
+    safepoint: SafePoint
+    snapshots: SnapshotHook
+
+
+def training_side(
+    node: PeerNode,
+    model: torch.nn.Module,
+    *,
+    clock: Clock,
+    rng: random.Random,
+    optimizer: torch.optim.Optimizer | None,
+    send: Callable[[SendExchange], None],
+    offer: Callable[[StateCopy], None],
+) -> TrainingSide:
+    """The averaging machine over ``model``'s parameters, its safe point, and the donor's snapshot hook.
+
+    ``send`` carries an averaging action to the node and ``offer`` a state
+    copy to its state endpoint, on whatever thread the node runs.
+    """
+    averaging = make_averaging(dict(model.named_parameters()), node.config.gossip, rng, me=node.me.id)
+    safepoint = SafePoint(node, averaging, clock, send)
+    snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
+    return TrainingSide(averaging, safepoint, snapshots)
+
+
+def install_transfer(
+    result: TransferResult,
+    values: list[torch.Tensor] | None,
+    side: TrainingSide,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Put a downloaded state into the live model (and optimizer), on the training thread, before any step."""
+    if values is None:
+        return
+    install(side.snapshots.tensors, values)
+    if result.optimizer_state is not None and optimizer is not None:
+        optimizer.load_state_dict(result.optimizer_state)
