@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net import wire
+from gossiptrain.codec_spec import CODECS
 from gossiptrain.protocol.compression import (
-    CODECS,
     Bf16Codec,
     Codec,
     EdgeReference,

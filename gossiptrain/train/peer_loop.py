@@ -154,51 +154,96 @@ def _train(
     *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
     final_model: str | Path | None = None,
 ) -> dict[str, Any]:
+    """The training loop: a local step, the peer's safe point, checkpoints and evaluations when due; then the end."""
     cfg = peer.config.train
     trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer)
-    base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
-    resumed: dict[str, Any] = {}
-    if resume is not None:
-        trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
-        peer.resume_at(trainer.steps)
-        resumed = {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step}
-        if resume.info.shard != peer.shard:
-            log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
-        log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
-    # What this peer starts from (the downloaded state, a checkpoint, or the initial weights), before any exchange.
-    initial = trainer.evaluate()
-    metrics.write({
-        "event": "start", "time": time.time(), **base, "samples": trainer.samples, "fingerprint": peer.fingerprint,
-        "step": peer.steps, "samples_seen": trainer.samples_seen, "test_acc": initial.accuracy, **resumed,
-        **peer.transfer_summary(),
-    })
-    checkpoints = {"saved": 0, "failed": 0, "step": -1}
+    resumed = _resume(peer, trainer, resume, resume_any_run) if resume is not None else {}
+    report = _Report(peer, trainer, metrics, progress, checkpointer, resumed)
+    next_eval = report.started + cfg.eval_every_seconds
+    while not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, report.elapsed()):
+        computed = time.perf_counter()
+        trainer.step()
+        if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
+            time.sleep((slowdown - 1) * (time.perf_counter() - computed))
+        peer.step(samples_seen=trainer.samples_seen)  # apply finished exchanges, answer requests, start the next
+        if checkpointer is not None and checkpointer.due(peer.steps):
+            report.save_checkpoint()
+        if time.monotonic() >= next_eval:
+            report.record("eval")
+            next_eval = time.monotonic() + cfg.eval_every_seconds
+    final: dict[str, Any] = {"finish": "signal"}
+    if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.protocol.finish)
+        reason = "stop" if peer.finish_requested else "budget"
+        progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
+        final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
+    if checkpointer is not None and (report.checkpoint_step != peer.steps or final.get("final_rounds")):
+        report.save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
+    summary = report.record("done", **final)
+    progress.finish(
+        f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "
+        f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"
+    )
+    return summary
 
-    def save_checkpoint() -> None:
-        # Synchronous, at a step boundary: nothing else touches the model now (digits MLP: ~50 ms).
-        assert checkpointer is not None
+
+def _resume(peer: Peer, trainer: LocalTrainer, resume: Checkpoint, resume_any_run: bool) -> dict[str, Any]:
+    """Load a checkpoint into the trainer and the peer's step count; the fields the start record gets."""
+    trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
+    peer.resume_at(trainer.steps)
+    if resume.info.shard != peer.shard:
+        log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
+    log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
+    return {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step}
+
+
+class _Report:
+    """What the loop writes: the start record, evaluations, checkpoints (counted), the live progress line."""
+
+    def __init__(
+        self, peer: Peer, trainer: LocalTrainer, metrics: MetricsLog, progress: Progress,
+        checkpointer: Checkpointer | None, resumed: dict[str, Any],
+    ) -> None:
+        self.peer, self.trainer, self.metrics, self.progress, self.checkpointer = peer, trainer, metrics, progress, checkpointer
+        self.base = {"peer": peer.id, "shard": peer.shard, "address": peer.address}
+        self.saved = self.failed = 0
+        self.checkpoint_step = -1
+        self.rate = _Rate()
+        # What this peer starts from (the downloaded state, a checkpoint, or the initial weights), before any exchange.
+        initial = trainer.evaluate()
+        metrics.write({
+            "event": "start", "time": time.time(), **self.base, "samples": trainer.samples, "fingerprint": peer.fingerprint,
+            "step": peer.steps, "samples_seen": trainer.samples_seen, "test_acc": initial.accuracy, **resumed,
+            **peer.transfer_summary(),
+        })
+        self.started = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def save_checkpoint(self) -> None:
+        """Save now, synchronously, at a step boundary: nothing else touches the model (digits MLP: ~50 ms)."""
+        assert self.checkpointer is not None
+        peer, trainer = self.peer, self.trainer
         began = time.perf_counter()
         try:
-            info = checkpointer.save(
+            info = self.checkpointer.save(
                 trainer.model, trainer.opt, step=peer.steps, samples_seen=trainer.samples_seen, fingerprint=peer.fingerprint,
                 peer=peer.id, shard=peer.shard, run=peer.config.to_dict(),
             )
         except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
-            checkpoints["failed"] += 1
+            self.failed += 1
             log.error("checkpoint at step %d failed: %s", peer.steps, e)
             return
-        checkpoints["saved"] += 1
-        checkpoints["step"] = peer.steps
-        metrics.write({
-            "event": "checkpoint", "time": time.time(), **base, "step": info.step, "samples_seen": info.samples_seen,
+        self.saved += 1
+        self.checkpoint_step = peer.steps
+        self.metrics.write({
+            "event": "checkpoint", "time": time.time(), **self.base, "step": info.step, "samples_seen": info.samples_seen,
             "path": str(info.path), "seconds": round(time.perf_counter() - began, 4),
         })
 
-    started = time.monotonic()
-    next_eval = started + cfg.eval_every_seconds
-    rate = _Rate()
-
-    def record(event: str, **extra: Any) -> dict[str, Any]:
+    def record(self, event: str, **extra: Any) -> dict[str, Any]:
+        """Evaluate, write one metrics record and update the progress line; the record."""
+        peer, trainer = self.peer, self.trainer
         now = time.monotonic()
         result = trainer.evaluate()
         stats = peer.stats()
@@ -206,8 +251,8 @@ def _train(
         rec = {
             "event": event,
             "time": time.time(),
-            "elapsed": round(now - started, 3),
-            **base,
+            "elapsed": round(now - self.started, 3),
+            **self.base,
             "step": peer.steps,
             "loss": trainer.loss_avg,
             "test_loss": result.loss,
@@ -217,7 +262,7 @@ def _train(
             "f1": result.f1,
             "members": stats["members"],
             "exchanges": exchanges,
-            "exchanges_per_s": round(rate.update(now, exchanges), 2),
+            "exchanges_per_s": round(self.rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
             "refused": stats["refused"],  # our requests the partner turned down (busy with its own)
             "declined": stats["crossed"] + stats["busy"],  # requests we turned down
@@ -231,37 +276,13 @@ def _train(
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
         }
-        if checkpointer is not None:
-            rec.update(checkpoints=checkpoints["saved"], checkpoint_failures=checkpoints["failed"])
+        if self.checkpointer is not None:
+            rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
         rec.update(extra)
-        metrics.write(rec)
-        progress.update(
-            f"peer {peer.id} shard {peer.shard}/{cfg.shards} | step {peer.steps} | loss {trainer.loss_avg:.3f} | "
-            f"acc {result.accuracy:.3f} | peers {stats['members']} | {rec['exchanges_per_s']:.1f} ex/s"
+        self.metrics.write(rec)
+        self.progress.update(
+            f"peer {peer.id} shard {peer.shard}/{peer.config.train.shards} | step {peer.steps} | "
+            f"loss {trainer.loss_avg:.3f} | acc {result.accuracy:.3f} | peers {stats['members']} | "
+            f"{rec['exchanges_per_s']:.1f} ex/s"
         )
         return rec
-
-    while not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, time.monotonic() - started):
-        computed = time.perf_counter()
-        trainer.step()
-        if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
-            time.sleep((slowdown - 1) * (time.perf_counter() - computed))
-        peer.step(samples_seen=trainer.samples_seen)
-        if checkpointer is not None and checkpointer.due(peer.steps):
-            save_checkpoint()
-        if time.monotonic() >= next_eval:
-            record("eval")
-            next_eval = time.monotonic() + cfg.eval_every_seconds
-    final: dict[str, Any] = {"finish": "signal"}
-    if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.protocol.finish)
-        reason = "stop" if peer.finish_requested else "budget"
-        progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
-        final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
-    if checkpointer is not None and (checkpoints["step"] != peer.steps or final.get("final_rounds")):
-        save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
-    summary = record("done", **final)
-    progress.finish(
-        f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "
-        f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"
-    )
-    return summary
