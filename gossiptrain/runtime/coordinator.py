@@ -17,22 +17,22 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.kinds import GOSSIP, WELCOME
+from gossiptrain.net.kinds import GOSSIP
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import FinishEndpoint
-from gossiptrain.protocol.joining import JoinRequest, answer_join
+from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
-from gossiptrain.runtime.endpoint import Endpoint, EndpointStats
+from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
+from gossiptrain.runtime.join_answering import JoinAnsweringEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Registry:
         return [m for m, _ in self._seen.values()]
 
 
-class Coordinator(Endpoint):
+class Coordinator(JoinAnsweringEndpoint):
     """Bootstraps membership for one run; see the module docstring."""
 
     def __init__(self, config: RunConfig, transport: Transport, clock: Clock = REAL_CLOCK, seed: int | None = None):
@@ -80,7 +80,6 @@ class Coordinator(Endpoint):
         m = config.membership
         self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
         self._last_count = 0
-        self.join_limiter = JoinLimiter.from_limits(config.limits)
         # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
         self.finish = FinishEndpoint(config, me="coordinator", members=self.members)
         self.handlers = {kinds.JOIN: self._on_join, kinds.REPORT: self._on_report, **dict.fromkeys(kinds.FINISH, self._on_finish)}
@@ -109,12 +108,6 @@ class Coordinator(Endpoint):
         if count != self._last_count:
             log.info("%d members alive (from joins and reports)", count)
             self._last_count = count
-
-    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
-        if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
-            self.stats.joins_throttled += 1
-            return
-        self._answer_join(msg)
 
     def _on_report(self, msg: Message, frames: Sequence[object]) -> None:
         member = Member.from_wire(msg.body.get("member"))
@@ -148,29 +141,18 @@ class Coordinator(Endpoint):
         if raw is not None and self.spec is None:
             self.spec = ParamSpec.from_wire(raw)
 
-    def _answer_join(self, msg: Message) -> None:
-        request = JoinRequest.from_body(msg.body)
-        now = self.clock.now()
-        alive = self.registry.alive(now)
+    # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
+
+    def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
+        alive = self.registry.alive(self.clock.now())
         sample = self.rng.sample(alive, min(self.config.membership.sample_size, len(alive)))
-        kind, body = answer_join(
-            request,
-            config=self.config,
-            spec=self.spec,
-            sample=sample,
-            pick_shard=lambda shards: least_loaded_shard((m.shard for m in alive), shards),
-            coordinator=self.transport.address,
-            rng=self.rng,
-        )
-        if kind == WELCOME:
-            if request.spec is not None:
-                self.spec = self.spec or request.spec
-            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
-            self.registry.update(newcomer, now)
-            self.stats.joins_answered += 1
-            log.info("welcomed %s at %s (shard %d)", newcomer.id, msg.addr, newcomer.shard)
-            self._note_count()
-        else:
-            self.stats.joins_refused += 1
-            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
-        self.send(msg.addr, kind, body)
+        return sample, lambda shards: least_loaded_shard((m.shard for m in alive), shards)
+
+    def _coordinator_address(self) -> str:
+        return self.transport.address
+
+    def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
+        if request.spec is not None:
+            self.spec = self.spec or request.spec
+        self.registry.update(newcomer, self.clock.now())
+        self._note_count()

@@ -20,19 +20,17 @@ import queue
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.kinds import WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership
-from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
-from gossiptrain.protocol.joining import JoinRequest, answer_join
+from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import (
     Ack,
     Digest,
@@ -49,8 +47,9 @@ from gossiptrain.protocol.membership import (
     members_from_wire,
 )
 from gossiptrain.runtime.clock import Clock
-from gossiptrain.runtime.endpoint import Endpoint, EndpointStats
+from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
+from gossiptrain.runtime.join_answering import JoinAnsweringEndpoint
 from gossiptrain.runtime.state_endpoint import StateEndpoint
 
 log = logging.getLogger(__name__)
@@ -65,6 +64,7 @@ _PROBES = (kinds.PING, kinds.PING_REQ, kinds.ACK)
 class NodeStats(EndpointStats):
     exchange_queue_full: int = 0  # requests refused because the trainer was behind
     joins_answered: int = 0
+    joins_refused: int = 0
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     members_up: int = 0
     members_suspected: int = 0  # suspicions raised (by our probes or heard), most of them refuted
@@ -72,7 +72,7 @@ class NodeStats(EndpointStats):
     members_left: int = 0  # announced a clean leave
 
 
-class PeerNode(Endpoint):
+class PeerNode(JoinAnsweringEndpoint):
     """Membership, join answering and exchange routing for one peer."""
 
     def __init__(
@@ -105,7 +105,6 @@ class PeerNode(Endpoint):
         self._view: tuple[str, ...] = (me.id,)
         self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
-        self._join_limiter = JoinLimiter.from_limits(config.limits)
         self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
         self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock)
@@ -203,12 +202,6 @@ class PeerNode(Endpoint):
 
     # -- handling --------------------------------------------------------------------------
 
-    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
-        if self._join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
-            self._answer_join(msg)
-        else:
-            self.stats.joins_throttled += 1
-
     def _on_membership(self, msg: Message, frames: Sequence[object]) -> None:
         self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
 
@@ -247,25 +240,16 @@ class PeerNode(Endpoint):
         while len(self._addr_hints) > _ADDR_HINTS:
             self._addr_hints.popitem(last=False)
 
-    def _answer_join(self, msg: Message) -> None:
-        request = JoinRequest.from_body(msg.body)
-        kind, body = answer_join(
-            request,
-            config=self.config,
-            spec=self.spec,
-            sample=self.membership.sample(self.config.membership.sample_size),
-            pick_shard=self.membership.free_shard,
-            coordinator=self.coordinator,
-            rng=self.rng,
-        )
-        if kind == WELCOME:
-            self.stats.joins_answered += 1
-            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
-            self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))
-            log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
-        else:
-            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
-        self.send(msg.addr, kind, body)
+    # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
+
+    def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
+        return self.membership.sample(self.config.membership.sample_size), self.membership.free_shard
+
+    def _coordinator_address(self) -> str:
+        return self.coordinator
+
+    def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
+        self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))  # a placeholder until it starts
 
     def _apply(self, actions: list[Any]) -> None:
         changed = False

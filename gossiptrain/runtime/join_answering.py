@@ -1,0 +1,81 @@
+"""Answering joins, the same way on the coordinator and on every peer (so ``--join`` may name either).
+
+A join is charged to its source and dropped unanswered over the per-source
+rate (``gossiptrain.protocol.admission``), then decided by the pure
+``gossiptrain.protocol.joining.answer_join``, answered, and the newcomer
+handed to the subclass (the coordinator records it, a peer adds it to its
+membership view as a placeholder until it starts).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Callable, Sequence
+
+from gossiptrain.config import Limits, RunConfig
+from gossiptrain.net.kinds import WELCOME
+from gossiptrain.net.transport import Transport
+from gossiptrain.net.wire import Message
+from gossiptrain.protocol.admission import JoinLimiter, join_source
+from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.joining import JoinRequest, answer_join
+from gossiptrain.protocol.membership import Member
+from gossiptrain.runtime.clock import Clock
+from gossiptrain.runtime.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+class JoinAnsweringEndpoint(Endpoint):
+    """An endpoint that answers joins; subclasses say whom to introduce and what to do with a newcomer.
+
+    Subclasses provide ``config``, ``clock``, ``rng``, ``spec`` (the swarm's
+    model, once known) and counters ``joins_answered``, ``joins_refused`` and
+    ``joins_throttled`` in ``stats``; they route ``kinds.JOIN`` to ``_on_join``.
+    """
+
+    config: RunConfig
+    clock: Clock
+    rng: random.Random
+    spec: ParamSpec | None
+
+    def __init__(self, transport: Transport, limits: Limits, **endpoint: Any) -> None:
+        super().__init__(transport, limits, **endpoint)
+        self.join_limiter = JoinLimiter.from_limits(limits)  # one token bucket per source
+
+    def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
+        """Members to introduce a newcomer to, and how to pick its shard (given the shard count)."""
+        raise NotImplementedError
+
+    def _coordinator_address(self) -> str:
+        """The coordinator's address for the newcomer to report to ("" if none is known)."""
+        raise NotImplementedError
+
+    def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
+        """A newcomer was admitted (its welcome is sent right after)."""
+
+    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
+        if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
+            self.stats.joins_throttled += 1  # type: ignore[attr-defined]
+            return
+        request = JoinRequest.from_body(msg.body)
+        sample, pick_shard = self._join_sample()
+        kind, body = answer_join(
+            request,
+            config=self.config,
+            spec=self.spec,
+            sample=sample,
+            pick_shard=pick_shard,
+            coordinator=self._coordinator_address(),
+            rng=self.rng,
+        )
+        if kind == WELCOME:
+            self.stats.joins_answered += 1  # type: ignore[attr-defined]
+            newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
+            self._welcomed(newcomer, request)
+            log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
+        else:
+            self.stats.joins_refused += 1  # type: ignore[attr-defined]
+            log.warning("refused a join from %s: %s", msg.addr, body["reason"])
+        self.send(msg.addr, kind, body)
