@@ -377,8 +377,9 @@ def main() -> None:
     parser.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True, help="also the simulator, side by side")
     parser.add_argument("--sim-duration", type=float, default=60.0, help="virtual seconds before a simulated run gives up")
     parser.add_argument("--quick", action="store_true", help="4 peers, 1 down, target 0.9, 20 s per run, no simulator")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "churn")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/churn; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("churn", args.out, args.quick)
     if args.quick:
         args.peers, args.target, args.seconds, args.seeds, args.sim = 4, 0.9, 20.0, 1, False
         args.kill_gap, args.downtime = 0.5, 1.0

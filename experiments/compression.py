@@ -261,8 +261,9 @@ def main() -> None:
     parser.add_argument("--real-peers", type=int, default=4)
     parser.add_argument("--real-timeout", type=float, default=120.0)
     parser.add_argument("--quick", action="store_true", help="4 peers; pairwise none and int8, neighbor none and topk; 0.2 s, target 0.5")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "compression")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/compression; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("compression", args.out, args.quick)
     args.plan = {a: PLAN[a] for a in args.algorithms}
     if args.quick:
         args.peers, args.target, args.seeds, args.horizon, args.real = 4, 0.5, 1, 0.2, False

@@ -224,12 +224,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, 3 timed repetitions (smoke test)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "exchange")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/exchange; --quick: a scratch folder)")
     parser.add_argument("--role", choices=("gossip-responder", "zmq-responder", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.out = harness.results_dir("exchange", args.out, args.quick)
     if args.quick:
         args.sizes_mib = [1, 16]
     args.sizes = [int(s * MiB) // 4 * 4 for s in args.sizes_mib]

@@ -62,8 +62,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from experiments import harness  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
-from gossiptrain.net.kinds import XREP, XREQ
+from gossiptrain.net.kinds import XREP, XREQ  # noqa: E402
 from gossiptrain.net.transport import Transport, listen  # noqa: E402
 from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
@@ -419,8 +420,9 @@ def main() -> None:
                         help="take the real runs already under --out (when they reached the target) instead of running "
                              "them again: to try a change to the simulator against the same measurements")
     parser.add_argument("--quick", action="store_true", help="4 peers, exponential, target 0.9, one seed: a smoke test")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fidelity")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/fidelity; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("fidelity", args.out, args.quick)
     if args.quick:
         args.peers, args.topologies, args.target, args.seeds, args.sim_seeds = 4, ["exponential"], 0.9, 1, 1
         args.calibration_rounds = min(args.calibration_rounds, 3)

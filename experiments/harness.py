@@ -35,6 +35,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -279,6 +280,18 @@ class Procs:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+
+
+def results_dir(name: str, out: Path | None, quick: bool) -> Path:
+    """Where an experiment writes: ``--out`` if given, else its committed results folder, or for ``--quick``
+    (a smoke test) a fresh scratch folder, so that a quick run never overwrites the results the README shows."""
+    if out is not None:
+        return out
+    if quick:
+        scratch = Path(tempfile.mkdtemp(prefix=f"gossiptrain-{name}-quick-"))
+        print(f"--quick: writing to {scratch} (the committed results stay as they are; --out DIR to choose)", flush=True)
+        return scratch
+    return ROOT / "experiments" / "results" / name
 
 
 def fresh_dir(path: Path) -> Path:

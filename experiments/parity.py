@@ -101,8 +101,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one system's run may take")
     parser.add_argument("--quick", action="store_true", help="2 workers, 60 steps, 1 seed (smoke test)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "parity")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/parity; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("parity", args.out, args.quick)
     if args.quick:
         args.workers, args.steps, args.seeds = 2, 60, 1
     args.out.mkdir(parents=True, exist_ok=True)

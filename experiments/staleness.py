@@ -254,8 +254,9 @@ def main() -> None:
     parser.add_argument("--horizon", type=float, default=1.5, help="virtual seconds per run")
     parser.add_argument("--seeds", type=int, default=3, help="runs per configuration; medians are reported (a miss counts as slowest)")
     parser.add_argument("--quick", action="store_true", help="4 peers, constant and polynomial:1 without a bound, 0.25 s, target 0.7")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "staleness")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/staleness; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("staleness", args.out, args.quick)
     if args.quick:
         args.peers, args.weightings, args.bounds, args.target, args.seeds, args.horizon = 4, ["constant", "polynomial:1"], [0], 0.7, 1, 0.25
     args.out.mkdir(parents=True, exist_ok=True)

@@ -83,10 +83,11 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
                         help="hivemind runs only where `import hivemind` works (the hivemind extra)")
     parser.add_argument("--quick", action="store_true", help="2 workers, target 0.9, 1 seed; baselines only with the straggler")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "stragglers")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/stragglers; --quick: a scratch folder)")
     parser.add_argument("--summarise", action="store_true",
                         help="run nothing: rewrite summary.md and the plots from results.csv and curves.csv in --out")
     args = parser.parse_args()
+    args.out = harness.results_dir("stragglers", args.out, args.quick)
     if args.summarise:
         runs, wall, crashes = load_runs(args)
         rows, table = summarise(runs, args)

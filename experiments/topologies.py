@@ -342,8 +342,9 @@ def main() -> None:
     parser.add_argument("--real-timeout", type=float, default=300.0,
                         help="seconds from starting the processes (their start-up included) before a real run counts as not reached")
     parser.add_argument("--quick", action="store_true", help="4 peers, ring and complete, target 0.8, one seed, no real runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "topologies")
+    parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/topologies; --quick: a scratch folder)")
     args = parser.parse_args()
+    args.out = harness.results_dir("topologies", args.out, args.quick)
     if args.real_all:
         args.real = available(args.real_peers)[0]
     if args.quick:
