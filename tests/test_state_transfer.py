@@ -277,6 +277,32 @@ def test_a_download_nobody_answers_gives_up_within_its_time() -> None:
     assert result is not None and not result.ok and "state.max_seconds=3" in result.reason and t == pytest.approx(3.0)
 
 
+def test_a_fresh_swarm_where_no_donor_has_trained_yet_needs_no_download() -> None:
+    cfg = config(max_donors=4)
+    net = Net(fetcher(2000, cfg), {"a": state(2000, 1), "b": state(2000, 2)}, cfg)
+    for d in net.donors.values():
+        d.ready = False  # joined, never stepped
+    t = 0.0
+    while net.fetcher.result is None and t < 10:
+        net.tick(["new", "a", "b"], at=t)
+        t = net.fetcher.wakeup(t)
+    result = net.fetcher.result
+    assert result is not None and not result.ok and result.nothing_to_fetch, result
+    assert net.fetcher.stats.state_donors_tried == 2
+
+
+def test_a_download_is_not_called_unneeded_when_a_donor_failed_otherwise() -> None:
+    cfg = config(max_seconds=3.0, max_donors=100)
+    net = Net(fetcher(2000, cfg), {"a": state(2000, 1)}, cfg)
+    net.donors["a"].ready = False
+    t = 0.0
+    while net.fetcher.result is None and t < 10:
+        net.tick(["new", "a", "ghost"], at=t)  # the ghost never answers: it may have had a state
+        t = net.fetcher.wakeup(t)
+    result = net.fetcher.result
+    assert result is not None and not result.ok and not result.nothing_to_fetch, result
+
+
 def test_pacing_spaces_the_requests() -> None:
     cfg = config(window=4, max_bytes_per_second=1024.0)  # one chunk a second
     net = Net(fetcher(3000, cfg), {"a": state(3000, 1)}, cfg)

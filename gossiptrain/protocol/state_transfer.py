@@ -223,6 +223,7 @@ class TransferResult:
     optimizer: bool = False  # ``data`` holds the optimizer state after the model's
     optimizer_problem: str = ""  # why the optimizer state asked for was not downloaded
     optimizer_state: dict[str, Any] | None = None  # decoded for ``Optimizer.load_state_dict`` (catch_up fills it in)
+    nothing_to_fetch: bool = False  # every donor asked said it is not training yet (a fresh swarm): nothing was needed
 
 
 @dataclass
@@ -280,6 +281,7 @@ class Fetcher:
         self.data = torch.empty(size or 0, dtype=torch.uint8)  # (size,) the assembled state
         self.started = now
         self.stats = TransferStats()
+        self._idle_donors = 0  # donors that refused because they are not training (see nothing_to_fetch)
         self.result: TransferResult | None = None
         self._kept: list[int | None] = [None] * self.count  # chunk -> sid of the session it was verified against
         self._missing = self.count
@@ -448,6 +450,8 @@ class Fetcher:
             self.stats.state_stale += 1
             return
         self.stats.state_refusals += 1
+        if ev.reason == NOT_TRAINING:
+            self._idle_donors += 1
         # A busy donor is asked again after a pause; one that refused for good (not training), never.
         self._leave(now, [], f"refused: {ev.reason}", cool=ev.retry, ban=not ev.retry, close=False)
 
@@ -561,7 +565,10 @@ class Fetcher:
             out.append(RequestChunk(self._session.donor, self._session.sid, CLOSE))
             self._session = None
         self.stats.state_transfer_seconds = now - self.started
-        self.result = TransferResult(False, reason, seconds=now - self.started, optimizer_problem=self.optimizer_problem)
+        idle = 0 < self.stats.state_donors_tried == self._idle_donors  # nobody had anything to give: a fresh swarm
+        self.result = TransferResult(
+            False, reason, seconds=now - self.started, optimizer_problem=self.optimizer_problem, nothing_to_fetch=idle
+        )
 
 
 # -- the donor ---------------------------------------------------------------------------
@@ -682,7 +689,7 @@ class Donor:
             elif not self.training(now):
                 # Still fetching its own state, or not stepping (no snapshot would come): nothing better than
                 # the initial weights to give; the newcomer asks another member, or starts from those itself.
-                out.append(_refuse(req, "not training: no state worth giving", retry=False))
+                out.append(_refuse(req, NOT_TRAINING, retry=False))
             elif len(self.sessions) >= self.config.donor_sessions:
                 self.stats.state_sessions_refused += 1
                 out.append(_refuse(req, f"busy: serving {len(self.sessions)} sessions (state.donor_sessions)", retry=True))
@@ -732,6 +739,10 @@ class Donor:
         for key in [k for k, s in self.sessions.items() if now - s.last_used > timeout]:
             del self.sessions[key]
             self.stats.state_sessions_expired += 1
+
+
+#: A donor's refusal when it has not trained yet (or not lately): nothing worth downloading from it.
+NOT_TRAINING = "not training: no state worth giving"
 
 
 def _refuse(req: ChunkRequest, reason: str, *, retry: bool) -> Reply:

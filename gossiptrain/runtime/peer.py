@@ -342,7 +342,8 @@ class Peer:
         result = self.transfer
         optim = "none" if result is None or not result.ok else "installed" if result.optimizer_state is not None else "none"
         return {
-            "state_transfer": "none" if result is None else "complete" if result.ok else "failed",
+            # "none": no download was needed (nobody else alive, or nobody had trained yet: a fresh swarm)
+            "state_transfer": "none" if result is None or result.nothing_to_fetch else "complete" if result.ok else "failed",
             "state_donors": list(result.donors) if result is not None else [],
             "state_optimizer": "refused" if result is not None and result.optimizer_problem else optim,
             **{k: stats.get(k, 0) for k in ("state_bytes_received", "state_donors_tried", "state_transfer_seconds")},
