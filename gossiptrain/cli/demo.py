@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from gossiptrain.config import RunConfig
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.train.metrics import read_metrics
+from gossiptrain.train.model_spec import workload_spec
 from gossiptrain.train.progress import Progress
 
 
@@ -53,7 +54,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
-    with BackgroundCoordinator(config, bind=f"{options.host}:0") as coord:
+    with BackgroundCoordinator(config, bind=f"{options.host}:0", spec=workload_spec(config)) as coord:
         print(f"coordinator at {coord.address}; starting {options.peers} peers (logs and metrics in {workdir})", file=out)
         try:
             for i in range(options.peers):

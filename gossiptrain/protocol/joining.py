@@ -117,17 +117,26 @@ def answer_join(
     coordinator: str,
     rng: random.Random,
 ) -> tuple[str, dict[str, Any]]:
-    """Decide on a join: ("welcome", body) or ("refuse", {"reason": ...}). Pure: no I/O."""
+    """Decide on a join: ("welcome", body) or ("refuse", {"reason": ...}). Pure: no I/O.
+
+    A newcomer that brings a configuration is compared only on the fields it
+    set (those that differ from the defaults): everything else it takes from
+    the swarm, so passing one run flag never means repeating the swarm's
+    whole configuration.
+    """
     if request.config is not None and request.config.fingerprint() != config.fingerprint():
-        diffs = request.config.diff(config)
-        shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
-        return REFUSE, {"reason": f"run configuration differs from the swarm's (yours vs swarm's): {shown}"}
+        diffs = set_fields_that_differ(request.config, config)
+        if diffs:
+            shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
+            return REFUSE, {"reason": f"run configuration differs from the swarm's (yours vs swarm's): {shown}"}
     if request.spec is not None and spec is not None:
         problem = request.spec.mismatch(spec)
         if problem:
             return REFUSE, {"reason": f"model differs from the swarm's: {problem}"}
     shards = config.train.shards
-    shard = request.shard if 0 <= request.shard < shards else pick_shard(shards)
+    if request.shard >= shards:
+        return REFUSE, {"reason": f"shard {request.shard} does not exist: the swarm has {shards} shards (0-{shards - 1})"}
+    shard = request.shard if request.shard >= 0 else pick_shard(shards)
     return WELCOME, {
         "id": new_member_id(rng),
         "shard": shard,
@@ -137,3 +146,26 @@ def answer_join(
         "members": [m.to_wire() for m in sample],
         "coordinator": coordinator,
     }
+
+
+def set_fields_that_differ(given: RunConfig, swarm: RunConfig) -> list[str]:
+    """'section.field: given's vs swarm's' for each field ``given`` sets (not its default) that the swarm does not share."""
+    defaults, mine = RunConfig().to_dict(), given.to_dict()
+    diffs = given.diff(swarm)
+    return [d for d in diffs if _value_at(mine, d) != _value_at(defaults, d)]
+
+
+def taken_from_swarm(given: RunConfig, swarm: RunConfig) -> list[str]:
+    """'section.field=value' for each field the swarm runs with that ``given`` left at its default and differs in."""
+    defaults, theirs = RunConfig().to_dict(), swarm.to_dict()
+    return [
+        f"{d.partition(':')[0]}={_value_at(theirs, d)!r}"
+        for d in given.diff(swarm)
+        if _value_at(given.to_dict(), d) == _value_at(defaults, d)
+    ]
+
+
+def _value_at(config: dict[str, Any], diff_line: str) -> Any:
+    section, _, name = diff_line.partition(":")[0].partition(".")
+    return config[section][name]
+

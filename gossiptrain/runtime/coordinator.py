@@ -70,13 +70,21 @@ class Registry:
 class Coordinator(JoinAnsweringEndpoint):
     """Bootstraps membership for one run; see the module docstring."""
 
-    def __init__(self, config: RunConfig, transport: Transport, clock: Clock = REAL_CLOCK, seed: int | None = None):
+    def __init__(
+        self,
+        config: RunConfig,
+        transport: Transport,
+        clock: Clock = REAL_CLOCK,
+        seed: int | None = None,
+        spec: ParamSpec | None = None,
+    ):
         super().__init__(transport, config.limits, sender="coordinator", fingerprint=config.fingerprint(), stats=CoordinatorStats())
         self.stats: CoordinatorStats
         self.config = config
         self.clock = clock
         self.rng = random.Random(seed)
-        self.spec: ParamSpec | None = None  # learnt from the first peer that tells us its model
+        # The swarm's model: given when the workload is known (the CLI builds it), else learnt from the first peer.
+        self.spec: ParamSpec | None = spec
         m = config.membership
         self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
         self._last_count = 0

@@ -10,6 +10,7 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.net.addressing import parse_hostport, tcp_url
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.admission import warn_open
+from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.runtime.loop_thread import LoopThread, new_event_loop
 
@@ -20,11 +21,15 @@ async def serve_coordinator(
     stop: asyncio.Event,
     on_ready: Callable[[Coordinator], None] | None = None,
     security: SecurityConfig | None = None,
+    spec: ParamSpec | None = None,
 ) -> None:
-    """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set; CURVE with ``security``."""
+    """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set; CURVE with ``security``.
+
+    ``spec`` is the swarm's model when the caller knows it (a named workload): joins with another are refused.
+    """
     host, port = parse_hostport(bind, "bind address")
     transport = listen(tcp_url(host, port), config.limits, security=security)
-    async with transport, Coordinator(config, transport) as coordinator:
+    async with transport, Coordinator(config, transport, spec=spec) as coordinator:
         if security is None:
             warn_open("coordinator", transport.address)
         if on_ready:
@@ -40,7 +45,11 @@ async def serve_coordinator(
 
 
 def run_coordinator_forever(
-    config: RunConfig, bind: str, on_ready: Callable[[Coordinator], None], security: SecurityConfig | None = None
+    config: RunConfig,
+    bind: str,
+    on_ready: Callable[[Coordinator], None],
+    security: SecurityConfig | None = None,
+    spec: ParamSpec | None = None,
 ) -> None:
     """Serve on this thread until SIGINT or SIGTERM (the CLI's `gossiptrain coordinator`)."""
 
@@ -49,7 +58,7 @@ def run_coordinator_forever(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_coordinator(config, bind, stop, on_ready, security)
+        await serve_coordinator(config, bind, stop, on_ready, security, spec)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
@@ -58,7 +67,13 @@ def run_coordinator_forever(
 class BackgroundCoordinator:
     """A coordinator on its own event-loop thread: for the demo and for tests."""
 
-    def __init__(self, config: RunConfig, bind: str = "127.0.0.1:0", security: SecurityConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        bind: str = "127.0.0.1:0",
+        security: SecurityConfig | None = None,
+        spec: ParamSpec | None = None,
+    ) -> None:
         self._thread = LoopThread("gossiptrain-coordinator").start()
         self._stop = asyncio.Event()
         ready: asyncio.Future[Coordinator] = self._thread.loop.create_future()
@@ -67,7 +82,7 @@ class BackgroundCoordinator:
             ready.set_result(c)
 
         async def start() -> Coordinator:
-            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready, security))
+            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready, security, spec))
             done, _ = await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
             if self._task in done:
                 self._task.result()

@@ -29,11 +29,14 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
 from gossiptrain.net.addressing import curve_address, parse_hostport, plain_address, route_address, tcp_url
 from gossiptrain.net.keys import join_server_key
+from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
+from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.admission import warn_open
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import Announce, RequestStop
-from gossiptrain.protocol.joining import JoinRequest, Welcome
+from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
+from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
@@ -99,6 +102,7 @@ class Peer:
     ) -> None:
         self._closed = False
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
+        self.taken_from_swarm: list[str] = []  # run fields the caller did not set, as "field=value" the swarm runs with
         self._clock = clock
         self._rng = random.Random(seed)
         self._step = 0
@@ -153,6 +157,10 @@ class Peer:
             self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
             self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
             self._attach(welcome)
+            # Compared only on what the caller set; the rest came from the swarm: say what.
+            self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
+            if self.taken_from_swarm:
+                log.info("took from the swarm: %s", ", ".join(self.taken_from_swarm))
             self._catch_up(transfer_state)
         except BaseException:
             self._teardown()
@@ -162,6 +170,7 @@ class Peer:
         params = dict(self.model.named_parameters())
         spec = ParamSpec.of(params)
         if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
+            self._withdraw(welcome)
             raise MismatchError(f"model differs from the swarm's: {problem}")
         self.config = welcome.config
         self.fingerprint = welcome.fingerprint
@@ -188,6 +197,30 @@ class Peer:
         )
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+
+    def _withdraw(self, welcome: Welcome) -> None:
+        """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.
+
+        The answerer added us (as a placeholder, or to its registry) when it
+        welcomed us; a model we could only compare afterwards (one built from
+        the welcome's configuration) must not leave a member behind that never
+        trains. A clean leave at our placeholder's incarnation outranks it.
+        """
+        transport = self._transport
+        assert transport is not None
+        me = Member(welcome.member_id, self.address, welcome.shard, incarnation=0, state=LEFT)
+
+        async def tell() -> None:
+            def send(addr: str, kind: str, body: dict[str, Any]) -> None:
+                msg = Message(kind, me.id, self.address, welcome.fingerprint, 0, body)
+                transport.send(addr, encode(msg, welcome.config.limits))
+
+            if welcome.coordinator:
+                send(welcome.coordinator, REPORT, {"member": me.to_wire(), "spec": None})
+            if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
+                send(welcome.answered_by, LEAVE, {"members": [me.to_wire()]})
+
+        self._loop.run(tell(), timeout=5)
 
     def _catch_up(self, enabled: bool) -> None:
         """Download a live member's state into the model before the first step, if anyone else is alive."""

@@ -15,6 +15,7 @@ another is asked for). See ``gossiptrain.state.checkpoint``.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -130,6 +131,8 @@ def run_peer(
         optimizer=lambda config, model: make_optimizer(config.train, model),
     ) as peer:
         workload = workloads["w"]
+        if peer.taken_from_swarm:  # the run fields we did not set, as the swarm runs them
+            print(f"peer {peer.id}: from the swarm: {', '.join(peer.taken_from_swarm)}", file=sys.stderr, flush=True)
         if on_training:
             on_training()
         if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
