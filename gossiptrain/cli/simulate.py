@@ -1,4 +1,9 @@
-"""`gossiptrain simulate`: a whole swarm in this process, in virtual time."""
+"""`gossiptrain simulate`: a whole swarm in this process, in virtual time.
+
+Ctrl+C stops the run and still writes what it computed: the rows sampled so
+far to ``--out`` and the summary (``--json`` too), marked interrupted with
+the virtual time reached; then the command exits 130.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from gossiptrain.cli.common import EXIT_INTERRUPTED
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
@@ -19,12 +25,37 @@ if TYPE_CHECKING:  # the cluster pulls in torch: imported when a simulation runs
     from gossiptrain.sim.cluster import SimConfig, SimResult
 
 
+DEFAULT_STEP_TIME = 0.05  # virtual seconds per local step when --step-time is not given
+
+STEP_TIME_HELP = (
+    "virtual seconds one local step costs at speed 1 (default 0.05: a fixed, modelled step time, the same on "
+    "every machine, so a seed gives the same run anywhere; the steps are real torch steps, only their duration "
+    "is modelled). 'measured' times a real step of the workload here (median of 20) and charges that instead: "
+    "faithful to this machine, but a tiny step (logreg: well under 1 ms) makes every peer take thousands of steps "
+    "per virtual second, and wall time grows with peers x steps (the README's 64-peer example: some 85 minutes "
+    "on 2 cores, against under a minute with the default)"
+)
+
+
+def _step_time(text: str) -> float | None:
+    """``--step-time``: seconds, or 'measured' (None: the cluster measures a real step)."""
+    if text.strip().lower() == "measured":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of seconds nor 'measured'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 seconds")
+    return value
+
+
 def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """The `simulate` sub-command's flags; the caller sets what it runs."""
     p = sub.add_parser("simulate", help="run a swarm of simulated peers in virtual time, in this process")
     p.add_argument("--peers", type=int, default=8, help="number of peers (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="virtual seconds to simulate (default 60)")
-    p.add_argument("--step-time", type=float, metavar="SECONDS", help="virtual seconds per local step (default: measured here)")
+    p.add_argument("--step-time", type=_step_time, default=DEFAULT_STEP_TIME, metavar="SECONDS|measured", help=STEP_TIME_HELP)
     p.add_argument("--exchange-time", type=float, default=0.0, metavar="SECONDS",
                    help="computation charged per exchange operation (snapshot or merge); default 0")
     p.add_argument("--step-jitter", type=float, default=0.0, metavar="CV",
@@ -95,33 +126,83 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
     )
 
 
+class LiveLine:
+    """The live status line: virtual progress, wall time, the time left, who is live and what their views hold.
+
+    The time left is the virtual time still to go at the rate (wall seconds
+    per virtual second) measured from the first sample on: start-up (loading
+    the workload, the peers' joins) is not part of the rate.
+    """
+
+    def __init__(self, duration: float, peers: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.duration = duration
+        self.peers = peers
+        self.clock = clock
+        self.started = clock()
+        self._first: tuple[float, float] | None = None  # (virtual, wall elapsed) at the first sample
+
+    def left(self, now: float, elapsed: float) -> float | None:
+        """Estimated wall seconds to the end, or None before there is a rate."""
+        if self._first is None:
+            self._first = (now, elapsed)
+        v0, w0 = self._first
+        if now > v0 and elapsed > w0:
+            rate = (elapsed - w0) / (now - v0)
+        elif now > 0:
+            rate = elapsed / now  # one sample so far: start-up included, an overestimate
+        else:
+            return None
+        return max(0.0, self.duration - now) * rate
+
+    def render(self, now: float, rows: list[dict[str, Any]], elapsed: float | None = None) -> str:
+        elapsed = self.clock() - self.started if elapsed is None else elapsed
+        left = self.left(now, elapsed)
+        done = min(1.0, now / self.duration)
+        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        eta = f" | ~{_duration(left)} left" if left is not None else ""
+        accs = [r["test_acc"] for r in rows if "test_acc" in r]
+        acc = f" | mean acc {sum(accs) / len(accs):.3f}" if accs else ""
+        live = sum(r.get("members_live", r["members"]) for r in rows) / len(rows) if rows else 0.0
+        stale = sum(r.get("members_stale", 0) for r in rows) / len(rows) if rows else 0.0
+        return (
+            f"[{bar}] virtual {now:7.1f}/{self.duration:.0f} s | wall {elapsed:6.1f} s{eta} | "
+            f"live {len(rows)}/{self.peers} | view {live:.1f} live + {stale:.1f} stale{acc}"
+        )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
-    """Simulate ``run`` as the flags describe; print the summary (and the JSON line with --json)."""
-    from gossiptrain.sim.cluster import simulate
+    """Simulate ``run`` as the flags describe; print the summary (and the JSON line with --json).
+
+    Ctrl+C writes what was computed (series and summary, marked interrupted) and returns 130.
+    """
+    from gossiptrain.sim.cluster import SimInterrupted, simulate
 
     config = sim_config(args, run)
     progress = Progress(plain_every=10.0)
-    wall = time.monotonic()
+    line = LiveLine(config.duration, config.peers)
 
     def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
-        accs = [r["test_acc"] for r in rows if "test_acc" in r]
-        acc = f" | mean acc {sum(accs) / len(accs):.3f}" if accs else ""
-        members = sum(r["members"] for r in rows) / len(rows) if rows else 0
-        done = min(1.0, now / config.duration)
-        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
-        progress.update(
-            f"[{bar}] virtual {now:7.1f}/{config.duration:.0f} s | wall {time.monotonic() - wall:6.1f} s | "
-            f"live {len(rows)}/{config.peers} | mean view {members:.1f}{acc}"
-        )
+        progress.update(line.render(now, rows))
 
-    result = simulate(config, on_sample)
+    try:
+        result, interrupted = simulate(config, on_sample), False
+    except SimInterrupted as e:
+        result, interrupted = e.result, True
     progress.finish()
     if args.out:
         write_rows(result, Path(args.out))
     print(format_summary(result), flush=True)
     if args.json:
         print(json.dumps(result.summary, separators=(",", ":")), flush=True)
-    return 0
+    return EXIT_INTERRUPTED if interrupted else 0
 
 
 def write_rows(result: SimResult, path: Path) -> None:
@@ -145,11 +226,23 @@ def write_rows(result: SimResult, path: Path) -> None:
 
 def format_summary(result: SimResult) -> str:
     s = result.summary
-    lines = [
+    lines = []
+    if s.get("interrupted"):
+        lines.append(
+            f"interrupted at virtual {s['virtual_seconds']:.1f} of {s.get('duration', float('nan')):.0f} s: "
+            f"what follows (and --out) covers the {len(result.rows)} rows sampled until then"
+        )
+    lines += [
         f"simulated {s['virtual_seconds']:.1f} virtual s of {s['peers']} peers in {s['wall_seconds']:.1f} wall s "
         f"(step time {s['step_time'] * 1000:.2f} ms, seed {s['seed']})",
-        f"live peers at the end: {s['live_peers']}, crashes: {s['crashes']}, mean view size: {s['mean_members']}",
+        f"live peers at the end: {s['live_peers']}, crashes: {s['crashes']}",
     ]
+    if s.get("mean_members_live") is not None:
+        lines.append(
+            f"mean view: {_num(s['mean_members_live'], '.1f')} live peers (itself included) + "
+            f"{_num(s.get('mean_members_stale'), '.1f')} stale entries (crashed incarnations not yet declared dead, "
+            f"ids whose join answer was lost)"
+        )
     if "mean_test_acc" in s and s["mean_test_acc"] is not None:
         ttt = f", reached the target at {s['time_to_target']:.1f} s" if s.get("time_to_target") is not None else ""
         lines.append(
@@ -157,7 +250,38 @@ def format_summary(result: SimResult) -> str:
             f"exchanges per peer {_num(s['exchanges_per_peer'], '.0f')}, "
             f"consensus distance {_num(s['consensus_distance'], '.4g')}{ttt}"
         )
+    staleness = _staleness_line(result)
+    if staleness:
+        lines.append(staleness)
     return "\n".join(lines)
+
+
+def _last_mean(result: SimResult, key: str) -> float | None:
+    """Mean of ``key`` over the honest peers' last samples (missing and NaN values skipped)."""
+    if not result.rows:
+        return None
+    last = result.rows[-1]["time"]
+    values = [
+        float(r[key]) for r in result.rows
+        if r["time"] == last and not r.get("rogue") and isinstance(r.get(key), (int, float)) and r[key] == r[key]
+    ]
+    return sum(values) / len(values) if values else None
+
+
+def _staleness_line(result: SimResult) -> str:
+    """Mean staleness with what it means and what is normal (text only: the JSON keeps its numbers)."""
+    staleness = _last_mean(result, "staleness_mean")
+    if staleness is None:
+        return ""
+    rtt_ms, step_time = _last_mean(result, "rtt_ms"), result.summary.get("step_time") or 0.0
+    trip = f"; an exchange round trip is {rtt_ms / (step_time * 1000):.1f} steps here" if rtt_ms and step_time else ""
+    return (
+        f"mean staleness {staleness:.1f} steps over the run (how many local steps a peer was ahead of the sender of an update it "
+        f"merged; 0: in step{trip})\n"
+        "  typical: up to about one round trip among equally fast peers (plus their start offsets); stragglers make "
+        "it grow through the run (a peer N times slower falls 1 - 1/N steps behind per step of the others), so tens "
+        "to hundreds of steps are normal with them"
+    )
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -7,6 +7,11 @@ profile, loss, partitions, churn), samples every peer every ``sample_every``
 virtual seconds, and returns the time series and a summary. Everything
 random comes from ``SimConfig.seed``; with an explicit ``step_time`` two runs
 of the same configuration give identical results.
+
+Interrupted (Ctrl+C: ``KeyboardInterrupt``), ``simulate`` raises
+``SimInterrupted``, a ``KeyboardInterrupt`` that carries what was computed:
+the rows sampled so far and a summary marked ``"interrupted": true`` whose
+``virtual_seconds`` is the virtual time reached.
 """
 
 from __future__ import annotations
@@ -129,6 +134,14 @@ class SimResult:
     summary: dict[str, Any]
 
 
+class SimInterrupted(KeyboardInterrupt):
+    """Ctrl+C during ``simulate``: still a KeyboardInterrupt, carrying the partial ``result``."""
+
+    def __init__(self, result: SimResult) -> None:
+        super().__init__(f"simulation interrupted at virtual time {result.summary['virtual_seconds']} s")
+        self.result = result
+
+
 def measure_step_time(workload: Workload, model: torch.nn.Module, run: RunConfig, steps: int = 20) -> float:
     """Median wall seconds of one local step of this workload on this machine (one thread)."""
     trainer = LocalTrainer(workload, copy.deepcopy(model), run.train, shard=0)
@@ -168,6 +181,8 @@ class Cluster:
         self.rows: list[dict[str, Any]] = []
         self.crashes = 0
         self.time_to_target: float | None = None
+        self.reached = 0.0  # virtual time the run got to (its end, or where it was interrupted)
+        self._wall_start: float | None = None
 
     # -- peers -----------------------------------------------------------------------------
 
@@ -245,6 +260,10 @@ class Cluster:
 
     def _sample(self, now: float) -> list[dict[str, Any]]:
         live = {s: p for s, p in self.peers.items() if p.node is not None}
+        # A view may name members that no longer exist: a crashed incarnation not yet declared dead
+        # (its rejoin has a new id), or an id whose join answer was lost (its peer joined again under
+        # another). Only the simulator knows which entries are live peers; it counts both.
+        live_ids = {p.node.me.id for p in live.values() if p.node is not None}
         rows = []
         flat: dict[int, torch.Tensor] = {}
         for slot, peer in live.items():
@@ -257,7 +276,12 @@ class Cluster:
             row["generation"] = peer.spec.generation
             if self.config.rogue:
                 row["rogue"] = slot in self.config.rogue
-            row.update(peer.stats())
+            stats = peer.stats()
+            view = peer.node.view() if peer.node else ()
+            row["members"] = stats.pop("members")  # entries in its view, itself included
+            row["members_live"] = sum(1 for m in view if m in live_ids)  # ...that are live peers now
+            row["members_stale"] = row["members"] - row["members_live"]  # ...that name no live peer
+            row.update(stats)
             if peer.trainer is not None:
                 result = peer.trainer.evaluate()
                 row.update(step=peer.trainer.steps, loss=peer.trainer.loss_avg, test_acc=result.accuracy, test_loss=result.loss)
@@ -271,7 +295,7 @@ class Cluster:
         streak: list[float] = []  # sample times of the current run of samples at or above the target
         while True:
             await asyncio.sleep(self.config.sample_every)
-            now = loop.time()
+            now = self.reached = loop.time()
             rows = self._sample(now)
             self.rows.extend(rows)
             if self.on_sample:
@@ -289,32 +313,41 @@ class Cluster:
     # -- the run ---------------------------------------------------------------------------
 
     async def run(self) -> SimResult:
-        wall = time.perf_counter()
+        """Run to the end; cancelled (Ctrl+C under ``simulate``), stop every task first, then re-raise."""
+        self._wall_start = time.perf_counter()
+        loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        background: list[asyncio.Task[None]] = []
         with self.network.activate():
             transport = listen(COORDINATOR, self.config.run.limits, network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
-                # Peers start evenly over join_spread, as machines do: not all in the same instant.
-                gap = self.config.join_spread / self.config.peers
-                for slot in range(self.config.peers):
-                    self._start(slot)
-                    if gap:
-                        await asyncio.sleep(gap)
-                background = [asyncio.create_task(self._sampler(stop), name="sampler"), asyncio.create_task(self._churn(), name="churn")]
-                background += [asyncio.create_task(self._partitions(p)) for p in self.config.partitions]
                 try:
-                    left = self.config.duration - asyncio.get_running_loop().time()
-                    await asyncio.wait_for(stop.wait(), timeout=max(0.0, left))
-                except TimeoutError:
-                    pass
-                virtual = asyncio.get_running_loop().time()
-                for task in [*background, *self.tasks.values()]:
-                    task.cancel()
-                results = await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
+                    # Peers start evenly over join_spread, as machines do: not all in the same instant.
+                    gap = self.config.join_spread / self.config.peers
+                    for slot in range(self.config.peers):
+                        self._start(slot)
+                        if gap:
+                            await asyncio.sleep(gap)
+                    background += [asyncio.create_task(self._sampler(stop), name="sampler"), asyncio.create_task(self._churn(), name="churn")]
+                    background += [asyncio.create_task(self._partitions(p)) for p in self.config.partitions]
+                    try:
+                        await asyncio.wait_for(stop.wait(), timeout=max(0.0, self.config.duration - loop.time()))
+                    except TimeoutError:
+                        pass
+                finally:
+                    self.reached = loop.time()
+                    for task in [*background, *self.tasks.values()]:
+                        task.cancel()
+                    results = await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
                 for r in results:
                     if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                         raise r
-        return SimResult(self.rows, self._summary(virtual, time.perf_counter() - wall))
+        return self.result()
+
+    def result(self, *, interrupted: bool = False) -> SimResult:
+        """The rows so far and their summary (also of a run cut short: ``interrupted``)."""
+        wall = time.perf_counter() - self._wall_start if self._wall_start is not None else 0.0
+        return SimResult(self.rows, {**self._summary(self.reached, wall), "interrupted": interrupted})
 
     def _summary(self, virtual: float, wall: float) -> dict[str, Any]:
         last_time = self.rows[-1]["time"] if self.rows else 0.0
@@ -329,13 +362,16 @@ class Cluster:
         summary: dict[str, Any] = {
             "peers": self.config.peers,
             "seed": self.config.seed,
-            "virtual_seconds": round(virtual, 3),
+            "duration": self.config.duration,
+            "virtual_seconds": round(virtual, 3),  # reached: less than duration at a target or an interrupt
             "wall_seconds": round(wall, 3),
             "step_time": self.step_time,
             "contention": self.contention,
             "live_peers": len(live),
             "crashes": self.crashes,
-            "mean_members": mean("members"),
+            "mean_members": mean("members"),  # entries in a view, stale ones included
+            "mean_members_live": mean("members_live"),  # ...of them live peers (at most live_peers)
+            "mean_members_stale": mean("members_stale"),
             "network": self.network.stats.to_dict(),
         }
         if not self.config.membership_only:
@@ -351,10 +387,22 @@ class Cluster:
 
 
 def simulate(config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> SimResult:
-    """Run one simulation to its end (``duration`` or the target accuracy) in virtual time."""
+    """Run one simulation to its end (``duration`` or the target accuracy) in virtual time.
+
+    Ctrl+C (a ``KeyboardInterrupt``) once the cluster is running raises
+    ``SimInterrupted`` with the rows so far and a summary marked interrupted.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one simulated peer computes at a time; one thread keeps runs bit-identical
     try:
-        return run_virtual(Cluster(config, on_sample).run())
+        cluster = Cluster(config, on_sample)
+        try:
+            return run_virtual(cluster.run())
+        except SimInterrupted:
+            raise
+        except KeyboardInterrupt:
+            # asyncio's Ctrl+C handler cancelled the run (which stopped its tasks), or the interrupt
+            # came straight through (a second Ctrl+C, or no handler off the main thread).
+            raise SimInterrupted(cluster.result(interrupted=True)) from None
     finally:
         torch.set_num_threads(threads)
