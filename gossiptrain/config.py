@@ -106,9 +106,31 @@ class SecurityConfig:
         )
 
 
+class _DefaultSteps(int):
+    """The type of ``TrainConfig.max_steps``'s default: tells a budget left alone from one given as 2000."""
+
+
+class _DefaultSeconds(float):
+    """The type of ``TrainConfig.max_seconds``'s default (see ``_DefaultSteps``)."""
+
+
+#: The budget fields with their defaults. A budget given alone is the only budget: the other one is then off
+#: (``TrainConfig.__post_init__``); given neither, both defaults apply; given both, both apply.
+_BUDGET_DEFAULTS: dict[str, int | float] = {"max_steps": _DefaultSteps(2000), "max_seconds": _DefaultSeconds(0.0)}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """What each peer trains and for how long."""
+    """What each peer trains and for how long.
+
+    The budget: a peer finishes after ``max_steps`` steps or ``max_seconds``
+    seconds, whichever comes first (0: that budget is off). A budget given
+    alone is the only one: ``TrainConfig(max_seconds=150)`` (or
+    ``--seconds 150``, ``--set train.max_seconds=150``, a TOML file setting
+    only ``max_seconds``) has no step budget, and ``max_steps`` alone no time
+    budget. Given neither, the defaults apply (2000 steps, no time budget).
+    ``budgets_given`` says which of the two were given.
+    """
 
     workload: str = "digits"  # built-in name (digits, logreg), "module:attr", or "external"
     lr: float = 0.05  # SGD learning rate
@@ -117,8 +139,8 @@ class TrainConfig:
     batch_size: int = 32
     shards: int = 4  # the data is cut into this many shards; a peer trains one
     seed: int = 0  # model init and shards are deterministic from it
-    max_steps: int = 2000  # budget: a peer finishes after this many steps (0 = none)
-    max_seconds: float = 0.0  # budget: a peer finishes after this long (0 = none)
+    max_steps: int = _BUDGET_DEFAULTS["max_steps"]  # type: ignore[assignment]  # budget: this many steps (0 = none)
+    max_seconds: float = _BUDGET_DEFAULTS["max_seconds"]  # budget: this many seconds (0 = none)
     eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
     partition: str = "iid"  # how shards split the data: iid, dirichlet, classes-per-peer (gossiptrain.train.partition)
     partition_alpha: float = 0.5  # dirichlet concentration: small = few classes per shard, large = near iid
@@ -126,6 +148,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
+        given = frozenset(name for name, default in _BUDGET_DEFAULTS.items() if getattr(self, name) is not default)
+        object.__setattr__(self, "_budgets_given", given)  # frozen: set once, here; not a field (not in the fingerprint)
+        for name, default in _BUDGET_DEFAULTS.items():
+            if name not in given:  # a budget given alone is the only budget: the other is off; given none, the default
+                plain = float if isinstance(default, float) else int
+                object.__setattr__(self, name, plain(0 if given else default))
         _require(bool(self.workload.strip()), f"{s}.workload", "must name a workload")
         _require(self.lr > 0 and math.isfinite(self.lr), f"{s}.lr", f"must be a positive number, got {self.lr}")
         _require(0 <= self.momentum < 1, f"{s}.momentum", f"must be in [0, 1), got {self.momentum}")
@@ -148,6 +176,12 @@ class TrainConfig:
             f"must be a positive number, got {self.partition_alpha}",
         )
         _require(self.partition_classes >= 1, f"{s}.partition_classes", f"must be >= 1, got {self.partition_classes}")
+
+    @property
+    def budgets_given(self) -> frozenset[str]:
+        """Which of ``max_steps`` and ``max_seconds`` were given (not left at their defaults)."""
+        given: frozenset[str] = self.__dict__.get("_budgets_given", frozenset(_BUDGET_DEFAULTS))
+        return given
 
 
 @dataclass(frozen=True)
@@ -247,15 +281,16 @@ class MembershipConfig:
 
     heartbeat_interval: float = 0.5  # protocol period: seconds between our probes of one member
     indirect_probes: int = 3  # members asked to probe a member that missed its direct ack (SWIM's k)
-    suspicion_mult: float = 6.0  # a suspect is dead after at least mult * max(1, log10 n) periods unrefuted
-    suspicion_max_mult: float = 6.0  # ... and at most this times that, until independent suspicions confirm it
-    suspicion_confirmations: int = 3  # independent suspicions that shrink the timeout to its minimum (Lifeguard's K)
+    suspicion_mult: float = 4.0  # a suspect is dead after at least mult * max(1, log10 n) periods unrefuted
+    suspicion_max_mult: float = 9.0  # ... and at most this times that, until independent suspicions confirm it
+    suspicion_confirmations: int = 3  # independent suspicions that shrink the timeout to its minimum (Lifeguard's K;
+    # capped by the members that could confirm at all: in a swarm of 3 the one other survivor is enough)
     retransmit_mult: int = 4  # an update rides on mult * ceil(log10(n + 1)) messages
     max_piggyback: int = 8  # updates carried per probe message (bounds every message)
     min_probe_timeout: float = 0.01  # floor of the RTT-derived direct probe timeout (seconds)
     max_health: int = 8  # Lifeguard's local health multiplier: periods and timeouts stretch up to (1 + this)x
     sync_interval: float = 10.0  # at most this many seconds between full-view exchanges with one member (anti-entropy)
-    newcomer_grace: float = 60.0  # seconds a welcomed member may take to start (model, state download) unprobed
+    newcomer_grace: float = 15.0  # seconds a welcomed member may take to start (build its model) unprobed; then dropped
     tombstone_rounds: int = 120  # periods a dead/left member is remembered (blocks stale resurrection)
     probe_dead_every: int = 4  # every this many periods, send our view to one member we think dead
     report_interval: float = 2.0  # seconds between reports to the coordinator
@@ -436,13 +471,22 @@ class RunConfig:
         return cls.from_dict(data)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
-        """A copy with dotted fields replaced, e.g. {"train.lr": 0.1}. Strings are parsed by field type."""
-        data = self.to_dict()
+        """A copy with dotted fields replaced, e.g. {"train.lr": 0.1}. Strings are parsed by field type.
+
+        A budget this configuration was not given stays not given unless
+        overridden, so an override of one budget alone is the only budget
+        (see ``TrainConfig``).
+        """
+        current = self.to_dict()
+        data = {section: dict(values) for section, values in current.items()}
+        for name in _BUDGET_DEFAULTS:
+            if name not in self.train.budgets_given:
+                del data["train"][name]
         for dotted, value in overrides.items():
             section, _, name = dotted.partition(".")
-            if section not in data or name not in data[section]:
+            if section not in current or name not in current[section]:
                 raise ConfigError(f"unknown field {dotted!r}; see `gossiptrain config` for all fields")
-            ftype = type(data[section][name])
+            ftype = type(current[section][name])
             data[section][name] = _parse_value(dotted, value, ftype) if isinstance(value, str) else value
         return RunConfig.from_dict(data)
 

@@ -62,8 +62,36 @@ def test_unreachable_join_address_gives_up_with_a_clear_message() -> None:
         port = s.getsockname()[1]
         result = run_cli("peer", "--join", f"{host}:{port}", "--join-attempts", "2", "--bind", f"{next_host()}:0", timeout=60)
     assert result.returncode == 2, result
-    assert f"no answer from tcp://{host}:{port} after 2 attempts" in result.stderr, result.stderr
+    assert f"cannot join tcp://{host}:{port}: connection refused, nothing listens there (2 attempts over" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "budget"),
+    [
+        (["--seconds", "150"], (0, 150.0)),  # a time budget alone: no step budget cuts it short
+        (["--set", "train.max_seconds=150"], (0, 150.0)),
+        (["--steps", "300"], (300, 0.0)),
+        (["--seconds", "150", "--steps", "300"], (300, 150.0)),  # both given: whichever comes first
+        ([], (2000, 0.0)),  # neither: the defaults
+    ],
+)
+def test_the_coordinator_runs_exactly_the_budget_given(
+    flags: list[str], budget: tuple[int, float], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import gossiptrain.runtime.coordinator_process as coordinator_process
+    from gossiptrain.cli.main import main
+
+    served: list[gossiptrain.RunConfig] = []
+    monkeypatch.setattr(coordinator_process, "run_coordinator_forever", lambda config, *rest: served.append(config))
+    assert main(["coordinator", "--bind", "127.0.0.1:0", *flags]) == 0
+    expected = [budget]
+    if not flags:  # and a file that gives only a time budget
+        toml = tmp_path / "run.toml"
+        toml.write_text("[train]\nmax_seconds = 150.0\n")
+        assert main(["coordinator", "--bind", "127.0.0.1:0", "--config", str(toml)]) == 0
+        expected.append((0, 150.0))
+    assert [(c.train.max_steps, c.train.max_seconds) for c in served] == expected
 
 
 def test_malformed_join_address_is_rejected() -> None:

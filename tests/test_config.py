@@ -77,3 +77,25 @@ def test_failure_detection_timeouts_grow_with_the_swarm() -> None:
     assert m.retransmits(8) == 4 and m.retransmits(1000) == 16
 
 
+def test_a_budget_given_alone_is_the_only_budget(tmp_path: Path) -> None:
+    assert (TrainConfig().max_steps, TrainConfig().max_seconds) == (2000, 0.0)  # neither given: the defaults
+    assert (TrainConfig(max_seconds=150.0).max_steps, TrainConfig(max_seconds=150.0).max_seconds) == (0, 150.0)
+    assert (TrainConfig(max_steps=10).max_steps, TrainConfig(max_steps=10).max_seconds) == (10, 0.0)
+    both = TrainConfig(max_steps=2000, max_seconds=150.0)
+    assert (both.max_steps, both.max_seconds, both.budgets_given) == (2000, 150.0, {"max_steps", "max_seconds"})
+    # --set / flags (with_overrides) and TOML files mark a budget as given the same way.
+    timed = RunConfig().with_overrides({"train.max_seconds": "150"})
+    assert (timed.train.max_steps, timed.train.max_seconds) == (0, 150.0)
+    assert timed.with_overrides({"train.lr": 0.1}).train.max_steps == 0  # a later override of something else keeps it
+    assert timed.with_overrides({"train.max_steps": 500}).train.max_steps == 500  # now both are given
+    assert RunConfig().with_overrides({"train.max_steps": 10}).train.max_seconds == 0.0
+    assert RunConfig().with_overrides({"train.lr": 0.1}).train.max_steps == 2000
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nmax_seconds = 150\n")
+    from_file = RunConfig.from_toml(path)
+    assert (from_file.train.max_steps, from_file.train.max_seconds) == (0, 150.0)
+    assert from_file.with_overrides({"train.max_steps": "100"}).train.max_steps == 100  # file + flag: both given
+    # What travels (the welcome's dict) is the resolved values: the same run, the same fingerprint.
+    again = RunConfig.from_dict(timed.to_dict())
+    assert again == timed and again.fingerprint() == timed.fingerprint()
+    assert RunConfig().to_dict()["train"]["max_steps"] == 2000 and type(RunConfig().train.max_steps) is int

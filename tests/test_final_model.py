@@ -19,15 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from gossiptrain.cli.main import main
-from gossiptrain.config import FinalConfig, RunConfig
+from gossiptrain.config import FinalConfig, MembershipConfig, RunConfig
 from gossiptrain.errors import CheckpointError, ConfigError, ProtocolError
 from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.finish import DONE, WRITTEN, Announce, Event, FinishEndpoint
+from gossiptrain.protocol.finish import DONE, WRITTEN, Announce, Event, FinishEndpoint, FinNotice
 from gossiptrain.protocol.membership import Member
 from gossiptrain.runtime.final_phase import FinalPhase, finish_event
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.state import merged_model as fm
+from gossiptrain.testing.membership_cluster import Cluster
 from gossiptrain.train.workload import load_workload
 
 from .conftest import fast_config
@@ -349,6 +350,36 @@ def test_a_writer_merges_after_the_consensus_and_says_so() -> None:
     report = s.phase.run("stop", merge, "out.safetensors")
     assert started == [pytest.approx(1.2)] and report.final_model == "out.safetensors" and report.merged_members == ["a", "b"]
     assert (pytest.approx(1.7), WRITTEN, True, True) in s.notices
+
+
+def test_the_wait_for_the_others_ends_when_an_unfinished_member_is_known_dead() -> None:
+    """A swarm of 3 with the default settings; one member is killed as another's budget runs out.
+
+    The final phase reads the membership's live view at every safe point: it waits
+    only until the death is known (seconds), not the whole final.wait_seconds, and a
+    member already known dead is not waited for at all.
+    """
+    run = RunConfig()
+    assert run.membership == MembershipConfig()  # the defaults a new user runs with
+    c = Cluster(3, seed=11, config=run.membership)
+    c.run(5.0)
+    node = c.nodes["m000"]
+    machine = FinishEndpoint(run, me="m000", members=node.alive)
+    machine.handle(FinNotice("m002", "sim://m002", run.fingerprint(), {"phase": DONE, "writer": False}), c.now)
+    c.crash("m001")  # kill -9: it never says it is done
+
+    def phase() -> FinalPhase:
+        return FinalPhase(
+            run.final, me="m000", endpoint=machine, view=lambda: [m.id for m in node.alive()], idle=lambda: c.run(0.05),
+            notify=lambda p, w, e: None, renotify_every=run.membership.heartbeat_interval, clock=lambda: c.now,
+        )
+
+    report = phase().run("budget")
+    assert report.all_done and not report.aborted
+    assert report.waited_seconds <= 5.0 < run.final.wait_seconds
+    assert [m.id for m in node.alive()] == ["m000", "m002"]
+    again = phase().run("budget")
+    assert again.all_done and again.waited_seconds == 0
 
 
 def test_a_signal_cuts_the_final_phase_short() -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import PING
 from gossiptrain.protocol.membership import (
@@ -83,6 +84,46 @@ def test_one_percent_loss_never_kills_a_live_member(seed: int) -> None:
     c.run(120.0)
     assert not c.deaths()
     assert all(view == set(c.nodes) for view in c.views().values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), settle=st.floats(3.0, 8.0))
+def test_in_a_swarm_of_three_both_survivors_declare_a_crash_dead_within_5_s_with_the_defaults(seed: int, settle: float) -> None:
+    """Lifeguard wants 3 independent suspicions before its shortest timeout; 3 members have only 2 to give.
+
+    The cap (K at most the members that could confirm) and the suspicion pushed to the members asked
+    for help make the one other survivor's confirmation enough, and arrive within a period.
+    """
+    config = MembershipConfig()  # the defaults a new user runs with (0.5 s periods), not the cluster's round numbers
+    c = Cluster(3, seed, config=config)
+    c.run(settle)
+    assert all(view == set(c.nodes) for view in c.views().values())
+    c.crash("m001")
+    crashed_at = c.now
+    c.run(5.0)
+    verdicts = {who: (t, a) for t, who, a in c.events if match(a, MemberDown, reason="dead") and a.member.id == "m001"}
+    assert set(verdicts) == {"m000", "m002"}
+    assert all(t - crashed_at <= 5.0 for t, _ in verdicts.values())
+    assert all(set(a.suspectors) <= {"m000", "m002"} and a.suspectors for _, a in verdicts.values())  # for the terminal
+    assert all(m == "m001" for _, _, m in c.deaths())
+
+
+def test_a_welcome_placeholder_of_a_member_that_died_starting_is_dropped_everywhere_on_time() -> None:
+    """The welcomer adds the newcomer at incarnation 0; if it dies building its model it never speaks for itself."""
+    config = MembershipConfig()
+    c = Cluster(3, seed=7, config=config)
+    c.run(5.0)
+    welcomed_at = c.now
+    c.carry("m000", c.nodes["m000"].handle(Digest([Member("p9a1", "sim://p9a1", 0, 0)]), c.now))  # nobody runs p9a1
+    c.run(2.0)
+    assert all("p9a1" in view for view in c.views().values())  # gossip carried the placeholder to everyone
+    assert not c.deaths()
+    c.run(20.0 - 2.0)
+    drops = {who: t for t, who, m in c.deaths() if m == "p9a1"}
+    assert set(drops) == set(c.nodes)  # each drops it by its own timer, not a minute later
+    assert all(t - welcomed_at <= config.newcomer_grace + 2.0 for t in drops.values())  # heard within 2 s, above
+    assert all("p9a1" not in view for view in c.views().values())
+    assert all(m == "p9a1" for _, _, m in c.deaths())
 
 
 def test_an_indirect_probe_saves_a_member_behind_one_broken_link() -> None:

@@ -143,7 +143,7 @@ def test_sigterm_leaves_cleanly_and_fast(procs: Procs, coordinator_factory: Any)
     seen = stayer.latest()
     assert seen["members_left"] == 1 and seen["members_dead"] == 0, seen
     stayer.signal(signal.SIGINT)  # Ctrl+C
-    assert stayer.wait(5) == 0, stayer.output()
+    assert stayer.wait(5) == 130, stayer.output()  # interrupted: it still leaves and writes its summary
     assert stayer.records("done")
 
 

@@ -2,7 +2,8 @@
 
 Exit codes are part of the command's interface (scripts test them):
 0 done, 1 failed, 2 bad usage or configuration (the message says what to
-fix), 130 interrupted by Ctrl+C.
+fix), 130 interrupted by Ctrl+C (also when a training peer then leaves
+gracefully and writes its summary; SIGTERM stops it with 0).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 
+EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

@@ -2,10 +2,13 @@
 
 Run flags map onto the same dotted fields as a TOML file (``--lr`` is
 ``train.lr``; ``--set section.field=value`` reaches any field), so a file and
-flags can be mixed: flags win. Errors a user can fix print one line naming
-the problem and exit with status 2. Ctrl+C or SIGTERM stops a training
-peer gracefully (it leaves, writes its summary, exits 0); during a join or
-the demo, Ctrl+C aborts with status 130.
+flags can be mixed: flags win. A budget given alone (``--steps`` or
+``--seconds``, by flag, ``--set`` or file) is the only budget. Errors a user
+can fix print one line naming the problem and exit with status 2, before
+anything heavy (torch, the model) starts where the flags alone show it.
+Ctrl+C or SIGTERM stops a training peer gracefully (it leaves and writes its
+summary); it then exits 130 after Ctrl+C, as every command does, and 0 after
+SIGTERM. During a join or the demo, either aborts with status 130.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gossiptrain.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, setup_logging
+from gossiptrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
+from gossiptrain.net.addressing import parse_hostport
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -36,8 +41,8 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--lr": ("train.lr", float, "learning rate"),
     "--batch-size": ("train.batch_size", int, "mini-batch size"),
     "--shards": ("train.shards", int, "number of data shards (usually the number of peers)"),
-    "--steps": ("train.max_steps", int, "step budget per peer (0: none)"),
-    "--seconds": ("train.max_seconds", float, "time budget per peer (0: none)"),
+    "--steps": ("train.max_steps", int, "step budget per peer (0: none); given alone, the only budget"),
+    "--seconds": ("train.max_seconds", float, "time budget per peer in seconds (0: none); given alone, the only budget"),
     "--seed": ("train.seed", int, "seed of model init and shards"),
     "--partition": ("train.partition", str, "how data is split over shards: iid, dirichlet, classes-per-peer"),
     "--partition-alpha": ("train.partition_alpha", float, "Dirichlet concentration (smaller: more label skew)"),
@@ -45,12 +50,62 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run configuration (shared by the swarm)")
-    g.add_argument("--config", metavar="FILE", help="TOML file with [train], [gossip], [membership], [limits], [state], [final]")
+#: How a default reads where the value alone would mislead.
+_DEFAULT_NOTES = {"--steps": "2000, or 0 when only a time budget is given", "--seconds": "0: none"}
+
+#: The run-flag defaults `gossiptrain peer --help` shows: a peer runs the swarm's configuration.
+PEER_RUN_DEFAULTS = {flag: "as the swarm runs" for flag in _RUN_FLAGS}
+_PEER_RUN_FLAGS = (
+    "A peer runs the swarm's configuration. Given any of these, it expects that run and is refused by a swarm "
+    "running anything else; the fields it does not set it takes from the swarm."
+)
+
+
+def _add_run_flags(
+    p: argparse.ArgumentParser, defaults: Mapping[str, str] | None = None, description: str | None = None
+) -> None:
+    """The run flags, each with its field and default in --help; ``defaults`` overrides what a flag's default reads."""
+    config = RunConfig().to_dict()
+    g = p.add_argument_group("run configuration (shared by the swarm)", description)
+    g.add_argument("--config", metavar="FILE",
+                   help="TOML file with [train], [gossip], [membership], [limits], [state], [final] (default: none; "
+                   "`gossiptrain config` prints every field's default)")
     for flag, (field, ftype, help_text) in _RUN_FLAGS.items():
-        g.add_argument(flag, type=ftype, metavar=ftype.__name__.upper(), help=f"{help_text} ({field})")
-    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any field, e.g. gossip.exchange_every_steps=2")
+        section, _, name = field.partition(".")
+        shown = (defaults or {}).get(flag) or _DEFAULT_NOTES.get(flag) or str(config[section][name])
+        g.add_argument(flag, type=ftype, metavar=ftype.__name__.upper(), help=f"{help_text} ({field}; default {shown})")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any field, e.g. gossip.exchange_every_steps=2 (repeatable; default: none)")
+
+
+def _count(kind: str, least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``, refused with the value named (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {kind} (>= {least}), got {value}")
+        return value
+
+    return parse
+
+
+def _number(kind: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a float for which ``ok`` holds, refused with the value named (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text}")
+        return value
+
+    return parse
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
@@ -91,8 +146,9 @@ def _check_workload(config: RunConfig) -> None:
 def _add_security_flags(p: argparse.ArgumentParser, peer: bool) -> None:
     g = p.add_argument_group("security (CURVE; see SECURITY.md)")
     g.add_argument("--secure", action="store_true", help="encrypt, and admit only members whose public key is in --allow")
-    g.add_argument("--key", metavar="FILE", help="this member's NAME.key_secret (`gossiptrain keys new`)")
-    g.add_argument("--allow", metavar="DIR", help="directory of the public keys (*.key) allowed to connect")
+    g.add_argument("--key", metavar="FILE", help="this member's NAME.key_secret (`gossiptrain keys new`; required with --secure)")
+    g.add_argument("--allow", metavar="DIR",
+                   help="directory of the public keys (*.key) allowed to connect (required with --secure)")
     if peer:
         g.add_argument("--server-key", metavar="FILE",
                        help="public key (NAME.key) of the --join target (default: DIR/coordinator.key of --allow)")
@@ -113,12 +169,15 @@ def _security(args: argparse.Namespace) -> SecurityConfig | None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    parse_hostport(args.bind, "--bind")  # what the flags alone show to be wrong fails before anything heavy starts
+    config = _run_config(args)
+    security = _security(args)
     from gossiptrain.runtime.coordinator_process import run_coordinator_forever
+    from gossiptrain.train.model_spec import workload_spec
 
     setup_logging(args.verbose, logging.INFO)
-    config = _run_config(args)
     _check_workload(config)
-    security = _security(args)
+    spec = workload_spec(config)  # a named workload's model: joins with another are refused from the first
 
     def ready(coord: Any) -> None:
         host_port = coord.address.removeprefix("tcp://").partition("?")[0]
@@ -132,7 +191,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    run_coordinator_forever(config, args.bind, ready, security)
+    run_coordinator_forever(config, args.bind, ready, security, spec)
     return 0
 
 
@@ -148,13 +207,24 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_peer(args: argparse.Namespace) -> int:
     import json
 
-    from gossiptrain.train.peer_loop import PeerOptions, run_peer
+    from gossiptrain.train.metrics import check_metrics_path
 
-    setup_logging(args.verbose, logging.WARNING)
+    # What the flags alone show to be wrong fails here, in milliseconds: before torch is imported.
+    parse_hostport(args.join, "--join")
+    if args.bind:
+        parse_hostport(args.bind, "--bind")
     if args.checkpoint_dir is None:
         for flag in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_keep"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --checkpoint-dir DIR")
+    if args.metrics:
+        check_metrics_path(args.metrics, "--metrics")
+    expect = _explicit_run_config(args)
+    security = _security(args)
+
+    from gossiptrain.train.peer_loop import PeerOptions, run_peer
+
+    setup_logging(args.verbose, logging.WARNING)
     checkpointing = {"checkpoint_every_seconds": args.checkpoint_every, "checkpoint_every_steps": args.checkpoint_every_steps,
              "checkpoint_keep": args.checkpoint_keep}
     options = PeerOptions(
@@ -162,7 +232,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         bind=args.bind,
         advertise=args.advertise,
         metrics=args.metrics,
-        expect=_explicit_run_config(args),
+        expect=expect,
         shard=args.shard,
         join_attempts=args.join_attempts,
         slowdown=args.slowdown,
@@ -172,17 +242,26 @@ def cmd_peer(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         resume_any_run=args.resume_any_run,
-        security=_security(args),
+        security=security,
         final_model=args.final_model,
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
     stop = threading.Event()
     training = threading.Event()
-    _on_stop_signals(lambda: stop.set() if training.is_set() else _interrupt())
-    summary = run_peer(options, stop, on_training=training.set)
+    interrupted = threading.Event()  # Ctrl+C (SIGINT), not SIGTERM: the exit status says which stopped us
+
+    def on_signal(signum: int) -> None:
+        if not training.is_set():
+            _interrupt()  # during the join: abort
+        if signum == signal.SIGINT:
+            interrupted.set()
+        stop.set()  # training: leave gracefully, write the summary
+
+    with _on_stop_signals(on_signal):
+        summary = run_peer(options, stop, on_training=training.set)
     if args.json:
         print(json.dumps(summary, separators=(",", ":")), flush=True)
-    return 0
+    return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -191,11 +270,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gossiptrain.cli.demo import DemoOptions, format_table, run_demo, summary_json
 
     setup_logging(args.verbose, logging.WARNING)
-    _on_stop_signals(_interrupt)
     options = DemoOptions(
         peers=args.peers, target=args.target, timeout=args.timeout, workdir=Path(args.workdir) if args.workdir else None
     )
-    summary = run_demo(options)
+    with _on_stop_signals(lambda signum: _interrupt()):
+        summary = run_demo(options)
     print(format_table(summary), flush=True)
     if args.json:
         print(summary_json(summary), flush=True)
@@ -212,7 +291,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         defaults: dict[str, Any] = {}
         if args.shards is None:
             defaults["train.shards"] = args.peers
-        if args.steps is None:
+        if "max_steps" not in run.train.budgets_given:  # not by --steps, nor by --set train.max_steps=N
             defaults["train.max_steps"] = 0
         run = run.with_overrides(defaults) if defaults else run
     if not args.membership_only:
@@ -229,10 +308,21 @@ def _interrupt() -> None:
     raise KeyboardInterrupt
 
 
-def _on_stop_signals(handler: Callable[[], None]) -> None:
-    """SIGTERM behaves like Ctrl+C: the handler decides between a graceful stop and an interrupt."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: handler())
+@contextmanager
+def _on_stop_signals(handler: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM call ``handler(signum)``; it decides between a graceful stop and an interrupt.
+
+    The previous handlers are back afterwards (``main`` may run in a process that goes on).
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: handler(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 # -- parser ------------------------------------------------------------------------------
@@ -254,36 +344,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join", required=True, metavar="HOST:PORT", help="the coordinator or any live peer")
     p.add_argument("--bind", metavar="HOST:PORT", help="where to listen (default: the advertised host, port 0)")
     p.add_argument("--advertise", metavar="HOST", help="host others reach us at (default: our address on the route to --join)")
-    p.add_argument("--metrics", metavar="FILE", help="append metrics as JSON lines")
-    p.add_argument("--shard", type=int, help="train this shard instead of the least covered one")
-    p.add_argument("--join-attempts", type=int, metavar="N", help="join attempts before giving up (default 5, 2 s each)")
+    p.add_argument("--metrics", metavar="FILE",
+                   help="append metrics as JSON lines to FILE, creating missing directories (default: none)")
+    p.add_argument("--shard", type=_count("a shard index", 0), metavar="I",
+                   help="train shard I (0 to shards-1) (default: the least covered one)")
+    p.add_argument("--join-attempts", type=_count("a number of attempts", 1), metavar="N",
+                   help="join attempts before giving up (default 5: 2 s each for a member that does not answer, "
+                   "about 0.5 s each while nothing listens)")
     p.add_argument("--slowdown", type=float, default=1.0, metavar="FACTOR",
-                   help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for this peer (default 1)")
+                   help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments; default 1: no)")
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads for this peer (default 1)")
     p.add_argument("--wait-for", type=int, default=0, metavar="N",
                    help="train only once N members (this one included) are in the swarm: a start line (default 0: at once)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.add_argument("--final-model", metavar="FILE",
                    help="at the end of the run (budget or `gossiptrain stop`), write the swarm's merged model here "
-                   "(safetensors + FILE.json)")
+                   "(safetensors + FILE.json; default: none)")
     _add_security_flags(p, peer=True)
     g = p.add_argument_group("checkpoints (safetensors + JSON; see README)")
-    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here, periodically and when the peer stops")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save checkpoints here, periodically and when the peer stops (default: none)")
     g.add_argument("--checkpoint-every", type=float, metavar="SECONDS", help="seconds between checkpoints (default 60; 0: none)")
     g.add_argument("--checkpoint-every-steps", type=int, metavar="N", help="also save every N local steps (default 0: no)")
     g.add_argument("--checkpoint-keep", type=int, metavar="K", help="checkpoints kept in DIR (default 3)")
     g.add_argument("--resume", metavar="DIR",
-                   help="start from the newest intact checkpoint in DIR: model, optimizer, step (and its shard unless --shard)")
+                   help="start from the newest intact checkpoint in DIR: model, optimizer, step (and its shard unless --shard) "
+                   "(default: none, start afresh)")
     g.add_argument("--resume-any-run", action="store_true", help="with --resume: accept a checkpoint of a different run")
-    _add_run_flags(p)
+    _add_run_flags(p, PEER_RUN_DEFAULTS, _PEER_RUN_FLAGS)
     p.set_defaults(func=cmd_peer)
 
     p = sub.add_parser("demo", help="coordinator + 4 peer processes on 127.0.0.1 training digits to 0.95")
-    p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--target", type=float, default=0.95, help="mean test accuracy to reach (default 0.95)")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds before giving up (default 180)")
-    p.add_argument("--workdir", metavar="DIR", help="keep metrics and logs here")
+    p.add_argument("--peers", type=_count("a number of peers", 1), default=4, metavar="N",
+                   help="peer processes to start, one shard each (default 4)")
+    p.add_argument("--target", type=_number("an accuracy in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
+                   help="mean test accuracy to reach (default 0.95)")
+    p.add_argument("--timeout", type=_number("a positive number of seconds", lambda v: 0 < v < float("inf")), default=180.0,
+                   metavar="SECONDS", help="seconds before giving up (default 180)")
+    p.add_argument("--workdir", metavar="DIR", help="keep metrics and logs here (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.set_defaults(func=cmd_demo)
 
@@ -293,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parsers(sub, lambda parser, peer: _add_security_flags(parser, peer=peer), _security)
 
-    add_simulate_parser(sub, _add_run_flags).set_defaults(func=cmd_simulate)
+    simulated = {"--shards": "--peers (one shard each)", "--steps": "0: none, the simulation's --duration ends the run"}
+    add_simulate_parser(sub, lambda parser: _add_run_flags(parser, simulated)).set_defaults(func=cmd_simulate)
     add_topology_parser(sub)
 
     p = sub.add_parser("config", help="print every configuration field with its default (TOML)")

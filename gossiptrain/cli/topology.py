@@ -5,7 +5,8 @@
 prints the numbers that predict how fast gossip mixes on it (degree,
 diameter, spectral gap) and can draw it. The spec is the same one-string
 form that `--topology` and the config file take, so what you inspect here is
-exactly what a run would use. A bad spec or peer count exits 2 with one line.
+exactly what a run would use. ``--peers`` is required, except for a ``file:``
+topology, which knows its size. A bad spec or peer count exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "topology",
         help="print a topology's degree, diameter and spectral gap; optionally draw it",
+        # argparse cannot say "required unless the spec is a file": the usage says it, cmd_topology enforces it.
+        usage=(
+            "%(prog)s [-h] NAME[:PARAMS] --peers N [--round R] [--json] [--png FILE]\n"
+            "       %(prog)s [-h] file:path=FILE [--peers N] [--round R] [--json] [--png FILE]"
+        ),
         description=(
             "Describe the graph a topology spec gives on N peers. Specs: NAME or "
             "NAME:param=value,...; names: " + ", ".join(topologies.names()) + "."
@@ -35,11 +41,11 @@ def add_parser(subparsers: Any) -> None:
         "--peers",
         type=int,
         metavar="N",
-        help="number of peers (default for file topologies: the file's)",
+        help="number of peers: required, except for file: topologies (default there: the file's)",
     )
     p.add_argument("--round", type=int, default=0, metavar="R", help="first round described and drawn (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--png", metavar="FILE", help="draw round R's graph to a PNG file")
+    p.add_argument("--png", metavar="FILE", help="draw round R's graph to a PNG file (default: none)")
     p.set_defaults(func=cmd_topology)
 
 
@@ -49,7 +55,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
         topology = topologies.parse(args.spec)
         peers = args.peers if args.peers is not None else topology.fixed_n
         if peers is None:
-            raise ValueError(f"--peers is required for {topology.name!r}")
+            raise ValueError(f"--peers is required for {topology.name!r} (only file: topologies know their size)")
         summary = topologies.describe(topology, peers, args.round)
         if args.png:
             summary["png"] = args.png

@@ -8,6 +8,7 @@ authenticate the answer; people read addresses without the key
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 
@@ -24,9 +25,45 @@ def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
     """'host:port', '[::1]:port' or 'tcp://host:port' -> (host, port), with a clear error."""
     raw = text.removeprefix("tcp://")
     host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host.strip("[]") or not (port.isascii() and port.isdigit()):
         raise ConfigError(f"{what} {text!r} must look like HOST:PORT (e.g. 127.0.0.1:7070)")
+    if int(port) > 65535:
+        raise ConfigError(f"{what} {text!r}: port {int(port)} is out of range (0-65535)")
     return host.strip("[]"), int(port)
+
+
+async def connection_refused(url: str, timeout: float = 1.0) -> bool | None:
+    """Whether nothing listens at ``url``: True if every TCP connection to it is refused, False if one is accepted.
+
+    None where it cannot tell: not a tcp:// URL, no answer within
+    ``timeout``, no route. A connection accepted is closed at once, before
+    any handshake, so the listener counts it as a failed handshake: look
+    only when an answer is overdue.
+    """
+    if not url.startswith("tcp://"):
+        return None
+    try:
+        host, port = parse_hostport(plain_address(url))
+    except ConfigError:
+        return None
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+    except (OSError, TimeoutError):
+        return None
+    refused = 0
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(s, sockaddr), timeout)
+            except ConnectionRefusedError:
+                refused += 1
+                continue
+            except (OSError, TimeoutError):
+                continue
+            return False
+    return True if infos and refused == len(infos) else None
 
 
 def tcp_url(host: str, port: int) -> str:

@@ -13,15 +13,22 @@ suspicion spreads; the suspect, on hearing it, refutes it by raising its
 incarnation number, which outranks the suspicion everywhere. Every member
 runs its own suspicion timer: it starts long (a lone suspector may be the
 one in trouble) and shrinks towards ``suspicion_timeout(n)`` as independent
-members report the same suspicion. When it runs out the member is declared
-dead. A member that keeps failing probes or has to refute raises its
-local health multiplier, which stretches its own periods and timeouts
-instead of letting it accuse healthy members.
+members report the same suspicion, reaching it at ``suspicion_confirmations``
+of them, or at as many as could confirm at all (in a swarm of 3, the one other
+survivor: without that cap a small swarm's real deaths waited most of the
+maximum). The members asked to help with a failed probe hear the suspicion at
+once, so their confirmations come within a period. When the timer runs out
+the member is declared dead. A member that keeps failing probes or has to
+refute raises its local health multiplier, which stretches its own periods
+and timeouts instead of letting it accuse healthy members.
 
 Dissemination: updates (joins, suspicions, refutations, leaves) ride
 piggybacked on probe messages, each a bounded number of times; now and then
 two members exchange their full views (``sync``, anti-entropy), which is
-also how a newcomer learns the swarm at once. A death verdict spreads too
+also how a newcomer learns the swarm at once. A welcome's placeholder for a
+newcomer (incarnation 0) is not probed while the newcomer builds its model,
+and is dropped ``newcomer_grace`` seconds later if the newcomer never spoke
+for itself (it died starting). A death verdict spreads too
 (SWIM's confirm) and is remembered as a tombstone, so that stale news
 cannot resurrect the member, not even at a member that never knew it; a
 member wrongly declared dead (a healed partition, a paused process) hears
@@ -170,12 +177,14 @@ class Send:
 @dataclass(frozen=True)
 class MemberUp:
     member: Member
+    rejoined: bool = False  # we had it dead or gone: a restart, or a refuted verdict
 
 
 @dataclass(frozen=True)
 class MemberDown:
     member: Member
-    reason: str  # "dead" (suspected and never refuted) or "left" (announced)
+    reason: str  # "dead" (suspected and never refuted, or welcomed and never started) or "left" (announced)
+    suspectors: tuple[str, ...] = ()  # for a death: the members whose suspicions we had heard (us included), sorted
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,7 @@ class _Probe:
     deadline: float  # then suspect it
     indirect_sent: bool = False
     acked: bool = False
+    helpers: tuple[str, ...] = ()  # addresses of the members asked to probe it for us (ping-req)
 
 
 @dataclass
@@ -238,6 +248,8 @@ class Membership:
         self._rng = rng
         self._records: dict[str, _Record] = {}
         self._suspects: set[str] = set()
+        self._newcomers: set[str] = set()  # a welcome's placeholders (incarnation 0) not started yet
+        self._started: int | None = None  # live members other than us at an incarnation > 0 (None: count again)
         self._rounds = 0
         self._next_period: float | None = None  # set by the first tick
         self._next_sync = 0.0
@@ -307,9 +319,12 @@ class Membership:
         p = self._probe
         if p is not None and not p.acked:
             times.append(p.deadline if p.indirect_sent else p.direct_deadline)
+        confirmers = self._confirmers() if self._suspects else 0
         for mid in self._suspects:
             rec = self._records[mid]
-            times.append(rec.changed_at + self._suspicion_timeout(rec))
+            times.append(rec.changed_at + self._suspicion_timeout(rec, confirmers))
+        for mid in self._newcomers:
+            times.append(self._records[mid].changed_at + self.config.newcomer_grace)
         return min(times)
 
     # -- the state machine -----------------------------------------------------------------
@@ -408,7 +423,9 @@ class Membership:
         if target is None or not helpers:
             return
         self.stats.indirect_probes += 1
-        for h in self._rng.sample(helpers, min(self.config.indirect_probes, len(helpers))):
+        asked = self._rng.sample(helpers, min(self.config.indirect_probes, len(helpers)))
+        p.helpers = tuple(h.addr for h in asked)
+        for h in asked:
             actions.append(
                 Send(h.addr, PING_REQ, self._piggyback(h.id), seq=p.seq, target=target.id, target_addr=target.addr)
             )
@@ -426,6 +443,10 @@ class Membership:
             return
         claim = dataclasses.replace(rec.member, state=SUSPECT, by=self.me.id)
         self._merge([claim], now, actions)
+        # The members we asked for help failed to reach it too, and are the likeliest to confirm: tell them
+        # now rather than on our next probe of them, so that a real death is confirmed (Lifeguard) within a period.
+        for addr in p.helpers:
+            actions.append(Send(addr, GOSSIP, (self.me, claim)))
 
     def _on_ack(self, event: Ack, now: float, actions: list[Action]) -> None:
         relay = self._relays.pop(event.seq, None)
@@ -457,31 +478,49 @@ class Membership:
 
     # -- suspicion and death ---------------------------------------------------------------
 
-    def _suspicion_timeout(self, rec: _Record) -> float:
-        """Lifeguard: from the maximum down to the minimum as independent suspicions arrive (log scale)."""
+    def _suspicion_timeout(self, rec: _Record, confirmers: int) -> float:
+        """Lifeguard: from the maximum down to the minimum as independent suspicions arrive (log scale).
+
+        ``confirmers`` is how many members could confirm a suspicion at all
+        (``_confirmers()``): Lifeguard's K is capped by it, since a swarm of 3
+        has one member besides the first suspector and could never reach 3.
+        Without the cap a real death there waits most of the maximum.
+        """
         n = len(self._records) + 1
         lo, hi = self.config.suspicion_timeout(n), self.config.suspicion_timeout_max(n)
-        k = self.config.suspicion_confirmations
+        k = min(self.config.suspicion_confirmations, confirmers)
+        if k <= 0:
+            return lo  # nobody could confirm it (a swarm of two): the first suspicion is all there will be
         confirmations = min(k, max(0, len(rec.suspectors) - 1))
         return max(lo, hi - (hi - lo) * math.log(confirmations + 1) / math.log(k + 1))
 
+    def _confirmers(self) -> int:
+        """Members that could confirm a suspicion: the started live ones, us included, less the suspect and the first suspector."""
+        if self._started is None:  # counted again after a change (the timers ask at every tick while there are suspects)
+            self._started = sum(1 for r in self._records.values() if r.member.state in (ALIVE, SUSPECT) and r.member.incarnation > 0)
+        return self._started + 1 - 2
+
     def _expire(self, now: float, actions: list[Action]) -> None:
+        confirmers = self._confirmers() if self._suspects else 0
         for mid in list(self._suspects):
             rec = self._records[mid]
-            if now - rec.changed_at >= self._suspicion_timeout(rec):
+            if now - rec.changed_at >= self._suspicion_timeout(rec, confirmers):
+                suspectors = tuple(sorted(rec.suspectors))
                 self._set(rec, dataclasses.replace(rec.member, state=DEAD, by=""), now)
                 self._broadcast(rec.member)  # SWIM's confirm: a member that never heard of it must not take it up
+                actions.append(MemberDown(rec.member, "dead", suspectors))
+        for mid in list(self._newcomers):
+            # A welcome's placeholder (its own entry has a start-time incarnation) that never started: not
+            # probed meanwhile, since building a model takes a while; dropped on time, not at the next sweep.
+            rec = self._records[mid]
+            if now - rec.changed_at >= self.config.newcomer_grace:
+                self._set(rec, dataclasses.replace(rec.member, state=DEAD), now)
                 actions.append(MemberDown(rec.member, "dead"))
         if self._rounds % 16 == 0:
             forget_after = self.config.tombstone_rounds * self.config.heartbeat_interval
             for mid, rec in list(self._records.items()):
                 if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
                     del self._records[mid]
-                elif rec.member.incarnation == 0 and rec.member.state == ALIVE and now - rec.changed_at > self.config.newcomer_grace:
-                    # A welcome's placeholder (its own entry has a start-time incarnation) that never started:
-                    # not probed until then, since building a model and downloading state take a while.
-                    self._set(rec, dataclasses.replace(rec.member, state=DEAD), now)
-                    actions.append(MemberDown(rec.member, "dead"))
             for mid, t in list(self._hinted.items()):
                 if now - t > self.config.heartbeat_interval:
                     del self._hinted[mid]
@@ -492,10 +531,15 @@ class Membership:
             rec.suspectors = set()
         rec.member = member
         rec.changed_at = now
+        self._started = None
         if member.state == SUSPECT:
             self._suspects.add(member.id)
         else:
             self._suspects.discard(member.id)
+        if member.state == ALIVE and member.incarnation == 0:
+            self._newcomers.add(member.id)
+        else:
+            self._newcomers.discard(member.id)
 
     # -- merging what we hear --------------------------------------------------------------
 
@@ -509,6 +553,9 @@ class Membership:
             if rec is None:
                 if e.state == ALIVE:
                     self._records[e.id] = _Record(e, now)
+                    self._started = None
+                    if e.incarnation == 0:
+                        self._newcomers.add(e.id)
                     self._broadcast(e)
                     self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), e.id)
                     actions.append(MemberUp(e))
@@ -521,7 +568,7 @@ class Membership:
                     self._set(rec, e, now)
                     self._broadcast(e)
                     if old.state in (DEAD, LEFT):
-                        actions.append(MemberUp(e))
+                        actions.append(MemberUp(e, rejoined=True))
             elif e.state == SUSPECT:
                 if old.state in (DEAD, LEFT) or e.incarnation < old.incarnation:
                     continue
@@ -538,10 +585,11 @@ class Membership:
                 self._broadcast(e)
             elif e.state in (DEAD, LEFT):
                 if old.state not in (DEAD, LEFT) and e.incarnation >= old.incarnation:
+                    suspectors = tuple(sorted(rec.suspectors)) if old.state == SUSPECT and e.state == DEAD else ()
                     self._set(rec, dataclasses.replace(e, by=""), now)
                     self._broadcast(rec.member)
                     if old.state in (ALIVE, SUSPECT):
-                        actions.append(MemberDown(rec.member, "left" if e.state == LEFT else "dead"))
+                        actions.append(MemberDown(rec.member, "left" if e.state == LEFT else "dead", suspectors))
                 elif e.state == LEFT and old.state == DEAD and e.incarnation >= old.incarnation:
                     rec.member = e  # it had left, not died: remember it so
 

@@ -72,7 +72,9 @@ class FinalPhase:
 
     ``idle()`` runs one safe point without a local step and paces itself;
     ``notify(phase, writer, everyone)`` has the network thread feed
-    ``FinishEndpoint`` an ``Announce`` and send what it returns; ``view()`` is the live member ids (us included); ``abort()`` says
+    ``FinishEndpoint`` an ``Announce`` and send what it returns; ``view()`` is the live member ids (us included),
+    read at every safe point, so that a member the membership declares dead is not waited for a moment longer
+    (how soon a death is known is the membership's business: seconds in a small swarm); ``abort()`` says
     to leave at once (a signal). ``merge()``, for a writer, starts writing the
     merged model and returns a ``concurrent.futures.Future``-like object whose
     result is a ``(merged, skipped)`` pair of member id lists. ``clock()``

@@ -12,7 +12,7 @@ import random
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import JoinError, MismatchError, ProtocolError
-from gossiptrain.net.addressing import plain_address
+from gossiptrain.net.addressing import connection_refused, plain_address
 from gossiptrain.net.kinds import JOIN, REFUSE, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
@@ -20,6 +20,17 @@ from gossiptrain.protocol.joining import JoinRequest, Welcome
 from gossiptrain.runtime.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: Seconds without an answer before we look whether anything listens at the target at all
+#: (a live member answers in milliseconds; looking costs it a counted failed handshake).
+PROBE_AFTER = 0.25
+#: Seconds between attempts while the target refuses connections (a member still starting up).
+REFUSED_PAUSE = 0.25
+
+
+def plural_attempts(n: int) -> str:
+    """The count with its noun ("1 attempt", "5 attempts"), for messages people read."""
+    return f"{n} attempt" if n == 1 else f"{n} attempts"
 
 
 async def join_swarm(
@@ -44,11 +55,26 @@ async def join_swarm(
     A failed handshake with ``target`` (a CURVE key refused, a wrong server
     key, one side secure and the other not) ends the join within a quarter
     second, with the cause named: retrying cannot fix a key.
+
+    Where nothing listens at ``target`` (its connections are refused), an
+    attempt ends after ``PROBE_AFTER`` seconds and the next one starts
+    ``REFUSED_PAUSE`` later, so the join fails within about half a second
+    per attempt, while a member that starts listening meanwhile (one still
+    starting up) is joined. A target that accepts connections but answers
+    slowly gets every attempt's full ``attempt_timeout``.
     """
     frames = encode(Message(JOIN, sender="", addr=advertise, fingerprint="", body=request.to_body()), limits)
     refused_before = transport.stats.handshake_failures
+    started = clock.now()
+    probing = True  # until a look finds something listening at target (or cannot tell)
+    refused = False  # whether the last attempt found nothing listening
     for attempt in range(1, attempts + 1):
-        deadline = clock.now() + attempt_timeout * rng.uniform(1.0, 1.5)
+        if refused:
+            await clock.sleep(REFUSED_PAUSE)
+        refused = False
+        now = clock.now()
+        deadline = now + attempt_timeout * rng.uniform(1.0, 1.5)
+        probe_at = now + PROBE_AFTER
         sent = transport.send(target, frames)
         while clock.now() < deadline:
             wait = 0.05 if not sent else min(0.25, deadline - clock.now())
@@ -58,6 +84,13 @@ async def join_swarm(
                 failure = transport.connect_failure(target)
                 if failure:
                     raise JoinError(f"cannot join: {failure}") from None
+                if probing and clock.now() >= probe_at:
+                    found = await connection_refused(target)
+                    if found:
+                        refused = True
+                        transport.forget(target)  # no stale join queued for when it comes up: the next attempt sends anew
+                        break
+                    probing = False  # something listens (or we cannot tell): wait for its answer
                 if not sent:
                     sent = transport.send(target, frames)
                 continue
@@ -73,7 +106,16 @@ async def join_swarm(
                     return Welcome.from_body(msg.body, msg.addr, limits)
                 except ProtocolError as e:
                     raise JoinError(f"{plain_address(target)} answered with an invalid welcome: {e}") from None
-        log.warning("no answer from %s yet (attempt %d of %d)", plain_address(target), attempt, attempts)
+        if refused:
+            log.info("nothing listens at %s yet: connection refused (attempt %d of %d)", plain_address(target), attempt, attempts)
+        else:
+            log.warning("no answer from %s yet (attempt %d of %d)", plain_address(target), attempt, attempts)
+    if refused:
+        raise JoinError(
+            f"cannot join {plain_address(target)}: connection refused, nothing listens there "
+            f"({plural_attempts(attempts)} over {clock.now() - started:.1f} s). Is a gossiptrain coordinator or peer running "
+            "there, on that port? To wait longer for one still starting up, give more join attempts (--join-attempts)."
+        )
     hint = ""
     if transport.stats.handshake_failures > refused_before:
         hint = (
@@ -81,7 +123,7 @@ async def join_swarm(
             "allow-list directory (--allow)."
         )
     raise JoinError(
-        f"no answer from {plain_address(target)} after {attempts} attempts of {attempt_timeout:g}+ s each. "
+        f"no answer from {plain_address(target)} after {plural_attempts(attempts)} of {attempt_timeout:g}+ s each. "
         f"Is a gossiptrain coordinator or peer running there, and can it reach this peer back at "
         f"{plain_address(advertise)}? (set --advertise to an address it can reach)" + hint
     )

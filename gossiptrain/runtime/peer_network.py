@@ -53,6 +53,13 @@ from gossiptrain.runtime.join_answering import JoinAnsweringEndpoint
 from gossiptrain.runtime.state_endpoint import StateEndpoint
 
 log = logging.getLogger(__name__)
+MEMBER_EVENTS = "gossiptrain.members"
+"""The logger of membership changes for people: ``member ID joined``, ``left``, ``died (suspected by ...)``, at INFO.
+
+Each record carries ``peer_id``, the member that saw it (several peers may share a
+process); the CLI peer prints them above its progress line (``Progress.logs_above``).
+"""
+_member_events = logging.getLogger(MEMBER_EVENTS)
 
 _NEEDS_ANSWER = (kinds.XREQ, kinds.XPUSH)  # a sender wants to know when these were not taken
 _ADDR_HINTS = 1024  # addresses remembered for senders not (yet) in our view
@@ -118,6 +125,7 @@ class PeerNode(JoinAnsweringEndpoint):
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
+        self._started = me.incarnation  # members of a lower one were there before us: they did not join just now
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -267,7 +275,8 @@ class PeerNode(JoinAnsweringEndpoint):
             elif isinstance(a, MemberUp):
                 self.stats.members_up += 1
                 changed = True
-                log.info("member %s is up at %s", a.member.id, a.member.addr)
+                log.debug("member %s is up at %s", a.member.id, a.member.addr)
+                self._tell(a)
             elif isinstance(a, MemberDown):
                 if a.reason == "left":
                     self.stats.members_left += 1
@@ -276,9 +285,25 @@ class PeerNode(JoinAnsweringEndpoint):
                     self.deaths.append((self.clock.now(), a.member.id))
                 changed = True
                 self.transport.forget(a.member.addr)
-                log.info("member %s is down (%s)", a.member.id, a.reason)
+                log.debug("member %s is down (%s)", a.member.id, a.reason)
+                self._tell(a)
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
+
+    def _tell(self, a: MemberUp | MemberDown) -> None:
+        """The line people see (``MEMBER_EVENTS``); members already there when we started are not news (DEBUG)."""
+        m, extra = a.member, {"peer_id": self.me.id}
+        if isinstance(a, MemberUp):
+            news = a.rejoined or m.incarnation == 0 or m.incarnation > self._started  # 0: a welcome's placeholder
+            _member_events.log(logging.INFO if news else logging.DEBUG, "member %s joined" if news else "member %s is up", m.id, extra=extra)
+        elif a.reason == "left":
+            _member_events.info("member %s left", m.id, extra=extra)
+        elif m.incarnation == 0:
+            _member_events.info("member %s died (welcomed, never started)", m.id, extra=extra)
+        elif a.suspectors:
+            _member_events.info("member %s died (suspected by %s)", m.id, ", ".join(a.suspectors), extra=extra)
+        else:
+            _member_events.info("member %s died", m.id, extra=extra)
 
 
 def membership_event(msg: Message, max_members: int) -> membership.Event:

@@ -41,6 +41,7 @@ from gossiptrain.protocol.membership import ALIVE, Member, members_from_wire
 from gossiptrain.protocol.state_transfer import Fetcher, TransferResult
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import Endpoint
+from gossiptrain.runtime.join_client import plural_attempts
 from gossiptrain.runtime.state_endpoint import StateEndpoint
 from gossiptrain.state.merged_model import MemberInfo, MergedInfo, NothingToMerge, WeightedMean, write_merged
 from gossiptrain.state.snapshot import Entry, entries_of, table_layout, tensors_from
@@ -252,7 +253,7 @@ class SwarmClient:
             except TimeoutError:
                 log.warning("no answer from %s yet (attempt %d of %d)", self._target.partition("?")[0], attempt, attempts)
         raise JoinError(
-            f"no answer from {self._target.partition('?')[0]} after {attempts} attempts of {timeout:g}+ s: is a gossiptrain "
+            f"no answer from {self._target.partition('?')[0]} after {plural_attempts(attempts)} of {timeout:g}+ s: is a gossiptrain "
             f"coordinator or peer running there, and can it reach us back at {self.address.partition('?')[0]}?"
         )
 

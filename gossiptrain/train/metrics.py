@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any, TextIO
+
+from gossiptrain.errors import ConfigError
 
 
 def _clean(value: Any) -> Any:
@@ -16,16 +19,43 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def check_metrics_path(path: str | Path, what: str = "metrics file") -> None:
+    """ConfigError, naming ``path`` as ``what``, if a metrics file cannot be appended to there; creates nothing.
+
+    Missing directories are fine (``MetricsLog`` creates them); a directory
+    given as the file, a file where a directory must be, or no permission to
+    write are not.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a directory: name a file, e.g. {target / 'peer.jsonl'}")
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} cannot be written: {ancestor} is a file, not a directory")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(ancestor, os.W_OK | os.X_OK)
+    if not writable:
+        raise ConfigError(f"{what} {str(path)!r} cannot be written: permission denied")
+
+
 class MetricsLog:
-    """Appends records to a JSON-lines file; a no-op when no path is given."""
+    """Appends records to a JSON-lines file (missing directories are created); a no-op when no path is given.
+
+    A path that cannot be written raises ConfigError naming it.
+    """
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
         self._fh: TextIO | None = None
         self._lock = threading.Lock()
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", encoding="utf-8")
+            check_metrics_path(self.path)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "a", encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(f"metrics file {str(self.path)!r} cannot be written: {e.strerror or e}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is None:

@@ -28,6 +28,7 @@ import torch
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import CheckpointError, ConfigError
 from gossiptrain.runtime.peer import Peer
+from gossiptrain.runtime.peer_network import MEMBER_EVENTS
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.metrics import MetricsLog
@@ -135,12 +136,14 @@ def run_peer(
             print(f"peer {peer.id}: from the swarm: {', '.join(peer.taken_from_swarm)}", file=sys.stderr, flush=True)
         if on_training:
             on_training()
-        if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
-            return {"event": "stopped", "peer": peer.id, "step": 0}
-        return _train(
-            peer, workload, metrics, progress, stop, options.slowdown,
-            checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
-        )
+        # Log lines above the live line, never on it; and a line for each member that joins, leaves or dies.
+        with progress.logs_above(MEMBER_EVENTS, accept=lambda record: getattr(record, "peer_id", None) == peer.id):
+            if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
+                return {"event": "stopped", "peer": peer.id, "step": 0}
+            return _train(
+                peer, workload, metrics, progress, stop, options.slowdown,
+                checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
+            )
 
 
 def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress) -> bool:
