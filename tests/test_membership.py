@@ -350,3 +350,18 @@ def test_newcomer_gets_the_least_loaded_shard() -> None:
     assert least_loaded_shard([0, 1, 3], 4) == 2
     assert least_loaded_shard([0, 1, 2, 3, 0], 4) == 1
     assert least_loaded_shard([7, 9], 2) == 0  # out-of-range shards from another run are ignored
+
+
+def test_an_id_whose_address_now_answers_as_another_member_is_declared_dead() -> None:
+    # A second id for a live process (its welcome was lost and it joined again), or a restart under a new id:
+    # the old id's address is answered by the new member, whose acks must not keep the old id alive.
+    cluster = Cluster(3, seed=4)
+    cluster.run(5.0)
+    ghost = Member("ghost", "sim://m001", 0, incarnation=1)
+    for mid in ("m000", "m002"):
+        cluster.carry(mid, cluster.nodes[mid].handle(Digest([ghost]), cluster.now))
+    assert all("ghost" in cluster.views()[m] for m in ("m000", "m002"))
+    cluster.run(CONFIG.dead_within(4))
+    assert not any("ghost" in view for view in cluster.views().values()), cluster.views()
+    assert {d[2] for d in cluster.deaths()} == {"ghost"}  # and nobody else
+    assert sum(n.stats.acks_from_others for n in cluster.nodes.values()) > 0

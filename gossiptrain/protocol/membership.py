@@ -216,6 +216,7 @@ class _Probe:
     indirect_sent: bool = False
     acked: bool = False
     helpers: tuple[str, ...] = ()  # addresses of the members asked to probe it for us (ping-req)
+    helper_ids: tuple[str, ...] = ()  # and their ids: only they may pass an ack on
 
 
 @dataclass
@@ -225,6 +226,7 @@ class _Relay:
     origin_addr: str
     origin_seq: int
     expires: float
+    target: str  # the member probed: only its own ack is passed back
 
 
 @dataclass
@@ -236,6 +238,7 @@ class HealthStats:
     indirect_probes: int = 0  # probes that needed ping-req
     suspicions: int = 0  # members we came to suspect (own probes and gossip)
     refutations: int = 0  # times we had to refute a suspicion of ourselves
+    acks_from_others: int = 0  # acks to our probes from a member other than the one probed: ignored
 
 
 class Membership:
@@ -425,6 +428,7 @@ class Membership:
         self.stats.indirect_probes += 1
         asked = self._rng.sample(helpers, min(self.config.indirect_probes, len(helpers)))
         p.helpers = tuple(h.addr for h in asked)
+        p.helper_ids = tuple(h.id for h in asked)
         for h in asked:
             actions.append(
                 Send(h.addr, PING_REQ, self._piggyback(h.id), seq=p.seq, target=target.id, target_addr=target.addr)
@@ -449,12 +453,19 @@ class Membership:
             actions.append(Send(addr, GOSSIP, (self.me, claim)))
 
     def _on_ack(self, event: Ack, now: float, actions: list[Action]) -> None:
-        relay = self._relays.pop(event.seq, None)
+        relay = self._relays.get(event.seq)
         if relay is not None:
-            actions.append(Send(relay.origin_addr, ACK, self._piggyback(""), seq=relay.origin_seq))
+            if event.sender == relay.target:  # another member now at the target's address proves nothing
+                del self._relays[event.seq]
+                actions.append(Send(relay.origin_addr, ACK, self._piggyback(""), seq=relay.origin_seq))
             return
         p = self._probe
         if p is None or p.seq != event.seq or p.acked:
+            return
+        if event.sender != p.target and event.sender not in p.helper_ids:
+            # An ack from whoever answers at the target's address now (a restart under a new id, a second id
+            # after a lost welcome) must not keep the old id alive for ever.
+            self.stats.acks_from_others += 1
             return
         p.acked = True
         if not p.indirect_sent and event.sender == p.target:
@@ -473,7 +484,7 @@ class Membership:
         if len(self._relays) >= _MAX_RELAYS or event.target == self.me.id:
             return
         self._seq += 1
-        self._relays[self._seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval)
+        self._relays[self._seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval, event.target)
         actions.append(Send(event.target_addr, PING, self._piggyback(event.target), seq=self._seq))
 
     # -- suspicion and death ---------------------------------------------------------------
