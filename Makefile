@@ -20,8 +20,9 @@ demo: $(STAMP)
 	$(BIN)/gossiptrain demo
 
 # pytest exits 5 when it collected no test: that must fail, not pass silently.
+# Two workers (pytest-xdist): most tests wait on peer processes or poll, so two at a time use both cores.
 test: $(STAMP)
-	@$(BIN)/python -m pytest; rc=$$?; \
+	@$(BIN)/python -m pytest -n 2 --dist worksteal; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
 test-slow: $(STAMP)

@@ -230,7 +230,6 @@ def main() -> None:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.out = harness.results_dir("exchange", args.out, args.quick)
     if args.quick:
         args.sizes_mib = [1, 16]
     args.sizes = [int(s * MiB) // 4 * 4 for s in args.sizes_mib]
@@ -240,6 +239,7 @@ def main() -> None:
         return zmq_responder(args.address_file)
     if args.role == "gloo":
         return gloo_rank(args.rank, args.store_port, args.sizes, args.quick)
+    args.out = harness.results_dir("exchange", args.out, args.quick)  # the main process only: roles write none
 
     import torch.distributed as dist
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -9,6 +10,29 @@ from gossiptrain.config import RunConfig
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 
 from .swarm import Procs, next_host
+
+
+# The modules whose tests take longest (whole experiments, chaos, simulated training, real swarms), longest first.
+# With two workers the run ends when its last long test does, so those start first; the rest keep their order.
+LONGEST_FIRST = (
+    "test_experiments.py", "test_chaos.py", "test_experiments_smoke.py", "test_algorithms_sim.py",
+    "test_experiments_sweeps_smoke.py", "test_swarm.py", "test_sim.py", "test_security.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_in_tmp() -> Iterator[None]:
+    """The test run leaves no gossiptrain files in the temporary directory (demos, --quick runs, checkpoints)."""
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("gossiptrain*"))
+    yield
+    left = sorted(str(p) for p in set(tmp.glob("gossiptrain*")) - before)
+    assert not left, f"the tests left these behind: {left}"
 
 
 @pytest.fixture

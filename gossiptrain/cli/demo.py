@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,8 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
     with BackgroundCoordinator(config, bind=f"{options.host}:0", spec=workload_spec(config)) as coord:
-        print(f"coordinator at {coord.address}; starting {options.peers} peers (logs and metrics in {workdir})", file=out)
+        kept = "" if options.workdir else "; removed at the end unless the demo fails"
+        print(f"coordinator at {coord.address}; starting {options.peers} peers (logs and metrics in {workdir}{kept})", file=out)
         try:
             for i in range(options.peers):
                 log_file = open(workdir / f"peer-{i}.log", "wb")
@@ -89,6 +91,9 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
         "workdir": str(workdir),
         "failure": failure,
     }
+    if options.workdir is None and reached:  # a temporary folder: kept only when there is a failure to read about
+        shutil.rmtree(workdir, ignore_errors=True)
+        summary["workdir"] = None
     return summary
 
 

@@ -382,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean test accuracy to reach (default 0.95)")
     p.add_argument("--timeout", type=_number("a positive number of seconds", lambda v: 0 < v < float("inf")), default=180.0,
                    metavar="SECONDS", help="seconds before giving up (default 180)")
-    p.add_argument("--workdir", metavar="DIR", help="keep metrics and logs here (default: a new temporary directory)")
+    p.add_argument(
+        "--workdir", metavar="DIR",
+        help="keep metrics and logs here (default: a temporary directory, removed after a run that reached its target)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.set_defaults(func=cmd_demo)
 
