@@ -25,14 +25,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
 
 
-@pytest.fixture(scope="session", autouse=True)
-def leaves_nothing_in_tmp() -> Iterator[None]:
-    """The test run leaves no gossiptrain files in the temporary directory (demos, --quick runs, checkpoints)."""
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("gossiptrain*"))
-    yield
-    left = sorted(str(p) for p in set(tmp.glob("gossiptrain*")) - before)
-    assert not left, f"the tests left these behind: {left}"
+_TMP = Path(tempfile.gettempdir())
+_BEFORE: set[Path] = set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _BEFORE.update(_TMP.glob("gossiptrain*"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The test run leaves no gossiptrain files in the temporary directory (demos, --quick runs, checkpoints).
+
+    Checked once, where the whole run ends (with pytest-xdist: in the controller, after every worker)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the others may still be running
+        return
+    left = sorted(str(p) for p in set(_TMP.glob("gossiptrain*")) - _BEFORE)
+    if left:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"the tests left these behind in {_TMP}: {left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
