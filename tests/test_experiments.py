@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .swarm import ROOT
 
 
+@pytest.mark.slow  # a whole benchmark in miniature (calibration, real and simulated swarms): `make test-slow`; test_experiment_scripts.py checks it starts
 def test_fidelity_quick_reports_its_errors(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "fidelity.py"), "--quick", "--out", str(tmp_path)],

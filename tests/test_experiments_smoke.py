@@ -47,6 +47,7 @@ def finite(x: Any) -> bool:
 # -- the scripts -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole benchmark in miniature (real swarms and baselines): `make test-slow`; test_experiment_scripts.py checks it starts
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_stragglers_quick(tmp_path: Path) -> None:
     heads = run_script("stragglers", tmp_path)
@@ -57,6 +58,7 @@ def test_stragglers_quick(tmp_path: Path) -> None:
     assert "| gossip |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow  # a whole benchmark in miniature (real swarms and baselines): `make test-slow`; test_experiment_scripts.py checks it starts
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_parity_quick(tmp_path: Path) -> None:
     heads = run_script("parity", tmp_path)

@@ -79,6 +79,7 @@ def test_staleness_quick(tmp_path: Path) -> None:
     assert all(float(r["staleness_mean"]) >= 0 for r in straggler)
 
 
+@pytest.mark.slow  # a whole benchmark in miniature (four simulated sweeps): `make test-slow`; test_experiment_scripts.py checks it starts
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_compression_quick(tmp_path: Path) -> None:
     heads = run_script("compression", tmp_path)
