@@ -17,10 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossiptrain.codec_spec import CODECS
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net import wire
-from gossiptrain.codec_spec import CODECS
 from gossiptrain.protocol.compression import (
     Bf16Codec,
     Codec,
@@ -30,6 +30,7 @@ from gossiptrain.protocol.compression import (
     Int8Codec,
     NoneCodec,
     TopKCodec,
+    all_finite,
     get_codec,
 )
 
@@ -514,3 +515,21 @@ def test_receiver_reference_is_unchanged_by_a_refused_message() -> None:
         receiver.sender_encode({"w": torch.zeros(4)}, codec)
     receiver.reset({"w": torch.zeros(3)})
     assert receiver.receiver_apply({"w": torch.ones(3)}, codec)["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool]),
+    shape=st.sampled_from([(), (0,), (1,), (7,), (3, 5)]),
+    poison=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    where=st.integers(0, 100),
+    seed=st.integers(0, 1000),
+)
+def test_the_fast_finiteness_check_agrees_with_torch(
+    dtype: torch.dtype, shape: tuple[int, ...], poison: float | None, where: int, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g, dtype=torch.float64) * 1e4).to(dtype)
+    if poison is not None and t.numel() and t.is_floating_point():
+        t.view(-1)[where % t.numel()] = poison
+    assert all_finite(t) == bool(torch.isfinite(t).all())
