@@ -11,12 +11,11 @@ from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 
 from .swarm import Procs, next_host
 
-
 # The modules whose tests take longest (whole experiments, chaos, simulated training, real swarms), longest first.
 # With two workers the run ends when its last long test does, so those start first; the rest keep their order.
 LONGEST_FIRST = (
-    "test_experiments.py", "test_chaos.py", "test_experiments_smoke.py", "test_algorithms_sim.py",
-    "test_experiments_sweeps_smoke.py", "test_swarm.py", "test_sim.py", "test_security.py",
+    "test_chaos.py", "test_algorithms_sim.py", "test_swarm.py", "test_experiments_sweeps_smoke.py",
+    "test_sim.py", "test_security.py", "test_cli.py", "test_checkpoint.py", "test_robust.py",
 )
 
 

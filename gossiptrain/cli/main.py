@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from gossiptrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
-from gossiptrain.net.addressing import parse_hostport
+from gossiptrain.net.addressing import parse_hostport, plain_address
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -180,7 +180,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     spec = workload_spec(config)  # a named workload's model: joins with another are refused from the first
 
     def ready(coord: Any) -> None:
-        host_port = coord.address.removeprefix("tcp://").partition("?")[0]
+        host_port = plain_address(coord.address).removeprefix("tcp://")
         print(f"coordinator listening on {coord.address} (run {config.fingerprint()})", flush=True)
         if security is None:
             print(f"join with: gossiptrain peer --join {host_port}", flush=True)

@@ -150,22 +150,20 @@ def answer_join(
 
 def set_fields_that_differ(given: RunConfig, swarm: RunConfig) -> list[str]:
     """'section.field: given's vs swarm's' for each field ``given`` sets (not its default) that the swarm does not share."""
-    defaults, mine = RunConfig().to_dict(), given.to_dict()
-    diffs = given.diff(swarm)
-    return [d for d in diffs if _value_at(mine, d) != _value_at(defaults, d)]
+    return [f"{field}: {mine!r} vs {theirs!r}" for field, mine, theirs, is_default in _differences(given, swarm) if not is_default]
 
 
 def taken_from_swarm(given: RunConfig, swarm: RunConfig) -> list[str]:
-    """'section.field=value' for each field the swarm runs with that ``given`` left at its default and differs in."""
-    defaults, theirs = RunConfig().to_dict(), swarm.to_dict()
+    """'section.field=value' for each field ``given`` left at its default that the swarm runs otherwise."""
+    return [f"{field}={theirs!r}" for field, _, theirs, is_default in _differences(given, swarm) if is_default]
+
+
+def _differences(given: RunConfig, swarm: RunConfig) -> list[tuple[str, Any, Any, bool]]:
+    """(dotted field, given's value, swarm's value, whether given's is the default) where the two differ."""
+    mine, theirs, defaults = given.to_dict(), swarm.to_dict(), RunConfig().to_dict()
     return [
-        f"{d.partition(':')[0]}={_value_at(theirs, d)!r}"
-        for d in given.diff(swarm)
-        if _value_at(given.to_dict(), d) == _value_at(defaults, d)
+        (f"{section}.{name}", value, theirs[section][name], value == defaults[section][name])
+        for section, values in mine.items()
+        for name, value in values.items()
+        if theirs[section][name] != value
     ]
-
-
-def _value_at(config: dict[str, Any], diff_line: str) -> Any:
-    section, _, name = diff_line.partition(":")[0].partition(".")
-    return config[section][name]
-

@@ -93,12 +93,12 @@ def training_side(
 def install_transfer(
     result: TransferResult,
     values: list[torch.Tensor] | None,
-    side: TrainingSide,
+    snapshots: SnapshotHook,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
     """Put a downloaded state into the live model (and optimizer), on the training thread, before any step."""
     if values is None:
         return
-    install(side.snapshots.tensors, values)
+    install(snapshots.tensors, values)
     if result.optimizer_state is not None and optimizer is not None:
         optimizer.load_state_dict(result.optimizer_state)

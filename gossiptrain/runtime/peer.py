@@ -190,7 +190,7 @@ class Peer:
         self._loop.run(node.start(), timeout=10)
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
         node.state.offload = True
-        side = self._side = training_side(
+        side = training_side(
             node, self.model, clock=self._clock, rng=self._rng, optimizer=self.optimizer,
             send=lambda a: self._loop.call_soon(node.send_exchange, a),
             offer=lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy),
@@ -208,17 +208,15 @@ class Peer:
         """
         transport = self._transport
         assert transport is not None
-        me = Member(welcome.member_id, self.address, welcome.shard, incarnation=0, state=LEFT)
+        me = Member(welcome.member_id, self.address, welcome.shard, incarnation=0, state=LEFT).to_wire()
+        notices = [(welcome.coordinator, REPORT, {"member": me, "spec": None})] if welcome.coordinator else []
+        if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
+            notices.append((welcome.answered_by, LEAVE, {"members": [me]}))
 
-        async def tell() -> None:
-            def send(addr: str, kind: str, body: dict[str, Any]) -> None:
-                msg = Message(kind, me.id, self.address, welcome.fingerprint, 0, body)
-                transport.send(addr, encode(msg, welcome.config.limits))
-
-            if welcome.coordinator:
-                send(welcome.coordinator, REPORT, {"member": me.to_wire(), "spec": None})
-            if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
-                send(welcome.answered_by, LEAVE, {"members": [me.to_wire()]})
+        async def tell() -> None:  # on the loop thread, where the transport lives
+            for addr, kind, body in notices:
+                transport.send(addr, encode(Message(kind, welcome.member_id, self.address, welcome.fingerprint, 0, body),
+                                            welcome.config.limits))
 
         self._loop.run(tell(), timeout=5)
 
@@ -236,7 +234,7 @@ class Peer:
                 timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
             )
             self.transfer = result
-            install_transfer(result, values, self._side, self.optimizer)  # here, on the training thread
+            install_transfer(result, values, self._snapshots, self.optimizer)  # here, on the training thread
             if values is not None and self.config.state.transfer_step:
                 self.resume_at(result.step)
         node.state.mark_ready()

@@ -251,10 +251,10 @@ class SwarmClient:
             try:
                 return await asyncio.wait_for(self._rosters.get(), timeout * self.rng.uniform(1.0, 1.5))
             except TimeoutError:
-                log.warning("no answer from %s yet (attempt %d of %d)", self._target.partition("?")[0], attempt, attempts)
+                log.warning("no answer from %s yet (attempt %d of %d)", plain_address(self._target), attempt, attempts)
         raise JoinError(
-            f"no answer from {self._target.partition('?')[0]} after {plural_attempts(attempts)} of {timeout:g}+ s: is a gossiptrain "
-            f"coordinator or peer running there, and can it reach us back at {self.address.partition('?')[0]}?"
+            f"no answer from {plain_address(self._target)} after {plural_attempts(attempts)} of {timeout:g}+ s: is a gossiptrain "
+            f"coordinator or peer running there, and can it reach us back at {plain_address(self.address)}?"
         )
 
     async def query(self, attempts: int = 5, timeout: float = 2.0) -> Roster:

@@ -137,7 +137,7 @@ class SimPeer:
                         node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock,
                         optimizer=optimizer,
                     )
-                    install_transfer(self.transfer, values, side, optimizer)
+                    install_transfer(self.transfer, values, snapshots, optimizer)
                 node.state.mark_ready()
                 while len(node.view()) < self.spec.wait_for:  # the rendezvous, polled as the peer command polls it
                     await asyncio.sleep(0.05)
