@@ -18,6 +18,7 @@ import topologies
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.kinds import XNAK, XPUSH
+from gossiptrain.protocol import push_sum
 from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import AtSafePoint, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
@@ -70,9 +71,29 @@ def test_push_sum_takes_back_the_mass_of_a_refused_push() -> None:
     (push,) = ps.handle(AtSafePoint(1, ["B"]), 0.0)
     assert isinstance(push, SendExchange) and push.kind == XPUSH and push.meta["w"] == 0.5
     assert ps.weight == 0.5
-    ps.handle(Received("B", XNAK, push.xid), 0.0)
-    assert ps.weight == 1.0 and ps.stats.lost == 1
-    torch.testing.assert_close(params["x"], torch.tensor([4.0, 8.0], dtype=torch.float64))
+    params["x"] += 1.0  # a local step while the push is away
+    refusal = push_sum.refusal(Received("A", XPUSH, push.xid, push.tensors, meta=dict(push.meta)))
+    assert refusal.to == "A" and refusal.kind == XNAK and refusal.meta == {"w": 0.5}
+    ps.handle(Received("B", XNAK, refusal.xid, refusal.tensors, meta=dict(refusal.meta)), 0.0)
+    assert ps.weight == 1.0 and ps.stats.refused == 1 and ps.stats.lost == 0
+    torch.testing.assert_close(params["x"], torch.tensor([4.5, 8.5], dtype=torch.float64))  # half the step was pushed
+
+
+def test_push_sum_takes_back_any_number_of_refused_pushes_in_any_order_and_only_its_own() -> None:
+    """The refusal carries the push: nothing depends on how many pushes the sender still remembers."""
+    params = {"x": torch.tensor([16.0], dtype=torch.float64)}
+    ps = PushSum(params, gossip("push-sum", "ring"), random.Random(0), me="A")
+    pushes = [ps.handle(AtSafePoint(s, ["B"]), 0.0)[0] for s in range(1, 6)]  # 5 pushes: mass 1/2, 1/4, ...
+    assert ps.weight == 2.0**-5
+    forged = Received("C", XNAK, pushes[0].xid, {"x": torch.tensor([99.0], dtype=torch.float64)}, meta={"w": 0.5})
+    ps.handle(forged, 0.0)  # C was never pushed to: ignored
+    for push in reversed(pushes):
+        r = push_sum.refusal(Received("A", XPUSH, push.xid, push.tensors, meta=dict(push.meta)))
+        ps.handle(Received("B", XNAK, r.xid, r.tensors, meta=dict(r.meta)), 0.0)
+    ps.handle(Received("B", XNAK, r.xid, r.tensors, meta=dict(r.meta)), 0.0)  # a duplicate: already taken back
+    assert ps.weight == 1.0 and ps.stats.refused == 5
+    x, w = ps.mass()
+    torch.testing.assert_close(x[0], torch.tensor([16.0], dtype=torch.float64))
 
 
 def test_push_sum_refuses_a_push_beyond_the_staleness_bound_and_keeps_its_model() -> None:
@@ -179,10 +200,13 @@ def test_pairwise_staleness_weight_is_shared_by_both_ends() -> None:
     a = make_averaging(pa, cfg, random.Random(0), me="A")
     b = make_averaging(pb, cfg, random.Random(1), me="B")
     b.handle(AtSafePoint(4, []), 0.0)  # B is 3 steps ahead of A
+    a.handle(AtSafePoint(0, []), 0.0)
     (req,) = a.handle(AtSafePoint(1, ["B"]), 0.0)
     (rep,) = b.handle(Received("A", req.kind, req.xid, req.tensors, step=1, meta=dict(req.meta)), 0.0)
     assert rep.meta["a"] == pytest.approx(0.5 / 4)  # 0.5 * 1 / (1 + 3)
     a.handle(Received("B", rep.kind, rep.xid, rep.tensors, step=4, meta=dict(rep.meta)), 0.1)
+    a.handle(AtSafePoint(2, []), 0.1)  # the merges reach the live parameters at the next safe points
+    b.handle(AtSafePoint(5, []), 0.1)
     assert float(pa["x"] + pb["x"]) == pytest.approx(8.0)  # the sum is conserved
     assert float(pa["x"]) == pytest.approx(1.0) and float(pb["x"]) == pytest.approx(7.0)
 

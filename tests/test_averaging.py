@@ -1,9 +1,15 @@
-"""Pairwise averaging as a state machine: the math, timeouts and validation, with no network."""
+"""Pairwise averaging as a state machine: the math, timeouts and validation, with no network.
+
+Requests and replies are handled as they arrive (on a real peer's network
+side) and merged into the machine's ``view``; the live parameters move at
+the next safe point (``settle`` here).
+"""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,28 +18,30 @@ from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.protocol.averaging import (
     AtSafePoint,
+    MemberGone,
     PairwiseAveraging,
     ParamSpec,
     Received,
     Rejected,
     RttEstimator,
     SendExchange,
+    Undelivered,
 )
 
 CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
 
 
-def make(values: list[float], seed: int = 0) -> tuple[PairwiseAveraging, dict[str, torch.Tensor]]:
+def make(values: list[float], seed: int = 0, ready: bool = True) -> tuple[PairwiseAveraging, dict[str, torch.Tensor]]:
     params = {"w": torch.tensor(values[:-1] or [0.0]), "b": torch.tensor([values[-1]])}
-    return PairwiseAveraging(params, CONFIG, random.Random(seed)), params
+    machine = PairwiseAveraging(params, CONFIG, random.Random(seed))
+    if ready:
+        settle(machine)  # a first safe point: before it, a machine serves no one
+    return machine, params
 
 
-def exchange_once(a: PairwiseAveraging, b: PairwiseAveraging, now: float = 0.0) -> None:
-    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), now)
-    assert isinstance(req, SendExchange) and req.kind == XREQ and req.to == "B"
-    (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors), now)
-    assert isinstance(rep, SendExchange) and rep.kind == XREP and rep.to == "A"
-    assert a.handle(Received("B", XREP, rep.xid, rep.tensors), now + 0.01) == []
+def settle(machine: PairwiseAveraging, step: int = 0, now: float = 0.0) -> None:
+    """A safe point that starts nothing: what was merged since the last one reaches the live parameters."""
+    assert machine.handle(AtSafePoint(step=step, partners=[]), now) == []
 
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -54,6 +62,8 @@ def test_an_exchange_averages_and_keeps_progress_made_in_flight(xa: list[float],
         pa[k].add_(step[k])
     (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors), 0.0)
     a.handle(Received("B", XREP, rep.xid, rep.tensors), 0.1)
+    settle(a, 2)
+    settle(b, 2)
     close = {"rtol": 1e-5, "atol": 1e-3}  # float32 rounding at magnitudes up to 1e3
     for k in pa:
         mean = (start_a[k] + start_b[k]) / 2
@@ -74,13 +84,15 @@ def test_many_exchanges_reach_consensus_and_conserve_the_mean() -> None:
         (req,) = peers[i][0].handle(AtSafePoint(step=t, partners=[j]), float(t))
         (rep,) = peers[j][0].handle(Received(i, XREQ, req.xid, req.tensors), float(t))
         peers[i][0].handle(Received(j, XREP, rep.xid, rep.tensors), float(t))
+        settle(peers[i][0], t, float(t))
+        settle(peers[j][0], t, float(t))
     ws = torch.stack([p["w"] for _, p in peers.values()])
     torch.testing.assert_close(ws.mean(0), mean0, rtol=1e-5, atol=1e-5)
     assert float((ws - ws.mean(0)).abs().max()) < 1e-3
 
 
-def test_one_exchange_in_flight_then_timeout_moves_on() -> None:
-    a, _ = make([1.0, 2.0])
+def test_one_exchange_in_flight_then_timeout_moves_on_and_a_late_reply_is_still_applied() -> None:
+    a, pa = make([1.0, 2.0])
     (req,) = a.handle(AtSafePoint(step=1, partners=["B", "C"]), 0.0)
     assert a.busy
     assert a.handle(AtSafePoint(step=2, partners=["B", "C"]), 0.1) == []  # still waiting
@@ -89,10 +101,82 @@ def test_one_exchange_in_flight_then_timeout_moves_on() -> None:
     assert a.stats.timeouts == 1
     (req2,) = actions
     assert req2.to != req.to  # the silent partner is avoided for a while
-    # Its late reply is counted and ignored: the model does not move.
+    # The partner served the request (it moved by half the difference); its reply, late, is applied all the
+    # same, so the pair's sum stays what it was. Dropping it (as before) lost half the difference.
+    partner, pp = make([5.0, 6.0], seed=2)
+    (rep,) = partner.handle(Received("A", XREQ, req.xid, req.tensors), timeout)
+    settle(partner)
+    a.handle(Received(req.to, XREP, rep.xid, rep.tensors, meta=dict(rep.meta)), timeout + 0.2)
+    settle(a, 4, timeout + 0.2)
+    assert a.stats.late == 1 and a.stats.completed == 1 and a.stats.abandoned == 0
+    torch.testing.assert_close(pa["w"] + pp["w"], torch.tensor([6.0]))
+    torch.testing.assert_close(pa["b"] + pp["b"], torch.tensor([8.0]))
+    torch.testing.assert_close(pa["w"], torch.tensor([3.0]))  # and both are at the pair's mean
+    assert a.busy  # the second exchange is still in flight, untouched
+
+
+def test_a_reply_later_than_the_horizon_is_abandoned_and_counted() -> None:
+    from gossiptrain.protocol.averaging import OVERDUE_SECONDS
+
+    a, pa = make([1.0, 2.0])
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+    a.handle(AtSafePoint(step=2, partners=[]), a.rtt.timeout() + 0.01)  # timed out: overdue
+    settle(a, 3, OVERDUE_SECONDS + 1.0)
+    assert a.stats.abandoned == 1
     before = [p.clone() for p in a.params]
-    a.handle(Received(req.to, XREP, req.xid, req.tensors), timeout + 0.2)
+    a.handle(Received("B", XREP, req.xid, {"w": torch.tensor([9.0]), "b": torch.tensor([9.0])}), OVERDUE_SECONDS + 2)
+    settle(a, 4, OVERDUE_SECONDS + 2)
     assert a.stats.late == 1 and all(torch.equal(x, y) for x, y in zip(before, a.params))
+
+
+def test_overdue_exchanges_with_a_member_that_died_are_forgotten_quietly() -> None:
+    a, _ = make([1.0, 2.0])
+    a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+    a.handle(AtSafePoint(step=2, partners=[]), a.rtt.timeout() + 0.01)
+    a.handle(MemberGone("B"), 1.0)
+    assert not a._overdue and a.stats.abandoned == 0  # its model left the swarm with it: nothing to warn about
+
+
+def test_a_paused_training_loop_still_answers_and_applies_the_merges_at_its_next_safe_point() -> None:
+    """The server's loop reaches no safe point while three requests come: each is answered at once."""
+    b, pb = make([8.0, 8.0])
+    requesters = [make([float(v), float(v)], seed=i)[0:2] for i, v in enumerate([0.0, 4.0, 6.0])]
+    for i, (r, pr) in enumerate(requesters):
+        (req,) = r.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+        (rep,) = b.handle(Received(f"R{i}", XREQ, req.xid, req.tensors), 0.1)
+        assert rep.kind == XREP
+        r.handle(Received("B", XREP, rep.xid, rep.tensors, meta=dict(rep.meta)), 0.2)
+        settle(r, 2)
+    assert float(pb["w"]) == 8.0  # untouched while the loop is paused
+    b.params[0].add_(-1.0)  # the loop resumes: the step it was in the middle of lands first
+    settle(b, 1)
+    total = float(pb["w"]) + sum(float(pr["w"]) for _, pr in requesters)
+    assert total == pytest.approx(8.0 + 0.0 + 4.0 + 6.0 - 1.0)  # nothing created or lost
+    # Served in turn from the merged view (8 -> 4 -> 4 -> 5), each answer inside the hull of the models:
+    assert [float(pr["w"]) for _, pr in requesters] == pytest.approx([4.0, 4.0, 5.0])
+    assert float(pb["w"]) == pytest.approx(5.0 - 1.0)  # the paused step is kept
+
+
+def test_no_request_is_served_before_the_first_safe_point() -> None:
+    b, pb = make([8.0, 8.0], ready=False)
+    (nak,) = b.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)
+    assert nak.kind == XNAK and float(pb["w"]) == 8.0
+
+
+def test_a_reply_that_could_not_be_sent_is_taken_back() -> None:
+    b, pb = make([8.0, 8.0])
+    (rep,) = b.handle(Received("A", XREQ, 7, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)
+    b.handle(Undelivered("A", XREP, 7), 0.0)
+    settle(b)
+    assert float(pb["w"]) == 8.0 and b.stats.undelivered == 1 and b.stats.served == 0
+    assert float(b.view[0]) == 8.0
+
+
+def test_a_request_that_could_not_be_sent_frees_the_exchange() -> None:
+    a, _ = make([1.0, 2.0])
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+    a.handle(Undelivered("B", XREQ, req.xid), 0.0)
+    assert not a.busy and a.stats.refused == 1
 
 
 def test_crossing_requests_average_once_instead_of_swapping() -> None:
@@ -100,6 +184,8 @@ def test_crossing_requests_average_once_instead_of_swapping() -> None:
     pb = {"w": torch.tensor([4.0, 8.0])}
     a = PairwiseAveraging(pa, CONFIG, random.Random(0), me="A")
     b = PairwiseAveraging(pb, CONFIG, random.Random(1), me="B")
+    settle(a)
+    settle(b)
     (req_a,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
     (req_b,) = b.handle(AtSafePoint(step=1, partners=["A"]), 0.0)
     # Both requests are in flight at once; each side now receives the other's.
@@ -108,6 +194,8 @@ def test_crossing_requests_average_once_instead_of_swapping() -> None:
     assert from_a.kind == XREP and from_b.kind == XNAK  # the smaller id serves, the larger refuses
     a.handle(Received("B", XNAK, from_b.xid), 0.02)
     b.handle(Received("A", XREP, from_a.xid, from_a.tensors), 0.02)
+    settle(a, 2)
+    settle(b, 2)
     torch.testing.assert_close(pa["w"], torch.tensor([2.0, 4.0]))
     torch.testing.assert_close(pb["w"], torch.tensor([2.0, 4.0]))  # averaged, not swapped
     assert b.stats.crossed == 1 and not a.busy and not b.busy

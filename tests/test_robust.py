@@ -16,7 +16,7 @@ from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.kinds import XNAK, XREQ
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Received, Rejected, SendExchange
+from gossiptrain.protocol.averaging import AtSafePoint, Received, Rejected, SendExchange
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.protocol.robust import HISTORY, WARMUP, NormClip, trimmed_mean
 from gossiptrain.sim.cluster import SimConfig, simulate
@@ -92,10 +92,13 @@ def test_pairwise_robust_refuses_a_scaled_model_and_leaves_ours_bit_identical() 
     params = {"w": torch.full((4,), 10.0)}
     b = make_averaging(params, cfg, random.Random(0), me="B")
     for i in range(WARMUP):  # honest exchanges set the scale
+        b.handle(AtSafePoint(i, []), 0.0)
         b.handle(Received("A", XREQ, i, {"w": params["w"] + 0.1}), 0.0)
+    b.handle(AtSafePoint(WARMUP, []), 0.0)
     before = params["w"].clone()
     actions = b.handle(Received("E", XREQ, 99, {"w": before * 100 + 100.0}), 0.0)
     assert isinstance(actions[0], Rejected) and isinstance(actions[1], SendExchange) and actions[1].kind == XNAK
+    b.handle(AtSafePoint(WARMUP + 1, []), 0.0)
     assert torch.equal(params["w"], before) and b.stats.rejected == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+from collections import deque
 from typing import Any
 
 from gossiptrain.config import RunConfig
@@ -26,7 +27,11 @@ class GraphNode:
     def __init__(self) -> None:
         self.config = RunConfig()
         self.exchanges: queue.Queue[Any] = queue.Queue()
+        self.returns: deque[Any] = deque()
         self.step = 0
+
+    def take_on_network(self, kinds: frozenset[str], handler: Any) -> None:
+        pass
 
     def partners(self, round: int) -> list[str]:
         return [f"p{round % 3}"]
@@ -34,6 +39,8 @@ class GraphNode:
 
 class EveryThirdStep:
     """An averaging that can start an exchange only every third step (a round trip of about 3 steps)."""
+
+    network_kinds: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.asked: list[str] = []

@@ -5,30 +5,53 @@ with ``handle(event, now) -> actions``; this module defines the events,
 actions, statistics and the shared base (validation, compression, staleness),
 and the default algorithm, pairwise averaging:
 
-One exchange: the initiator snapshots its parameters ``s_a`` and sends them
-to a partner; the partner replies with its own snapshot ``s_b`` and moves to
-the average at once; when the reply arrives the initiator adds
-``(s_b - s_a) / 2``. Adding the difference instead of overwriting with the
+One exchange: the initiator sends its model ``s_a`` to a partner; the
+partner replies with its own ``s_b`` and moves by ``a (s_a - s_b)``; when the
+reply arrives the initiator moves by ``a (s_b - s_a)`` (``a`` = 1/2 without
+staleness weighting). Adding the difference instead of overwriting with the
 average keeps the local steps the initiator took while the exchange was in
-flight (Lian et al., AD-PSGD). The two changes sum to zero, so the swarm's
-mean parameter is conserved by every completed exchange.
+flight (Lian et al., AD-PSGD).
+
+**Invariant.** The sum of every member's model, plus the corrections that
+replies in flight owe their requesters, changes only by local (optimizer)
+steps: an exchange is applied on both sides or on neither. The pieces:
+
+- *Requests are answered at once, never waiting for the training loop.*
+  The network side handles requests and replies as they arrive
+  (``network_kinds``), against ``view``: our model as of the last safe point
+  plus every merge since. A merge goes into ``view`` and into ``pending``;
+  the next safe point adds ``pending`` to the live parameters (which only the
+  training loop touches). A loop paused for evaluation, a checkpoint or slow
+  data costs its partners nothing, and no request waits in a queue to be
+  served after its requester gave up.
+- *A late reply is applied, not dropped.* A timeout only lets us start
+  another exchange; the timed-out one stays remembered (up to ``OVERDUE_KEPT``
+  of them, for ``OVERDUE_SECONDS``; with that many outstanding we ask no one
+  else), and its reply, whenever it comes, is applied as if on time. Only a
+  reply later than the horizon is abandoned (``stats.abandoned``, with a
+  warning); one from a member we saw die is forgotten quietly (its model
+  left the swarm with it).
+- *A reply we could not send is taken back*: the driver reports it
+  (``Undelivered``) and the server undoes its merge.
+- *Crossing requests* (two peers asking each other at once) are served by
+  the smaller id only, so the pair averages once instead of swapping.
+
+The one fault this cannot absorb is a reply the network loses after it was
+sent (a connection that breaks with the message in it, which in practice
+means the requester died); the server has moved, the requester never will.
 
 At most one exchange is in flight per peer. Its timeout adapts to measured
 round trips (as TCP's RTO does), so a dead or slow partner costs one timeout
 and is then avoided for a while; it never blocks training.
-
-The machine is driven at the trainer's safe points (between optimizer
-steps): it reads and writes the live parameters there and nowhere else, and
-returns ``SendExchange`` actions for the driver to put on the wire.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -52,6 +75,13 @@ META_RANGES: dict[str, tuple[type, float, float]] = {
     "ver": (int, 0, (1 << 63) - 1),
     "seq": (int, 0, (1 << 63) - 1),  # top-k neighbour averaging: message number on its edge (0: dense reset)
 }
+
+
+#: Timed-out pairwise exchanges remembered so that a late reply is still applied (each holds one model copy);
+#: with that many outstanding, a peer starts no exchange until a reply comes, a partner dies or the horizon passes.
+OVERDUE_KEPT = 4
+#: How long a timed-out exchange's reply is still applied; later, the exchange is abandoned.
+OVERDUE_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +157,23 @@ class Received:
     meta: Mapping[str, float | int] = field(default_factory=dict)  # keys and ranges: META_RANGES
 
 
-Event = AtSafePoint | Received
+@dataclass(frozen=True)
+class Undelivered:
+    """The driver could not put our ``kind`` message ``xid`` for ``to`` on the wire (queue full, address unknown)."""
+
+    to: str
+    kind: str
+    xid: int
+
+
+@dataclass(frozen=True)
+class MemberGone:
+    """Membership declared ``member`` dead or gone: nothing more will come from it."""
+
+    member: str
+
+
+Event = AtSafePoint | Received | Undelivered | MemberGone
 
 # -- actions -----------------------------------------------------------------------------
 
@@ -160,15 +206,17 @@ class AveragingStats:
     completed: int = 0  # exchanges we initiated and applied
     served: int = 0  # exchanges others initiated and we applied
     timeouts: int = 0
-    refused: int = 0  # partner answered xnak (busy)
-    late: int = 0  # replies that arrived after their timeout
+    refused: int = 0  # partner answered xnak (busy); push-sum: pushes refused, their mass taken back
+    late: int = 0  # replies that arrived after their timeout (pairwise: applied all the same)
+    abandoned: int = 0  # pairwise: timed-out exchanges forgotten before their reply came (its merge is lost)
+    undelivered: int = 0  # replies we could not send, so we took back their merge
     crossed: int = 0  # requests refused because we had asked the same partner at the same time
     busy: int = 0  # requests refused because we had already served one while ours was in flight
     rejected: int = 0  # updates refused by validation
     stale_dropped: int = 0  # updates refused for being beyond the staleness bound
     unsendable: int = 0  # times our own model could not be sent (non-finite values)
     clipped: int = 0  # robust: updates whose difference was scaled down (likely poisoned, or far behind)
-    lost: int = 0  # push-sum: pushes that could not be delivered (their mass was taken back)
+    lost: int = 0  # push-sum: refused pushes whose mass could not come back (refused as unreadable)
     rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
@@ -238,7 +286,15 @@ class Averaging:
     Subclasses implement ``handle``. ``busy`` says an exchange is in flight;
     ``version`` counts merges applied to the local model (sent with pushes so a
     receiver can drop an older model from a sender it already has a newer one of).
+
+    ``network_kinds``: the message kinds the driver hands over as they arrive,
+    on the network side (a real peer's loop thread), instead of queueing them
+    for the next safe point. An algorithm that takes any must never touch
+    ``params`` while handling them; ``AtSafePoint`` is the only event that may.
+    The driver serialises all calls to ``handle``.
     """
+
+    network_kinds: frozenset[str] = frozenset()
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -337,7 +393,7 @@ class Averaging:
 
 
 class PairwiseAveraging(Averaging):
-    """AD-PSGD pairwise averaging over the live ``params`` (mutated in place at safe points).
+    """AD-PSGD pairwise averaging; requests and replies are handled on the network side (see the module).
 
     Both ends of an exchange move by the same mixing weight ``a`` toward each
     other (0.5 without staleness weighting): the server picks it from the
@@ -345,16 +401,28 @@ class PairwiseAveraging(Averaging):
     sum to zero. With a lossy codec each end moves toward what the other
     decoded, ``x += a * (D(C(x_remote)) - D(C(x_own)))``, which keeps the
     sum zero too.
+
+    ``view`` is our model as others see it (the live parameters at the last
+    safe point, plus ``pending``, the merges made since); the live parameters
+    are ``view`` plus the local steps taken since that safe point.
     """
+
+    network_kinds = frozenset({XREQ, XREP, XNAK})
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
     ) -> None:
         super().__init__(params, config, rng, me)
         self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
+        self.view = self._snapshot()
+        self.pending = [torch.zeros_like(p) for p in self.params]
+        self._dirty = False  # pending holds a merge not yet added to the live parameters
         self._inflight: _InFlight | None = None
+        self._overdue: OrderedDict[int, _InFlight] = OrderedDict()  # timed out, reply still welcome
+        self._last_served: tuple[int, str, list[torch.Tensor]] | None = None  # (xid, to, change): to undo
         self._last_start_step = -(10**9)
         self._avoid_until: dict[str, float] = {}
+        self._ready = False  # before our first safe point the model may still be replaced (state transfer)
 
     @property
     def busy(self) -> bool:
@@ -371,12 +439,20 @@ class PairwiseAveraging(Averaging):
             if event.kind == XNAK:
                 return self._refused(event, now)
             return []  # another algorithm's message (a misconfigured sender): ignore
+        if isinstance(event, Undelivered):
+            return self._undelivered(event)
+        if isinstance(event, MemberGone):
+            self._forget(lambda x: x.partner == event.member, "", loud=False)  # its model left with it
+            return []
         raise TypeError(f"unknown event {event!r}")
 
-    # -- initiating ------------------------------------------------------------------------
+    # -- the safe point ----------------------------------------------------------------------
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._step = tick.step
+        self._ready = True
+        self._apply_pending()
+        self._expire(now)
         inflight = self._inflight
         if inflight is not None:
             if now < inflight.deadline:
@@ -385,12 +461,15 @@ class PairwiseAveraging(Averaging):
             self.rtt.backoff()
             self._avoid(inflight.partner, now)
             self._inflight = None
+            self._overdue[inflight.xid] = inflight
+        if len(self._overdue) >= OVERDUE_KEPT:
+            return []  # that many replies outstanding: ask no one else until one comes (or the horizon passes)
         if tick.step - self._last_start_step < self.config.exchange_every_steps:
             return []
         partner = self._pick(tick.partners, now)
         if partner is None:
             return []
-        encoded = self._encode_own(self._snapshot())
+        encoded = self._encode_own(self._frozen_view())  # == the live parameters: pending was just applied
         if encoded is None:
             return []
         wire, sent = encoded
@@ -399,6 +478,20 @@ class PairwiseAveraging(Averaging):
         self._last_start_step = tick.step
         self.stats.started += 1
         return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
+
+    def _apply_pending(self) -> None:
+        """Add the merges made since the last safe point to the live parameters, and refresh ``view``."""
+        with torch.no_grad():
+            if self._dirty:
+                torch._foreach_add_(self.params, self.pending)
+                torch._foreach_zero_(self.pending)
+                self._dirty = False
+            torch._foreach_copy_(self.view, self.params)
+        self._last_served = None  # applied: no longer undoable
+
+    def _frozen_view(self) -> list[torch.Tensor]:
+        """``view`` to encode: copied where the codec would send it as is (it moves with every merge)."""
+        return [t.clone() for t in self.view] if self.lossless else self.view
 
     def _pick(self, partners: Sequence[str], now: float) -> str | None:
         if not partners:
@@ -409,9 +502,25 @@ class PairwiseAveraging(Averaging):
     def _avoid(self, partner: str, now: float) -> None:
         self._avoid_until[partner] = now + 4 * self.rtt.timeout()
 
+    # -- merging (network side) ----------------------------------------------------------------
+
+    def _merge(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], a: float) -> list[torch.Tensor]:
+        """Move ``view`` (and ``pending``) by ``a (remote - own)``; returns that change (to undo it)."""
+        with torch.no_grad():
+            delta = torch._foreach_sub(remote, own)
+            torch._foreach_mul_(delta, a)
+            torch._foreach_add_(self.pending, delta)
+            torch._foreach_add_(self.view, delta)
+        self._dirty = True
+        self.version += 1
+        return delta
+
     # -- answering -------------------------------------------------------------------------
 
     def _serve(self, msg: Received) -> list[Action]:
+        if not self._ready:  # our model is not the one we will train yet: the requester asks someone else
+            self.stats.busy += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         inflight = self._inflight
         if inflight is not None and inflight.partner == msg.sender and self.me > msg.sender:
             # We asked each other at the same time. Serving both requests would not average the
@@ -431,7 +540,7 @@ class PairwiseAveraging(Averaging):
         weight = self._staleness_weight(msg, symmetric=True)  # both ends must agree: |step difference|
         if weight is None:
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
-        encoded = self._encode_own(self._snapshot())
+        encoded = self._encode_own(self._frozen_view())
         if encoded is None:
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         wire, sent = encoded
@@ -439,26 +548,43 @@ class PairwiseAveraging(Averaging):
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
         a = 0.5 * weight * clip
-        with torch.no_grad():
-            if self.lossless:  # sent == x here: x <- x + a * (x_remote - x), in place
-                torch._foreach_lerp_(self.params, remote, a)
-            else:
-                torch._foreach_add_(self.params, remote, alpha=a)
-                torch._foreach_add_(self.params, sent, alpha=-a)
+        self._last_served = (msg.xid, msg.sender, self._merge(remote, sent, a))
         self.stats.served += 1
-        self.version += 1
         self._record_staleness(msg)
         if inflight is not None:
             inflight.served_meanwhile += 1
         return [SendExchange(msg.sender, XREP, msg.xid, wire, {"a": a, "ver": self.version})]
 
+    def _undelivered(self, event: Undelivered) -> list[Action]:
+        if event.kind == XREQ:  # our request never left: as a refusal
+            return self._refused(Received(event.to, XNAK, event.xid), 0.0)
+        served = self._last_served
+        if event.kind == XREP and served is not None and served[0] == event.xid and served[1] == event.to:
+            # The requester will never apply its half: take ours back (still pending, not yet in the model).
+            with torch.no_grad():
+                torch._foreach_sub_(self.pending, served[2])
+                torch._foreach_sub_(self.view, served[2])
+            self._last_served = None
+            self.stats.served -= 1
+            self.stats.undelivered += 1
+        return []
+
     def _complete(self, msg: Received, now: float) -> list[Action]:
         inflight = self._inflight
-        if inflight is None or inflight.xid != msg.xid or inflight.partner != msg.sender:
+        on_time = inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender
+        if not on_time:
+            inflight = self._overdue.get(msg.xid)
+            if inflight is None or inflight.partner != msg.sender:
+                self.stats.late += 1
+                if inflight is None:  # not ours, or abandoned already (counted then)
+                    log.debug("a reply from %s to an exchange we do not know (xid %d)", msg.sender, msg.xid)
+                return []
+            del self._overdue[msg.xid]
             self.stats.late += 1
-            return []
+        else:
+            self._inflight = None
+        assert inflight is not None
         remote = self._validated(msg)
-        self._inflight = None
         if isinstance(remote, Rejected):
             return [remote]
         # The server already moved by this weight; robust mode may move us less (then the pair's sum changes).
@@ -466,14 +592,12 @@ class PairwiseAveraging(Averaging):
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)")]
         a = float(msg.meta.get("a", 0.5)) * clip
-        with torch.no_grad():
-            # keep local progress made in flight: x <- x + a * (x_remote - x_sent), without temporaries
-            torch._foreach_add_(self.params, remote, alpha=a)
-            torch._foreach_add_(self.params, inflight.snapshot, alpha=-a)
-        self.rtt.observe(now - inflight.sent_at)
-        self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
+        # keep local progress made in flight: x <- x + a * (x_remote - x_sent)
+        self._merge(remote, inflight.snapshot, a)
+        if on_time:
+            self.rtt.observe(now - inflight.sent_at)
+            self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
         self.stats.completed += 1
-        self.version += 1
         self._record_staleness(msg)
         return []
 
@@ -484,4 +608,25 @@ class PairwiseAveraging(Averaging):
         if inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender:
             self._inflight = None
             self.stats.refused += 1
+        elif msg.xid in self._overdue and self._overdue[msg.xid].partner == msg.sender:
+            del self._overdue[msg.xid]  # refused after all: nothing to wait for
+            self.stats.refused += 1
         return []
+
+    # -- overdue exchanges ---------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        self._forget(lambda x: now - x.sent_at > OVERDUE_SECONDS, f"no reply in {OVERDUE_SECONDS:.0f} s")
+
+    def _forget(self, which: Callable[[_InFlight], bool], why: str, loud: bool = True) -> None:
+        for xid in [xid for xid, x in self._overdue.items() if which(x)]:
+            self._abandon(self._overdue.pop(xid), why, loud)
+
+    def _abandon(self, exchange: _InFlight, why: str, loud: bool = True) -> None:
+        if not loud:
+            return
+        self.stats.abandoned += 1
+        log.warning(
+            "gave up on the exchange with %s (%s): if its reply still comes, the pair's sum will have moved",
+            exchange.partner, why,
+        )

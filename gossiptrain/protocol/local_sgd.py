@@ -7,6 +7,13 @@ the change of the model over a round (local steps and merges) is treated
 as a gradient, ``delta = anchor - x``, and applied to the round's starting
 point with Nesterov momentum. ``outer_lr=1, outer_momentum=0`` is plain
 local SGD with gossip averaging.
+
+**Invariant.** Without the outer optimizer, that of neighbour averaging (the
+mean moves only by local steps, exactly in synchronous rounds). The outer
+step replaces the round's change ``delta`` by ``outer_lr (delta + mu m)``:
+it moves the swarm's mean by the mean of those, which is the point of it
+(a larger, momentum-smoothed step), and it scales the disagreement the
+round's merges removed by the same factor.
 """
 
 from __future__ import annotations

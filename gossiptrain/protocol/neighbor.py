@@ -13,6 +13,17 @@ update, with the library's mixing matrix; asynchronously, a neighbour that
 sent nothing since the last merge simply leaves its weight with us, so the
 update never waits.
 
+**Invariant.** In synchronous rounds on an undirected graph the MH matrix
+is symmetric and doubly stochastic, so the mean of the models changes only
+by local steps (``tests/test_algorithms.py`` checks it in lockstep).
+Asynchronously it is not exact: a merge uses a neighbour's model of some
+earlier round while that neighbour mixes ours of another, so the mean
+wanders by a fraction of the models' disagreement, and shrinks as they
+agree; a message that is lost or arrives late only leaves its weight with
+the receiver (no mass exists to lose). Algorithms that promise exact
+conservation asynchronously are pairwise and push-sum (their nemesis:
+``gossiptrain.testing.averaging_nemesis``).
+
 Local SGD (``gossiptrain.protocol.local_sgd``) is this exchange every H steps.
 With ``compression="topk:..."`` it sends compressed changes against
 per-edge references instead of models, and mix with the references once per
@@ -31,7 +42,17 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XPUSH
-from gossiptrain.protocol.averaging import Action, AtSafePoint, Averaging, Event, Received, Rejected, SendExchange
+from gossiptrain.protocol.averaging import (
+    Action,
+    AtSafePoint,
+    Averaging,
+    Event,
+    MemberGone,
+    Received,
+    Rejected,
+    SendExchange,
+    Undelivered,
+)
 from gossiptrain.protocol.choco import ChocoEdges
 from gossiptrain.protocol.robust import trimmed_mean
 
@@ -69,6 +90,8 @@ class NeighborAveraging(Averaging):
             if event.kind == XPUSH:
                 return self._hold(event)
             return []  # refusals need no handling (nothing waits for a reply); others: misconfigured sender
+        if isinstance(event, (Undelivered, MemberGone)):
+            return []  # nothing to do: a push needs no answer, and we keep nothing for a member
         raise TypeError(f"unknown event {event!r}")
 
     def _hold(self, msg: Received) -> list[Action]:

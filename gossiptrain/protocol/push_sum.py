@@ -9,10 +9,18 @@ flight) is conserved exactly, whatever the graph: directed, time-varying or
 changing under churn. No reply is needed, so a push never waits.
 
 The model in ``params`` always holds ``z`` (gradient steps act on it), and
-``x = z * w`` is formed only when pushing. A push that cannot be delivered
-(the receiver's queue was full, the update was beyond the staleness bound,
-the address unknown) comes back as a refusal, and its mass is taken back,
-so nothing is lost unless the network itself loses the message.
+``x = z * w`` is formed only when pushing.
+
+**Invariant.** The sums over members of ``x`` and of ``w``, plus the pushes
+in flight, change only by local steps. A push that cannot be taken (the
+receiver's queue was full, it was beyond the staleness bound, the sender is
+quarantined, the address is unknown) comes back as a refusal that carries
+the push itself, tensors and weight, and the sender adds it back: however
+many pushes are refused, and however late, nothing depends on the sender
+still remembering them (it remembers only which xids it sent to whom, so
+that nobody else can hand it mass). Nothing is lost unless the network
+itself loses a message, or a push is refused because its tensors are
+unreadable (then there is nothing to give back).
 
 Staleness weighting does not apply here: scaling a push would destroy mass.
 The staleness bound does (the stale push is refused and its mass returns).
@@ -28,10 +36,20 @@ import torch
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XNAK, XPUSH
-from gossiptrain.protocol.averaging import Action, AtSafePoint, Averaging, Event, Received, Rejected, SendExchange
+from gossiptrain.protocol.averaging import (
+    Action,
+    AtSafePoint,
+    Averaging,
+    Event,
+    MemberGone,
+    Received,
+    Rejected,
+    SendExchange,
+    Undelivered,
+)
 
-#: Pushes remembered so that a refused one can be taken back (each holds one model-sized tensor set).
-UNACKED_PUSHES = 2
+#: Pushes remembered (xid -> receiver and weight, no tensors) so that only a refusal of our own push is taken back.
+UNACKED_PUSHES = 4096
 #: Below this weight a peer stops pushing: its mass would underflow (it has had nothing pushed to it for long).
 MIN_PUSH_WEIGHT = 2.0**-60
 
@@ -45,8 +63,8 @@ class PushSum(Averaging):
         super().__init__(params, config, rng, me)
         self.weight = 1.0
         self._last_push_step = -(10**9)
-        # xid -> (numerator sent, as the receiver decodes it; weight sent)
-        self._unacked: OrderedDict[int, tuple[list[torch.Tensor], float]] = OrderedDict()
+        # xid -> (receiver, weight sent); the tensors come back with a refusal
+        self._unacked: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
     def mass(self) -> tuple[list[torch.Tensor], float]:
         """Our part of the swarm's mass: (x = z * w, w); the invariant the tests check."""
@@ -61,6 +79,8 @@ class PushSum(Averaging):
             if event.kind == XNAK:
                 return self._take_back(event)
             return []  # another algorithm's message (a misconfigured sender): ignore
+        if isinstance(event, (Undelivered, MemberGone)):
+            return []  # nothing to do: a push needs no answer, and we keep nothing for a member
         raise TypeError(f"unknown event {event!r}")
 
     def _tick(self, tick: AtSafePoint) -> list[Action]:
@@ -84,7 +104,7 @@ class PushSum(Averaging):
                 torch._foreach_add_(self.params, sent, alpha=-1.0 / half)
         self.weight = half
         xid = self._new_xid()
-        self._unacked[xid] = (sent, half)
+        self._unacked[xid] = (to, half)
         while len(self._unacked) > UNACKED_PUSHES:
             self._unacked.popitem(last=False)
         self._last_push_step = tick.step
@@ -98,9 +118,9 @@ class PushSum(Averaging):
             return [Rejected(msg.sender, "push without a weight")]
         remote = self._validated(msg)
         if isinstance(remote, Rejected):
-            return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]
+            return [remote, SendExchange(msg.sender, XNAK, msg.xid, {})]  # unreadable: nothing to give back
         if self.staleness.bound and self._staleness_weight(msg) is None:
-            return [SendExchange(msg.sender, XNAK, msg.xid, {})]  # the sender takes its mass back
+            return [refusal(msg)]  # the sender takes its mass back
         self._add_mass(remote, w_in)
         self.stats.served += 1
         self.version += 1
@@ -108,10 +128,19 @@ class PushSum(Averaging):
         return []
 
     def _take_back(self, msg: Received) -> list[Action]:
-        pending = self._unacked.pop(msg.xid, None)
-        if pending is not None:
-            self._add_mass(*pending)
+        pushed = self._unacked.get(msg.xid)
+        if pushed is None or msg.sender != pushed[0]:  # not a push of ours to them
+            return []
+        if not msg.tensors:  # refused as unreadable: our mass is gone (the receiver logged why)
+            del self._unacked[msg.xid]
             self.stats.lost += 1
+            return []
+        returned = self._validated(msg)
+        if isinstance(returned, Rejected):  # they sent back something else than our push: keep waiting
+            return [returned]
+        del self._unacked[msg.xid]
+        self._add_mass(returned, pushed[1])
+        self.stats.refused += 1
         return []
 
     def _add_mass(self, x_in: list[torch.Tensor], w_in: float) -> None:
@@ -121,3 +150,14 @@ class PushSum(Averaging):
             torch._foreach_mul_(self.params, self.weight / total)
             torch._foreach_add_(self.params, x_in, alpha=1.0 / total)
         self.weight = total
+
+
+def refusal(push: Received | SendExchange) -> SendExchange:
+    """The refusal of ``push`` that gives its mass back: the push's own tensors and weight, to its sender.
+
+    For a push that arrived, it goes to the sender; for one of ours that could
+    not be sent, the driver hands it to our own machine as if received.
+    """
+    to = push.sender if isinstance(push, Received) else push.to
+    meta = {"w": push.meta["w"]} if "w" in push.meta else {}
+    return SendExchange(to, XNAK, push.xid, dict(push.tensors), meta)

@@ -3,11 +3,14 @@
 ``PeerNode`` runs in the peer's event loop, an ``Endpoint``
 (``gossiptrain.runtime.endpoint``) whose handler table routes each kind: it
 drives the membership state machine on a heartbeat, answers joins like the
-coordinator does, reports to the coordinator when one is known, and hands
-exchange messages to the trainer through a bounded queue. The trainer
-consumes that queue at its safe points (see ``gossiptrain.runtime.peer``);
-when the queue is full, a request is refused at once so that its sender
-moves on instead of waiting for a timeout. State transfer messages go to
+coordinator does, reports to the coordinator when one is known, and routes
+exchange messages: the kinds the averaging algorithm takes on the network
+side (pairwise requests and replies) go to it at once (``take_on_network``);
+the rest wait for the trainer's next safe point in a bounded queue (see
+``gossiptrain.runtime.safepoint``). When that queue is full, a push is
+refused at once with its mass (its sender adds it back); refusals that
+carry our own mass back wait apart (``returns``), so a full queue never
+drops them. State transfer messages go to
 ``self.state`` (``gossiptrain.runtime.state_endpoint``): it answers newcomers
 as a donor and feeds our own download when we are one. End-of-run messages
 go to ``self.finish`` (``gossiptrain.protocol.finish``).
@@ -28,7 +31,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol import averaging, finish, membership
+from gossiptrain.protocol import averaging, finish, membership, push_sum
 from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import (
@@ -109,6 +112,11 @@ class PeerNode(JoinAnsweringEndpoint):
         # self.step: the trainer's step, stamped on outgoing messages (written by the trainer thread)
         # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.
         self.exchanges: queue.Queue[Received] = queue.Queue(maxsize=config.limits.averaging_queue)
+        # Refusals carrying our own pushes back (their mass): at most about one per push we sent since the last
+        # safe point, so this bound only ever drops a flood of forged ones.
+        self.returns: deque[Received] = deque(maxlen=config.limits.averaging_queue)
+        self._now_kinds: frozenset[str] = frozenset()  # handed to _now as they arrive (see take_on_network)
+        self._now: Callable[[averaging.Event], None] | None = None
         self._view: tuple[str, ...] = (me.id,)
         self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
@@ -157,6 +165,14 @@ class PeerNode(JoinAnsweringEndpoint):
             chosen = self._fallback.neighbours(len(view), i, round)
         return [view[j] for j in chosen]
 
+    def take_on_network(self, kinds_: frozenset[str], handler: Callable[[averaging.Event], None]) -> None:
+        """Hand exchange messages of ``kinds_`` to ``handler`` as they arrive, on this node's thread.
+
+        The handler also hears of our own messages of those kinds that could not be
+        sent (``Undelivered``) and of members that died or left (``MemberGone``).
+        """
+        self._now_kinds, self._now = frozenset(kinds_), handler
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def _start(self) -> None:
@@ -179,9 +195,13 @@ class PeerNode(JoinAnsweringEndpoint):
         addr = self._address_of(action.to)
         body = {"xid": action.xid, **action.meta}
         ok = addr is not None and self.send(addr, action.kind, body, dict(action.tensors))
-        if not ok and action.kind in _NEEDS_ANSWER:
-            # Tell the trainer at once: an exchange need not wait out its timeout, a push takes its mass back.
-            self._offer(Received(action.to, kinds.XNAK, action.xid))
+        if ok:
+            return
+        if action.kind in self._now_kinds and self._now is not None:
+            # At once: a request need not wait out its timeout, a reply's merge is taken back.
+            self._now(averaging.Undelivered(action.to, action.kind, action.xid))
+        elif action.kind == kinds.XPUSH:  # the push comes back to us as its own refusal: its mass is not lost
+            self.returns.append(Received(action.to, kinds.XNAK, action.xid, dict(action.tensors), 0, dict(action.meta)))
 
     def _address_of(self, member_id: str) -> str | None:
         m = self.membership.get(member_id)
@@ -233,14 +253,21 @@ class PeerNode(JoinAnsweringEndpoint):
             self.send(a.addr, a.kind, a.body)
 
     def _offer(self, event: Received) -> None:
+        if event.kind in self._now_kinds and self._now is not None:
+            self._now(event)
+            return
+        if event.kind == kinds.XNAK and event.tensors:  # our push, refused and given back
+            self.returns.append(event)
+            return
         try:
             self.exchanges.put_nowait(event)
         except queue.Full:
             self.stats.exchange_queue_full += 1
-            if event.kind in _NEEDS_ANSWER:
+            if event.kind in _NEEDS_ANSWER:  # refused at once: a requester moves on, a pusher takes its mass back
+                refusal = push_sum.refusal(event) if event.kind == kinds.XPUSH else SendExchange(event.sender, kinds.XNAK, event.xid, {})
                 addr = self._address_of(event.sender)
                 if addr:
-                    self.send(addr, kinds.XNAK, {"xid": event.xid})
+                    self.send(addr, kinds.XNAK, {"xid": event.xid, **refusal.meta}, dict(refusal.tensors))
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
@@ -287,6 +314,8 @@ class PeerNode(JoinAnsweringEndpoint):
                 self.transport.forget(a.member.addr)
                 log.debug("member %s is down (%s)", a.member.id, a.reason)
                 self._tell(a)
+                if self._now is not None:
+                    self._now(averaging.MemberGone(a.member.id))
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
 

@@ -1,23 +1,30 @@
 """The trainer's safe point: where averaging reads and writes the model.
 
 Between two optimizer steps nothing else touches the parameters, so that is
-where exchange messages the network side queued are applied, requests are
-answered, and the next exchange is started. Members in quarantine (see
-``gossiptrain.protocol.quarantine``) are refused here, before their messages cost a
-decode or a merge, and are not picked as partners. Both drivers call this once per
-local step: ``Peer`` (a real process, network on another thread) and the
-simulator (everything on one virtual-time loop); they differ only in how an
-outgoing message reaches the node (``submit``).
+where exchange messages the network side queued are applied and the next
+exchange is started. The kinds an algorithm takes on the network side
+(``Averaging.network_kinds``: pairwise requests and replies) do not wait for
+it: the node hands them to ``on_network`` as they arrive, so a training loop
+that pauses (evaluation, a checkpoint, slow data) never keeps a partner
+waiting; the algorithm merges them into its view and the next safe point
+adds them to the model. One lock serialises the two sides' calls into the
+algorithm. Members in quarantine (see ``gossiptrain.protocol.quarantine``) are
+refused on either side, before their messages cost a decode or a merge, and
+are not picked as partners. Both drivers call this once per local step:
+``Peer`` (a real process, network on another thread) and the simulator
+(everything on one virtual-time loop); they differ only in how an outgoing
+message from the training side reaches the node (``submit``).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 from typing import Callable
 
 from gossiptrain.net import kinds
-from gossiptrain.protocol import averaging
+from gossiptrain.protocol import averaging, push_sum
 from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.runtime.clock import Clock
@@ -40,6 +47,7 @@ class SafePoint:
         self.averaging = averaging
         self.clock = clock
         self.submit = submit
+        self._lock = threading.RLock()  # the training side and the network side both call into averaging
         gossip = node.config.gossip
         self.quarantine = Quarantine(gossip.quarantine_after, gossip.quarantine_seconds)
         # Gossip rounds this peer has started (ticks that sent a request or a push, or found no partner it
@@ -48,6 +56,7 @@ class SafePoint:
         # every time (one-peer-exponential at 8 peers, where a round trip takes about 3 steps, split the
         # swarm into two halves that never met).
         self.rounds = 0
+        node.take_on_network(averaging.network_kinds, self.on_network)
 
     def __call__(self, step: int) -> None:
         """Run the safe point after local step ``step``."""
@@ -56,25 +65,54 @@ class SafePoint:
         now = self.clock.now()
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
-        while True:
-            try:
-                event = node.exchanges.get_nowait()
-            except queue.Empty:
-                break
-            if quarantine.blocks(event.sender, now):
-                quarantine.refused()
-                if event.kind in (kinds.XREQ, kinds.XPUSH):  # so that it moves on (and takes back a push)
-                    actions.append(SendExchange(event.sender, kinds.XNAK, event.xid, {}))
-                continue
-            actions += self.averaging.handle(event, now)
-        partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
-        started = self.averaging.handle(averaging.AtSafePoint(step, partners), now)
-        if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
-            self.rounds += 1
-        actions += started
+        with self._lock:
+            for event in _drained(node):
+                actions += self._handle(event, now)
+            partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
+            started = self.averaging.handle(averaging.AtSafePoint(step, partners), now)
+            if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
+                self.rounds += 1
+            actions += started
+            self._note_rejections(actions, now)
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
-            elif isinstance(action, Rejected):
+
+    def on_network(self, event: averaging.Event) -> None:
+        """An event the algorithm takes as it arrives (on the node's thread): answer it now, send at once."""
+        now = self.clock.now()
+        with self._lock:
+            actions = self._handle(event, now) if isinstance(event, averaging.Received) else self.averaging.handle(event, now)
+            self._note_rejections(actions, now)
+        for action in actions:
+            if isinstance(action, SendExchange):
+                self.node.send_exchange(action)
+
+    def _handle(self, event: averaging.Received, now: float) -> list[averaging.Action]:
+        quarantine = self.quarantine
+        if quarantine.blocks(event.sender, now):
+            quarantine.refused()
+            if event.kind == kinds.XPUSH:  # it takes its mass back
+                return [push_sum.refusal(event)]
+            if event.kind == kinds.XREQ:  # it moves on at once
+                return [SendExchange(event.sender, kinds.XNAK, event.xid, {})]
+            return []
+        return self.averaging.handle(event, now)
+
+    def _note_rejections(self, actions: list[averaging.Action], now: float) -> None:
+        for action in actions:
+            if isinstance(action, Rejected):
                 log.warning("rejected an update from %s: %s", action.sender, action.reason)
-                quarantine.offence(action.sender, now)
+                self.quarantine.offence(action.sender, now)
+
+
+def _drained(node: PeerNode) -> list[averaging.Received]:
+    """What the network side queued for this safe point: returned pushes first (they never wait), then the rest."""
+    out: list[averaging.Received] = []
+    while node.returns:
+        out.append(node.returns.popleft())
+    while True:
+        try:
+            out.append(node.exchanges.get_nowait())
+        except queue.Empty:
+            return out

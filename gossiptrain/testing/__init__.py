@@ -5,6 +5,10 @@
   that a new backend is held to the same contract.
 - ``membership_cluster``: ``Cluster``, SWIM ``Membership`` machines on a
   virtual-time network with delay and loss, for protocol tests and experiments.
+- ``averaging_nemesis``: ``Nemesis``, fault schedules (pauses, delays,
+  drops, failed sends, full queues, deaths, clock jumps) against the real
+  averaging machines, with mass conservation checked after every event;
+  ``schedules()`` generates them with hypothesis.
 - ``matchers``: ``match`` / ``only``, for assertions on the action lists that
   sans-IO state machines return.
 
