@@ -193,6 +193,9 @@ class GossipConfig:
     exchange_every_steps: int = 1  # start at most one exchange per this many local steps
     exchange_timeout_min: float = 0.5  # adaptive exchange timeout: floor (seconds)
     exchange_timeout_max: float = 10.0  # adaptive exchange timeout: ceiling (seconds)
+    # pairwise flow control: at most this many local steps past the last merge before a safe point waits for the
+    # exchange in flight (never past its timeout); 0: automatic (gossiptrain.protocol.averaging.AUTO_STEPS_AHEAD)
+    max_steps_ahead: int = 0
     local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
     outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
     outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9)
@@ -227,6 +230,7 @@ class GossipConfig:
             f"{s}.exchange_timeout_max",
             "must be >= gossip.exchange_timeout_min",
         )
+        _require(self.max_steps_ahead >= 0, f"{s}.max_steps_ahead", f"must be >= 0 (0: automatic), got {self.max_steps_ahead}")
         _require(self.local_steps >= 1, f"{s}.local_steps", f"must be >= 1, got {self.local_steps}")
         _require(
             0 < self.outer_lr <= 2 and math.isfinite(self.outer_lr), f"{s}.outer_lr", f"must be in (0, 2], got {self.outer_lr}"

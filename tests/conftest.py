@@ -5,11 +5,19 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 
 from .swarm import Procs, next_host
+
+# One torch thread per test process (each xdist worker; peer processes already default to --threads 1).
+# With two workers on two cores, torch's default of one intra-op thread per core oversubscribes the machine,
+# and its threads spin-wait on the tiny tensors of these tests: an in-process simulation that calls Cluster
+# directly (simulate() already sets one thread) or a Lockstep run took 5-15x the CPU time of one thread.
+# No test depends on the count; the few that need one thread for bit-identical results still set it themselves.
+torch.set_num_threads(1)
 
 # The modules whose tests take longest (whole experiments, chaos, simulated training, real swarms), longest first.
 # With two workers the run ends when its last long test does, so those start first; the rest keep their order.

@@ -245,16 +245,21 @@ def chaos_config(peers: int) -> RunConfig:
 
 @pytest.mark.timeout(420)  # 80-110 s here with other jobs loading the machine (load ~10); the bound is generous
 def test_chaos_short(procs: Procs, coordinator_factory: Any) -> None:
-    """Six peers, two of them killed and restarted (one through the coordinator, one through a live peer)."""
-    coord = coordinator_factory(chaos_config(6))
-    chaos = Chaos(procs, coord.address.removeprefix("tcp://"), 6, seed=11)
-    chaos.wait_all_training(members=6)
+    """Four peers, two of them killed and restarted (one through the coordinator, one through a live peer).
+
+    Four, not six: the same faults (kills, a restart through the coordinator, one through a live peer, with
+    one peer down at a time and two live donors left), with a third fewer processes on two cores, where each
+    restarted peer's start-up competes with the others' training. The six-peer swarm is the slow test below.
+    """
+    coord = coordinator_factory(chaos_config(4))
+    chaos = Chaos(procs, coord.address.removeprefix("tcp://"), 4, seed=11)
+    chaos.wait_all_training(members=4)
     kills = chaos.run(duration=30, mean_gap=1.5, mean_down=1.0, min_down=0.5, max_down=1, max_kills=2)
     assert kills == 2 and chaos.restarts == 2 and chaos.joined_via_peer == 1
-    chaos.wait_all_training(members=6)
+    chaos.wait_all_training(members=4)
     done = chaos.stop()
     chaos.check_lives()
-    assert len(done) == 6
+    assert len(done) == 4
     mean_acc = statistics.mean(d["test_acc"] for d in done)
     assert mean_acc >= 0.9, done
 

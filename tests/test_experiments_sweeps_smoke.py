@@ -94,3 +94,13 @@ def test_compression_quick(tmp_path: Path) -> None:
         ("pairwise", "none"), ("pairwise", "int8"), ("neighbor", "none"), ("neighbor", "topk:ratio=0.1"),
     }
     assert all(int(r["bytes_per_peer_total"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_flow_control_quick(tmp_path: Path) -> None:
+    heads = run_script("flow_control", tmp_path)
+    assert set(heads["slow"]) == set(heads["fast"]) == {"8", "none"}
+    assert all(accuracy(cell["final_acc"]) for link in ("slow", "fast") for cell in heads[link].values())
+    assert heads["slow"]["8"]["waited_s"] > 0 and heads["slow"]["none"]["waited_s"] == 0  # only the bound waits
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Regenerate: `python experiments/flow_control.py`" in summary and (tmp_path / "runs.csv").exists()

@@ -69,13 +69,30 @@ def test_other_algorithms_train_over_tcp_with_compression(
         assert d["test_acc"] >= 0.9 and d["exchanges"] > 0 and d["dropped"] == 0, d
 
 
-def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator_factory: Any) -> None:
+@pytest.mark.timeout(300)  # four tests' worth of waits, each bounded as before
+def test_one_swarm_counts_garbage_survives_a_pause_sees_a_clean_leave_and_drops_a_killed_peer(
+    procs: Procs, coordinator_factory: Any
+) -> None:
+    """Four peers of one swarm through four events, in order; each stage checks what a test of its own did.
+
+    One swarm instead of three (a 3-peer one for the kill, a 2-peer one for the leave, a 3-peer one for
+    the pause): starting peer processes is most of the cost of these tests. Each stage's precondition is
+    checked by the one before it (everyone sees everyone, nobody was declared dead).
+
+    1. Garbage at the coordinator's and at a peer's port is dropped and counted; nothing stops.
+    2. SIGSTOP then SIGCONT within the suspicion timeout: the paused peer may be suspected, but it
+       refutes and nobody drops it.
+    3. SIGTERM: the peer leaves cleanly and fast; the leave is announced, not discovered by probing
+       (the others count it as left, not dead).
+    4. SIGKILL: the killed peer is dropped by the survivors, who keep training; then one survivor is
+       interrupted (Ctrl+C: exit 130, it still writes its summary) and the other stopped (SIGTERM: exit 0).
+    """
     coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
     join = coord.address.removeprefix("tcp://")
-    peers = [procs.peer(join) for _ in range(3)]
-    procs.wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
+    peers = [procs.peer(join) for _ in range(4)]
+    procs.wait_for(members_everywhere(peers, 4), 60, "every peer to see 4 members")
 
-    # Garbage at the coordinator's and at a peer's port is dropped and counted; nothing stops.
+    # 1. Garbage.
     send_garbage(join)
     send_garbage(peers[0].latest()["address"].removeprefix("tcp://"))
     stats = coord.coordinator.stats
@@ -83,24 +100,63 @@ def test_killed_peer_is_dropped_and_garbage_is_counted(procs: Procs, coordinator
     procs.wait_for(lambda: coord.coordinator.transport.stats.handshake_failures >= 1, 10, "a failed handshake to be counted")
     procs.wait_for(lambda: (peers[0].latest() or {}).get("dropped", 0) >= 2, 20, "peer 0 to count the bad messages")
 
-    victim, survivors = peers[2], peers[:2]
+    # 2. A pause shorter than the suspicion timeout.
+    paused, others = peers[3], peers[:3]
+    before = steps_of(paused)
+    pause = fast_config().membership.suspicion_timeout(4) / 2
+    paused.signal(signal.SIGSTOP)
+    try:
+        time.sleep(pause)  # the pause under test (not a wait for a condition)
+    finally:
+        paused.signal(signal.SIGCONT)
+    procs.wait_for(lambda: steps_of(paused) > before + 20, 60, "the paused peer to train again")
+    others_later = [steps_of(p) + 20 for p in others]
+    procs.wait_for(lambda: all(steps_of(p) > s for p, s in zip(others, others_later)), 60, "the others to report again")
+    for p in peers:
+        latest = p.latest() or {}
+        assert latest.get("members_dead") == 0 and latest.get("members") == 4, ("after the pause", p.name, latest)
+
+    # 3. A clean leave.
+    leaver, stayers = peers[2], [peers[0], peers[1], peers[3]]
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(5) == 0, leaver.output()
+    # The leave is announced, not discovered by probing: the others see it before any suspicion could end.
+    procs.wait_for(members_everywhere(stayers, 3), 30, "the leave to be seen")
+    for p in stayers:
+        seen = p.latest()
+        assert seen["members_left"] == 1 and seen["members_dead"] == 0, ("after the leave", p.name, seen)
+
+    # 4. A kill.
+    victim, survivors = peers[1], [peers[0], peers[3]]
     victim.signal(signal.SIGKILL)
     victim.wait(10)
     procs.wait_for(members_everywhere(survivors, 2), 30, "survivors to drop the killed peer")
-    before = [steps_of(p) for p in survivors]
-    procs.wait_for(lambda: all(steps_of(p) > b + 50 for p, b in zip(survivors, before)), 30, "survivors to keep training")
-    for p in survivors:
-        p.signal(signal.SIGTERM)
-    for p in survivors:
-        assert p.wait(10) == 0, p.output()
-        assert p.records("done"), p.output()
+    before_steps = [steps_of(p) for p in survivors]
+    procs.wait_for(
+        lambda: all(steps_of(p) > b + 50 for p, b in zip(survivors, before_steps)), 30, "survivors to keep training"
+    )
+    interrupted, stopped = survivors
+    interrupted.signal(signal.SIGINT)  # Ctrl+C
+    assert interrupted.wait(5) == 130, interrupted.output()  # interrupted: it still leaves and writes its summary
+    assert interrupted.records("done"), interrupted.output()
+    stopped.signal(signal.SIGTERM)
+    assert stopped.wait(10) == 0, stopped.output()
+    assert stopped.records("done"), stopped.output()
+
+
+# Reports every 0.5 s (fast_config's), not the default 2 s: the restarted coordinator relearns the swarm
+# from the peers' reports, so that wait shrinks with the interval; nothing checked depends on it.
+RESTART_SETTINGS = (
+    "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3",
+    "--set", "membership.report_interval=0.5",
+)
 
 
 def test_training_goes_on_without_the_coordinator_and_it_can_restart(procs: Procs) -> None:
     host = next_host()
     coordinator = procs.start(
         "coordinator", "--bind", f"{host}:0", "--seconds", "120", "--steps", "0",
-        "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="coordinator",
+        *RESTART_SETTINGS, name="coordinator",
     )
     line = procs.wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator to listen")
     join = line.split("--join ")[1].split()[0]
@@ -120,7 +176,7 @@ def test_training_goes_on_without_the_coordinator_and_it_can_restart(procs: Proc
     # A coordinator restarted at the same address relearns the whole swarm from the peers' reports.
     restarted = procs.start(
         "coordinator", "--bind", join, "--seconds", "120", "--steps", "0",
-        "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3", name="restarted",
+        *RESTART_SETTINGS, name="restarted",
     )
     procs.wait_for(lambda: "3 members alive" in restarted.output(), 30, "the restarted coordinator to learn 3 members")
 
@@ -128,44 +184,3 @@ def test_training_goes_on_without_the_coordinator_and_it_can_restart(procs: Proc
     assert late.wait(10) == 0, late.output()
     assert late.records("done")[0]["exchanges"] > 0
     procs.wait_for(members_everywhere(first, 2), 30, "the others to see the clean leave")
-
-
-def test_sigterm_leaves_cleanly_and_fast(procs: Procs, coordinator_factory: Any) -> None:
-    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
-    join = coord.address.removeprefix("tcp://")
-    peers = [procs.peer(join) for _ in range(2)]
-    procs.wait_for(members_everywhere(peers, 2), 60, "two peers to see each other")
-    leaver, stayer = peers
-    leaver.signal(signal.SIGTERM)
-    assert leaver.wait(5) == 0, leaver.output()
-    # The leave is announced, not discovered by probing: the other peer sees it before any suspicion could end.
-    procs.wait_for(members_everywhere([stayer], 1), 30, "the leave to be seen")
-    seen = stayer.latest()
-    assert seen["members_left"] == 1 and seen["members_dead"] == 0, seen
-    stayer.signal(signal.SIGINT)  # Ctrl+C
-    assert stayer.wait(5) == 130, stayer.output()  # interrupted: it still leaves and writes its summary
-    assert stayer.records("done")
-
-
-def test_a_peer_paused_for_less_than_the_suspicion_timeout_is_never_declared_dead(
-    procs: Procs, coordinator_factory: Any
-) -> None:
-    """SIGSTOP then SIGCONT within the suspicion timeout: it may be suspected, but it refutes and nobody drops it."""
-    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120}))
-    join = coord.address.removeprefix("tcp://")
-    peers = [procs.peer(join) for _ in range(3)]
-    procs.wait_for(members_everywhere(peers, 3), 60, "every peer to see 3 members")
-    paused = peers[2]
-    before = steps_of(paused)
-    pause = fast_config().membership.suspicion_timeout(3) / 2
-    paused.signal(signal.SIGSTOP)
-    try:
-        time.sleep(pause)  # the pause under test (not a wait for a condition)
-    finally:
-        paused.signal(signal.SIGCONT)
-    procs.wait_for(lambda: steps_of(paused) > before + 20, 60, "the paused peer to train again")
-    others_later = [steps_of(p) + 20 for p in peers[:2]]
-    procs.wait_for(lambda: all(steps_of(p) > s for p, s in zip(peers[:2], others_later)), 60, "the others to report again")
-    for p in peers:
-        latest = p.latest() or {}
-        assert latest.get("members_dead") == 0 and latest.get("members") == 3, latest

@@ -42,7 +42,14 @@ means the requester died); the server has moved, the requester never will.
 
 At most one exchange is in flight per peer. Its timeout adapts to measured
 round trips (as TCP's RTO does), so a dead or slow partner costs one timeout
-and is then avoided for a while; it never blocks training.
+and is then avoided for a while; it never blocks training for longer.
+
+**Flow control.** A peer may take at most ``gossip.max_steps_ahead`` local
+steps (``AUTO_STEPS_AHEAD`` by default) past its last merge; past that, its
+safe point waits for the exchange in flight (``hold_until``), never past that
+exchange's timeout. On a link fast enough for a round trip within the bound
+nothing waits; on a slow one, peers compute at the link's pace instead of
+drifting toward their own shards (overlap-bounded SGP does the same).
 """
 
 from __future__ import annotations
@@ -82,6 +89,11 @@ META_RANGES: dict[str, tuple[type, float, float]] = {
 OVERDUE_KEPT = 4
 #: How long a timed-out exchange's reply is still applied; later, the exchange is abandoned.
 OVERDUE_SECONDS = 120.0
+#: Flow control (``gossip.max_steps_ahead = 0``): local steps a pairwise peer may take past its last merge before
+#: its safe point waits for the exchange in flight. Where a round trip takes fewer steps (a fast link) nothing
+#: ever waits; on a slow link computation slows to the link's pace instead of drifting apart (chosen by measurement:
+#: experiments/flow_control.py).
+AUTO_STEPS_AHEAD = 8
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,10 @@ class AveragingStats:
     clipped: int = 0  # robust: updates whose difference was scaled down (likely poisoned, or far behind)
     lost: int = 0  # push-sum: refused pushes whose mass could not come back (refused as unreadable)
     rtt_ms: float = 0.0  # smoothed round trip of completed exchanges, request sent to reply applied
+    waits: int = 0  # flow control (the driver's): safe points that waited for the exchange in flight
+    waited_s: float = 0.0  # ...and the seconds they waited in all
+    longest_wait_s: float = 0.0  # ...and the longest single wait (never past an exchange timeout)
+    overran: int = 0  # the driver's check: local steps begun while flow control said to wait (0 unless a bug)
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
 
@@ -324,6 +340,14 @@ class Averaging:
     def handle(self, event: Event, now: float) -> list[Action]:
         raise NotImplementedError
 
+    def hold_until(self, now: float) -> float | None:
+        """Flow control: until when the training loop should wait after the last safe point (None: go on).
+
+        Only algorithms with an exchange to wait for hold (pairwise); the driver
+        waits on the network side's progress, never past the returned time.
+        """
+        return None
+
     # -- helpers for subclasses --------------------------------------------------------------
 
     def _like(self) -> dict[str, torch.Tensor]:
@@ -423,10 +447,18 @@ class PairwiseAveraging(Averaging):
         self._last_start_step = -(10**9)
         self._avoid_until: dict[str, float] = {}
         self._ready = False  # before our first safe point the model may still be replaced (state transfer)
+        self.max_ahead = config.max_steps_ahead or AUTO_STEPS_AHEAD
+        self._merged_at_step = 0  # our step at the last merge (completed or served): flow control counts from it
 
     @property
     def busy(self) -> bool:
         return self._inflight is not None
+
+    def hold_until(self, now: float) -> float | None:
+        inflight = self._inflight
+        if inflight is None or self._step - self._merged_at_step < self.max_ahead or now >= inflight.deadline:
+            return None
+        return inflight.deadline
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, AtSafePoint):
@@ -468,6 +500,7 @@ class PairwiseAveraging(Averaging):
             return []
         partner = self._pick(tick.partners, now)
         if partner is None:
+            self._merged_at_step = tick.step  # alone: nobody to drift from, nothing to wait for
             return []
         encoded = self._encode_own(self._frozen_view())  # == the live parameters: pending was just applied
         if encoded is None:
@@ -513,6 +546,7 @@ class PairwiseAveraging(Averaging):
             torch._foreach_add_(self.view, delta)
         self._dirty = True
         self.version += 1
+        self._merged_at_step = self._step
         return delta
 
     # -- answering -------------------------------------------------------------------------

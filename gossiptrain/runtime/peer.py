@@ -297,6 +297,7 @@ class Peer:
         self._last_step_at = now
         self._safepoint(self._step)
         self._snapshots(self._step, self.samples_seen)
+        self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
 
     @property
     def samples_seen(self) -> int:

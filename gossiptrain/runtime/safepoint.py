@@ -48,6 +48,7 @@ class SafePoint:
         self.clock = clock
         self.submit = submit
         self._lock = threading.RLock()  # the training side and the network side both call into averaging
+        self._progress = threading.Event()  # set whenever the network side handled an event (flow control waits on it)
         gossip = node.config.gossip
         self.quarantine = Quarantine(gossip.quarantine_after, gossip.quarantine_seconds)
         # Gossip rounds this peer has started (ticks that sent a request or a push, or found no partner it
@@ -66,6 +67,8 @@ class SafePoint:
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
         with self._lock:
+            if self.averaging.hold_until(now) is not None:  # the step just taken began when it should have waited
+                self.averaging.stats.overran += 1
             for event in _drained(node):
                 actions += self._handle(event, now)
             partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
@@ -84,9 +87,40 @@ class SafePoint:
         with self._lock:
             actions = self._handle(event, now) if isinstance(event, averaging.Received) else self.averaging.handle(event, now)
             self._note_rejections(actions, now)
+        self._progress.set()
         for action in actions:
             if isinstance(action, SendExchange):
                 self.node.send_exchange(action)
+
+    # -- flow control ----------------------------------------------------------------------------
+
+    def hold(self) -> float:
+        """Seconds the training loop should wait now for the exchange in flight (0: go on); see ``Averaging.hold_until``."""
+        now = self.clock.now()
+        with self._lock:
+            until = self.averaging.hold_until(now)
+        return 0.0 if until is None else max(0.0, until - now)
+
+    def wait(self) -> None:
+        """Block this (training) thread while ``hold`` says so, waking as the network side makes progress."""
+        started = self.clock.now()
+        waited = False
+        while True:
+            self._progress.clear()
+            seconds = self.hold()
+            if seconds <= 0:
+                break
+            waited = True
+            self._progress.wait(seconds)
+        if waited:
+            self.waited(self.clock.now() - started)
+
+    def waited(self, seconds: float) -> None:
+        """Count a wait (the simulator waits in virtual time itself, then reports it here)."""
+        with self._lock:
+            self.averaging.stats.waits += 1
+            self.averaging.stats.waited_s += seconds
+            self.averaging.stats.longest_wait_s = max(self.averaging.stats.longest_wait_s, seconds)
 
     def _handle(self, event: averaging.Received, now: float) -> list[averaging.Action]:
         quarantine = self.quarantine

@@ -153,6 +153,12 @@ class SimPeer:
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
                     snapshots(trainer.steps, trainer.samples_seen)
+                    if (hold := safepoint.hold()) > 0:  # flow control, as Peer.step waits, in virtual time
+                        waiting_since = self.clock.now()
+                        while hold > 0:
+                            await asyncio.sleep(min(hold, spec.step_time))
+                            hold = safepoint.hold()
+                        safepoint.waited(self.clock.now() - waiting_since)
                     if spec.exchange_time > 0 and (ops := self._exchange_ops() - before):
                         await asyncio.sleep(ops * spec.exchange_time * spec.contention)
                     if spec.eval_time > 0 and self.clock.now() >= next_eval:  # the cluster samples accuracy; this is its cost
@@ -193,5 +199,6 @@ class SimPeer:
                 declined=s.crossed + s.busy,
                 staleness_mean=s.to_dict()["staleness_mean"],
                 rtt_ms=s.rtt_ms,
+                waited_s=s.waited_s,
             )
         return out
