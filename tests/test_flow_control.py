@@ -92,3 +92,16 @@ def test_a_crashed_partner_holds_no_one_longer_than_the_exchange_timeout() -> No
     assert any(p.averaging.stats.timeouts > 0 for p in survivors)  # they did ask the crashed one
     assert all(p.averaging.stats.longest_wait_s <= 1.0 + 0.01 for p in survivors)  # virtual seconds: one timeout
     assert all(p.averaging.stats.waits > 0 for p in survivors)
+
+
+def test_no_waiting_for_a_partner_that_timed_out_lately() -> None:
+    """A stopped partner costs one timeout; while it is avoided, an exchange with it (the only one) holds no one."""
+    a = PairwiseAveraging({"w": torch.zeros(3)}, GossipConfig(max_steps_ahead=1), random.Random(0), me="A")
+    a.handle(AtSafePoint(1, ["B"]), 0.0)
+    a.handle(AtSafePoint(2, ["B"]), 0.1)
+    deadline = a.hold_until(0.1)
+    assert deadline is not None
+    a.handle(AtSafePoint(3, ["B"]), deadline + 0.01)  # timed out: B is avoided; B is still the only partner
+    assert a.busy and a.stats.timeouts == 1
+    a.handle(AtSafePoint(4, ["B"]), deadline + 0.02)
+    assert a.hold_until(deadline + 0.02) is None

@@ -45,6 +45,9 @@ class EveryThirdStep:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
+    def hold_until(self, now: float) -> None:
+        return None
+
     def handle(self, event: Any, now: float) -> list[averaging.Action]:
         if isinstance(event, AtSafePoint) and event.step % 3 == 0 and event.partners:
             self.asked.append(event.partners[0])

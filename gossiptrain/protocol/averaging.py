@@ -47,7 +47,8 @@ and is then avoided for a while; it never blocks training for longer.
 **Flow control.** A peer may take at most ``gossip.max_steps_ahead`` local
 steps (``AUTO_STEPS_AHEAD`` by default) past its last merge; past that, its
 safe point waits for the exchange in flight (``hold_until``), never past that
-exchange's timeout. On a link fast enough for a round trip within the bound
+exchange's timeout, and not at all for a partner that timed out lately (a
+stopped or dead one costs one timeout, then is avoided, see ``_avoid``). On a link fast enough for a round trip within the bound
 nothing waits; on a slow one, peers compute at the link's pace instead of
 drifting toward their own shards (overlap-bounded SGP does the same).
 """
@@ -268,6 +269,7 @@ class _InFlight:
     sent_at: float
     deadline: float
     served_meanwhile: int = 0  # requests we served while this one was in flight (at most one: see _serve)
+    may_hold: bool = True  # flow control may wait for it (not when the partner was one we are avoiding)
 
 
 class RttEstimator:
@@ -456,7 +458,9 @@ class PairwiseAveraging(Averaging):
 
     def hold_until(self, now: float) -> float | None:
         inflight = self._inflight
-        if inflight is None or self._step - self._merged_at_step < self.max_ahead or now >= inflight.deadline:
+        if inflight is None or not inflight.may_hold or now >= inflight.deadline:
+            return None
+        if self._step - self._merged_at_step < self.max_ahead:
             return None
         return inflight.deadline
 
@@ -498,7 +502,7 @@ class PairwiseAveraging(Averaging):
             return []  # that many replies outstanding: ask no one else until one comes (or the horizon passes)
         if tick.step - self._last_start_step < self.config.exchange_every_steps:
             return []
-        partner = self._pick(tick.partners, now)
+        partner, healthy = self._pick(tick.partners, now)
         if partner is None:
             self._merged_at_step = tick.step  # alone: nobody to drift from, nothing to wait for
             return []
@@ -507,7 +511,7 @@ class PairwiseAveraging(Averaging):
             return []
         wire, sent = encoded
         xid = self._new_xid()
-        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout())
+        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout(), may_hold=healthy)
         self._last_start_step = tick.step
         self.stats.started += 1
         return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
@@ -526,11 +530,12 @@ class PairwiseAveraging(Averaging):
         """``view`` to encode: copied where the codec would send it as is (it moves with every merge)."""
         return [t.clone() for t in self.view] if self.lossless else self.view
 
-    def _pick(self, partners: Sequence[str], now: float) -> str | None:
+    def _pick(self, partners: Sequence[str], now: float) -> tuple[str | None, bool]:
+        """A partner, preferring those that have not timed out lately; and whether it is one of those."""
         if not partners:
-            return None
+            return None, False
         fresh = [p for p in partners if self._avoid_until.get(p, 0.0) <= now]
-        return self.rng.choice(fresh or list(partners))
+        return self.rng.choice(fresh or list(partners)), bool(fresh)
 
     def _avoid(self, partner: str, now: float) -> None:
         self._avoid_until[partner] = now + 4 * self.rtt.timeout()
