@@ -184,6 +184,12 @@ class TrainConfig:
         return given
 
 
+#: The largest outer step local-sgd accepts, outer_lr / (1 - outer_momentum). Measured in the simulator
+#: (digits, 8 peers, exponential, H = 4; tests/test_algorithms_sim.py): 0.7/0.7 (2.3), 1.0/0.5 (2) and
+#: 0.3/0.9 (3) reached 0.9 accuracy; 0.7/0.8 (3.5), 1.0/0.7 (3.3), 0.5/0.9 (5) and 0.7/0.9 (7) went non-finite.
+MAX_OUTER_STEP = 3.0
+
+
 @dataclass(frozen=True)
 class GossipConfig:
     """How peers pick partners and average."""
@@ -198,7 +204,7 @@ class GossipConfig:
     max_steps_ahead: int = 0
     local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
     outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
-    outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9)
+    outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9 in synchronous rounds; see MAX_OUTER_STEP)
     staleness_weighting: str = "constant"  # constant, or polynomial: weight 1/(1+s)^staleness_exponent
     staleness_exponent: float = 0.5
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
@@ -236,6 +242,15 @@ class GossipConfig:
             0 < self.outer_lr <= 2 and math.isfinite(self.outer_lr), f"{s}.outer_lr", f"must be in (0, 2], got {self.outer_lr}"
         )
         _require(0 <= self.outer_momentum < 1, f"{s}.outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        effective = self.outer_lr / (1 - self.outer_momentum)  # the outer step's long-run size, heavy-ball style
+        _require(
+            effective <= MAX_OUTER_STEP + 1e-9,
+            f"{s}.outer_momentum",
+            f"with outer_lr {self.outer_lr} makes an outer step of outer_lr / (1 - outer_momentum) = {effective:.2g};"
+            f" above {MAX_OUTER_STEP:g} the asynchronous outer step diverges (digits, 8 simulated peers: every peer"
+            " non-finite at 0.7/0.9, DiLoCo's synchronous recipe); stable: outer_lr 0.7 with outer_momentum 0.7,"
+            " or outer_lr 0.3 with outer_momentum 0.9",
+        )
         # gossiptrain.protocol.staleness.WEIGHTINGS, spelled out: config does not import the runtime.
         _require(
             self.staleness_weighting in ("constant", "polynomial"),

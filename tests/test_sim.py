@@ -120,7 +120,7 @@ def test_a_very_slow_peer_answers_every_request_at_once_and_blocks_no_one() -> N
     # The slow peer's safe point comes every 0.8 s; pairwise requests are answered on its network side
     # meanwhile, so its partners never wait for its loop (before: its queue filled, the rest were refused).
     run = logreg(**{"train.shards": 6, "gossip.topology": "complete", "limits.averaging_queue": 1})
-    config = SimConfig(peers=6, run=run, duration=8, step_time=0.01, speeds=(80.0, 1, 1, 1, 1, 1), seed=3)
+    config = SimConfig(peers=6, run=run, duration=4, step_time=0.01, speeds=(80.0, 1, 1, 1, 1, 1), seed=3)
     cluster = Cluster(config)
     run_virtual(cluster.run())
     slow = cluster.peers[0]
@@ -129,14 +129,14 @@ def test_a_very_slow_peer_answers_every_request_at_once_and_blocks_no_one() -> N
     assert slow.averaging is not None and slow.averaging.stats.served > 10 * slow.trainer.steps  # many per safe point
     assert sum(p.averaging.stats.timeouts for p in fast if p.averaging) == 0  # nobody waited for the slow loop
     steps = [p.trainer.steps for p in fast if p.trainer]
-    assert min(steps) >= 0.9 * (8 - config.join_spread) / 0.01 * 0.5  # the fast peers kept stepping
+    assert min(steps) >= 0.9 * (config.duration - config.join_spread) / 0.01 * 0.5  # the fast peers kept stepping
 
 
 def test_a_very_slow_push_sum_peer_refuses_what_it_cannot_take_and_the_mass_comes_back() -> None:
     # Pushes wait for the receiver's safe point in a queue of one: the rest are refused at once, with their mass.
     run = logreg(**{"train.shards": 6, "gossip.topology": "complete", "gossip.algorithm": "push-sum",
                     "limits.averaging_queue": 1})
-    config = SimConfig(peers=6, run=run, duration=8, step_time=0.01, speeds=(80.0, 1, 1, 1, 1, 1), seed=3)
+    config = SimConfig(peers=6, run=run, duration=4, step_time=0.01, speeds=(80.0, 1, 1, 1, 1, 1), seed=3)
     cluster = Cluster(config)
     run_virtual(cluster.run())
     slow = cluster.peers[0]
@@ -145,7 +145,7 @@ def test_a_very_slow_push_sum_peer_refuses_what_it_cannot_take_and_the_mass_come
     assert sum(p.averaging.stats.refused for p in fast if p.averaging) > 0  # ...and the pushers were told at once
     assert sum(p.averaging.stats.lost for p in fast if p.averaging) == 0  # ...and took every refused push back
     steps = [p.trainer.steps for p in fast if p.trainer]
-    assert min(steps) >= 0.9 * (8 - config.join_spread) / 0.01 * 0.5
+    assert min(steps) >= 0.9 * (config.duration - config.join_spread) / 0.01 * 0.5
 
 
 def test_a_topology_that_cannot_exist_at_this_size_is_refused_before_anything_starts() -> None:

@@ -36,7 +36,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-steps-ahead": ("gossip.max_steps_ahead", int, "pairwise flow control: local steps past the last merge before waiting for the exchange in flight (0: automatic)"),
     "--local-steps": ("gossip.local_steps", int, "local-sgd: local steps between averaging rounds"),
     "--outer-lr": ("gossip.outer_lr", float, "local-sgd: outer learning rate (DiLoCo-style outer optimizer)"),
-    "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none)"),
+    "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none; outer-lr / (1 - this) at most 3)"),
     "--staleness-weighting": ("gossip.staleness_weighting", str, "constant, or polynomial: 1/(1+s)^exponent"),
     "--staleness-bound": ("gossip.staleness_bound", int, "drop updates more than this many steps stale (0: none)"),
     "--lr": ("train.lr", float, "learning rate"),
