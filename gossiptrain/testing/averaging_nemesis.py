@@ -191,12 +191,15 @@ class Nemesis:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def run(self, schedule: list[Op], heal_rounds: int = 30) -> Report:
-        """Play ``schedule``, checking the invariant after every operation; then heal and check agreement."""
+    def run(self, schedule: list[Op], heal_rounds: int | None = None) -> Report:
+        """Play ``schedule``, checking the invariant after every operation; then heal and check agreement.
+
+        ``heal_rounds`` (default ``max(30, 10 n)``) fault-free rounds let the survivors agree.
+        """
         for op in schedule:
             self.apply(op)
             self.check(f"after {op}")
-        self.heal(heal_rounds)
+        self.heal(heal_rounds if heal_rounds is not None else max(30, 10 * self.n))
         self.report.stats = [m.stats.to_dict() for m in self._alive_machines()]
         return self.report
 
