@@ -196,6 +196,9 @@ class Chaos:
         The bound on the exit is generous: after its done record (a fraction of a second after the
         signal) a peer spends seconds in interpreter shutdown on a loaded machine (freeing torch).
         """
+        # First, a bounded wait until every restart has others' evaluations to be compared with (check_lives).
+        wait_for(lambda: all(self.others_at_start(p) for p in self.restarted()), 60,
+                 "the others' evaluations around each restart", interval=0.25, state=lambda: describe(self.every_life()))
         live = [s.current for s in self.slots if s.current.alive()]
         for p in live:
             p.signal(signal.SIGTERM)
@@ -220,14 +223,27 @@ class Chaos:
             start = started(p)
             assert start is not None
             assert start["state_transfer"] == "complete" and start["state_donors"], (p.name, start)
-            # What the others had then: the last evaluation of each peer that was evaluating at that time.
-            others = []
-            for q in self.every_life():
-                evals = [r for r in records(q) if r.get("event") == "eval" and r["time"] <= start["time"]]
-                if q is not p and evals and start["time"] - evals[-1]["time"] < 3.0:
-                    others.append(evals[-1]["test_acc"])
-            if others:  # a fresh model is near 0.1 here; the donor's snapshot is about as good as the others
-                assert start["test_acc"] >= statistics.median(others) - 0.1, (p.name, start["test_acc"], others)
+            others = self.others_at_start(p)  # stop() waited for these: never empty, the check is never skipped
+            assert others, f"no other peer evaluated around {p.name}'s start"
+            # A fresh model is near 0.1 here; the donor's snapshot is about as good as the others.
+            assert start["test_acc"] >= statistics.median(others) - 0.1, (p.name, start["test_acc"], others)
+
+    def others_at_start(self, p: Proc) -> list[float]:
+        """What the others had when ``p`` started: each one's last evaluation in the 3 s before its start.
+
+        If none had one there (an evaluation round missed on a loaded machine), the others' first
+        evaluations after it: the swarm's next word on its accuracy, which stop() waits for.
+        """
+        start = started(p)
+        if start is None:
+            return []
+        evals = {q: [r for r in records(q) if r.get("event") == "eval"] for q in self.every_life() if q is not p}
+        before = [e[-1]["test_acc"] for e in (
+            [r for r in rs if start["time"] - 3.0 < r["time"] <= start["time"]] for rs in evals.values()
+        ) if e]
+        if before:
+            return before
+        return [after[0]["test_acc"] for after in ([r for r in rs if r["time"] > start["time"]] for rs in evals.values()) if after]
 
 
 def config_flags(config: RunConfig) -> list[str]:

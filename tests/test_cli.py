@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,10 +24,26 @@ from .swarm import ROOT, Procs, next_host, wait_for
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``gossiptrain ARGS`` in its own session: whatever it started (the demo's peers) dies with it.
+
+    On an overrun, and if the test itself is killed (pytest-timeout), the whole process group is killed.
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "gossiptrain", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    cmd = [sys.executable, "-m", "gossiptrain", *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"gossiptrain {' '.join(args)} ran over {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +133,7 @@ def test_a_different_run_or_model_is_refused_with_the_difference_named(coordinat
     assert first.alive()
 
 
+@pytest.mark.timeout(460)  # above the demo's own 400 s, so that an overrun fails with its output, its peers killed
 def test_demo_json_reaches_095() -> None:
     result = run_cli("demo", "--json", timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr

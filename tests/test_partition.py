@@ -8,6 +8,7 @@ iid runs silently changed; these tests pin all of that down.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -237,7 +238,10 @@ def test_trainer_exposes_and_logs_the_shard_histogram(caplog: pytest.LogCaptureF
     assert trainer.class_histogram == np.bincount(targets.numpy(), minlength=10).tolist()
     line = f"shard 1/4 (dirichlet alpha=0.1): {trainer.samples} samples, classes {trainer.class_histogram}"
     assert line in caplog.messages
-    trainer.step()  # the skewed shard trains like any other
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    loss = trainer.step()  # the skewed shard trains like any other
+    assert math.isfinite(loss) and trainer.steps == 1 and 0 < trainer.samples_seen <= config.batch_size
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
 
 
 class _ThreeArgumentWorkload(LogRegWorkload):

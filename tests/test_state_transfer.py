@@ -515,7 +515,12 @@ def test_a_peer_joining_a_training_swarm_starts_from_its_state(procs: Procs, coo
     procs.wait_for(lambda: late.records("eval") or not late.alive(), 60, "the late peer's first evaluation")
     (start,) = late.records("start")
     assert start["state_transfer"] == "complete" and start["state_bytes_received"] == DIGITS_STATE_BYTES, start
-    assert start["state_donors_tried"] >= 1 and 0 < start["state_transfer_seconds"] < 10
+    # No clock: the download took one pass (each state byte received once, so no restarted session), at most
+    # one donor more than needed, and it ended before training began (the start record precedes every eval).
+    assert 1 <= start["state_donors_tried"] <= 2 and start["state_donors"], start
+    assert start["state_transfer_seconds"] > 0  # measured, whatever it was
+    events = [r.get("event") for r in late.records()]
+    assert events.index("start") < events.index("eval"), events
     others = min(accuracy(p) for p in first)
     # Before its first step or exchange (a fresh model is near 0.1 here), and at its first evaluation. The
     # others have trained on since the donor's snapshot (one run: 0.911 at the start vs 0.969 later), hence 0.1.

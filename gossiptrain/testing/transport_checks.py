@@ -31,6 +31,9 @@ from gossiptrain.net.transport import Transport
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 from gossiptrain.net.transport.tcp import TcpTransport
 
+#: A bound on ``close`` (a hang, not a speed: it takes milliseconds), so that a check fails instead of hanging.
+CLOSE_BOUND = 10.0
+
 __all__ = [
     "CHECKS",
     "Backend",
@@ -246,19 +249,19 @@ def send_to_nowhere_never_blocks_and_every_message_is_accounted(backend: Backend
     async def main() -> None:
         async with started(backend.make(), backend.make()) as (a, b):
             nowhere = backend.unreachable()
-            began = time.monotonic()
-            results = [a.send(nowhere, [b"lost", str(i).encode()]) for i in range(3)]
+            refused_at_once = [not a.send(nowhere, [b"lost", str(i).encode()]) for i in range(3)]
             assert a.send(b.address, [b"alive"])  # other destinations are unaffected
-            assert time.monotonic() - began < 0.5
             assert await receive(b) == [b"alive"]
+            # Each lost message is counted once: refused at once (False), or accepted and dropped later.
+            assert a.stats.send_dropped >= sum(refused_at_once)
             await until(lambda: a.stats.send_dropped == 3, "all three lost messages counted")
-            assert a.send(nowhere, [b"again"]) in (True, False)
+            a.send(nowhere, [b"again"])
             await until(lambda: a.stats.send_dropped == 4, "the fourth lost message counted")
             assert not a.send("not an address", [b"x"])  # malformed: dropped, not raised
             assert a.stats.send_dropped == 5
             assert a.send(b.address, [b"still alive"])
             assert await receive(b) == [b"still alive"]
-            assert results.count(True) + results.count(False) == 3
+            assert a.stats.send_dropped == 5  # and nothing else was counted lost
 
     run(main())
 
@@ -335,9 +338,13 @@ def close_is_prompt_with_messages_queued_to_dead_and_slow_peers(backend: Backend
                 raise AssertionError("a slow receiver never pushed back")
             assert a.stats.send_dropped >= 1
             a.send(backend.unreachable(), [b"pending"])
-            began = time.monotonic()
-            await a.close()
-            assert time.monotonic() - began < 1.0
+            # Prompt: close returns although a receiver is stuck and a message is pending (a hang fails here).
+            await asyncio.wait_for(a.close(), CLOSE_BOUND)
+            try:  # and nothing more goes out
+                sent = a.send(b.address, [b"after close"])
+            except TransportClosed:
+                sent = False
+            assert not sent
         finally:
             await a.close()
             await b.close()
