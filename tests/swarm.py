@@ -132,6 +132,28 @@ class Procs:
         return iter(self.all)
 
 
+def run_in_session(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+    """``cmd`` in its own session (whatever it starts dies with it): killed as a group on an overrun (the test
+    fails with the output's tail) and if the test itself is killed (pytest-timeout)."""
+    import pytest
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} ran over {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str, Any], str]:
     """Run experiments/NAME.py --quick --out OUT; its last line as JSON, and its output.
 
@@ -141,22 +163,8 @@ def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str
     """
     import json
 
-    import pytest
-
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{name}.py --quick ran over {timeout} s:\n{output[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
-    return json.loads(output.strip().splitlines()[-1]), output
+    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)]
+    done = run_in_session(cmd, timeout, f"{name}.py --quick")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), output

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,30 +19,12 @@ from gossiptrain.errors import MismatchError
 from peers.digits import DigitsWorkload
 
 from .conftest import fast_config
-from .swarm import ROOT, Procs, next_host, wait_for
+from .swarm import ROOT, Procs, next_host, run_in_session, wait_for
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``gossiptrain ARGS`` in its own session: whatever it started (the demo's peers) dies with it.
-
-    On an overrun, and if the test itself is killed (pytest-timeout), the whole process group is killed.
-    """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "gossiptrain", *args]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"gossiptrain {' '.join(args)} ran over {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    """``gossiptrain ARGS`` in its own session: whatever it started (the demo's peers) dies with it."""
+    return run_in_session([sys.executable, "-m", "gossiptrain", *args], timeout, f"gossiptrain {' '.join(args)}")
 
 
 @pytest.mark.parametrize(
