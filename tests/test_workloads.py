@@ -411,3 +411,22 @@ def test_classification_eval_rejects_bad_shapes(
 ) -> None:
     with pytest.raises(WorkloadError):
         classification_eval(logits, targets, 3)
+
+
+def test_the_bundled_digits_split_is_scikit_learns_and_loading_it_imports_no_sklearn() -> None:
+    """peers/data/digits.safetensors holds sklearn's digits and the fixed stratified split, exactly."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from peers.digits import BUNDLED, bundled_split
+
+    stored, fresh = load_file(str(BUNDLED)), bundled_split()
+    assert stored.keys() == fresh.keys() and all(torch.equal(stored[k], fresh[k]) for k in fresh)
+    assert len(stored["train_index"]) == 1437 and len(stored["test_index"]) == 360
+    assert set(stored["train_index"].tolist()).isdisjoint(stored["test_index"].tolist())
+    code = "import sys; from peers.digits import DigitsWorkload; DigitsWorkload(); print(any(m.startswith('sklearn') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
