@@ -478,7 +478,8 @@ class PairwiseAveraging(Averaging):
         if isinstance(event, Undelivered):
             return self._undelivered(event)
         if isinstance(event, MemberGone):
-            self._forget(lambda x: x.partner == event.member, "", loud=False)  # its model left with it
+            for xid in [xid for xid, x in self._overdue.items() if x.partner == event.member]:
+                del self._overdue[xid]  # quietly: its model left the swarm with it, and no reply will come
             return []
         raise TypeError(f"unknown event {event!r}")
 
@@ -657,13 +658,11 @@ class PairwiseAveraging(Averaging):
     def _expire(self, now: float) -> None:
         self._forget(lambda x: now - x.sent_at > OVERDUE_SECONDS, f"no reply in {OVERDUE_SECONDS:.0f} s")
 
-    def _forget(self, which: Callable[[_InFlight], bool], why: str, loud: bool = True) -> None:
+    def _forget(self, which: Callable[[_InFlight], bool], why: str) -> None:
         for xid in [xid for xid, x in self._overdue.items() if which(x)]:
-            self._abandon(self._overdue.pop(xid), why, loud)
+            self._abandon(self._overdue.pop(xid), why)
 
-    def _abandon(self, exchange: _InFlight, why: str, loud: bool = True) -> None:
-        if not loud:
-            return
+    def _abandon(self, exchange: _InFlight, why: str) -> None:
         self.stats.abandoned += 1
         log.warning(
             "gave up on the exchange with %s (%s): if its reply still comes, the pair's sum will have moved",

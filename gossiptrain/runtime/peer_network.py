@@ -264,10 +264,8 @@ class PeerNode(JoinAnsweringEndpoint):
         except queue.Full:
             self.stats.exchange_queue_full += 1
             if event.kind in _NEEDS_ANSWER:  # refused at once: a requester moves on, a pusher takes its mass back
-                refusal = push_sum.refusal(event) if event.kind == kinds.XPUSH else SendExchange(event.sender, kinds.XNAK, event.xid, {})
-                addr = self._address_of(event.sender)
-                if addr:
-                    self.send(addr, kinds.XNAK, {"xid": event.xid, **refusal.meta}, dict(refusal.tensors))
+                bare = SendExchange(event.sender, kinds.XNAK, event.xid, {})
+                self.send_exchange(push_sum.refusal(event) if event.kind == kinds.XPUSH else bare)
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
