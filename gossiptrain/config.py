@@ -132,7 +132,7 @@ class TrainConfig:
     ``budgets_given`` says which of the two were given.
     """
 
-    workload: str = "digits"  # built-in name (digits, logreg), "module:attr", or "external"
+    workload: str = "digits"  # built-in name (digits, digits-small, logreg), "module:attr", or "external"
     lr: float = 0.05  # SGD learning rate
     momentum: float = 0.9  # SGD momentum
     weight_decay: float = 0.0

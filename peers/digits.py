@@ -5,6 +5,11 @@ parameters) that exchanging parameters costs real bandwidth: the reference
 workload for tests, benchmarks and the experiments. The data ships with
 scikit-learn, so nothing is downloaded; this package bundles it with its
 fixed split (``BUNDLED``, 115 KB), so a peer never imports scikit-learn.
+
+``digits-small`` (``small()``) is the same data with a 19,210-parameter MLP
+(one hidden layer of 256): it reaches the same accuracies in about as many
+steps at a tenth of the compute and a sixtieth of the bytes per exchange, for
+tests and quick checks of the runtime where the model's size is not the point.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from gossiptrain.train.evaluation import EvalResult, evaluate_classifier
 from gossiptrain.train.workload import WorkloadError, shard_indices
 from peers import init_linears
 
-__all__ = ["DigitsWorkload"]
+__all__ = ["DigitsWorkload", "small"]
 
 FEATURES = 64  # 8x8 pixels
 CLASSES = 10
@@ -68,15 +73,15 @@ class DigitsWorkload:
     The test split is a fixed stratified 20% (360 of 1797 images).
     """
 
-    name = "digits"
     num_classes = CLASSES
     _split: ClassVar[_Split | None] = None  # loaded once per process
 
-    def __init__(self, hidden: int = 1024, depth: int = 2) -> None:
+    def __init__(self, hidden: int = 1024, depth: int = 2, name: str = "digits") -> None:
         if hidden < 1:
             raise WorkloadError(f"digits: hidden must be >= 1, got {hidden}")
         if depth < 1:
             raise WorkloadError(f"digits: depth must be >= 1, got {depth}")
+        self.name = name
         self.hidden = hidden
         self.depth = depth
         self._data = self._load()
@@ -132,3 +137,8 @@ class DigitsWorkload:
     def evaluate(self, model: nn.Module) -> EvalResult:
         """Metrics on the fixed 360-image test split."""
         return evaluate_classifier(model, self._data.test_x, self._data.test_y, CLASSES)
+
+
+def small() -> DigitsWorkload:
+    """The built-in ``digits-small``: the same data and split, MLP 64 -> 256 -> 10 (19,210 parameters)."""
+    return DigitsWorkload(hidden=256, depth=1, name="digits-small")

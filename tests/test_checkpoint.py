@@ -22,6 +22,7 @@ from gossiptrain.errors import CheckpointError, GossipError
 from gossiptrain.state.checkpoint import Checkpointer, latest_good, list_checkpoints, read_checkpoint, restore
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.peer_loop import PeerOptions, run_peer
+from gossiptrain.train.workload import load_workload
 from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
@@ -448,7 +449,8 @@ def test_resume_without_a_good_checkpoint_exits_2_naming_the_problem(tmp_path: P
 
 
 def test_a_stopped_peer_resumes_from_its_checkpoint(procs: Procs, coordinator_factory: Any, tmp_path: Path) -> None:
-    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120}))
+    swarm = fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120})
+    coord = coordinator_factory(swarm)
     join = coord.address.removeprefix("tcp://")
     ckdir = tmp_path / "ck"
     every = ("--checkpoint-dir", str(ckdir), "--checkpoint-every-steps", "40", "--checkpoint-keep", "2")
@@ -464,7 +466,7 @@ def test_a_stopped_peer_resumes_from_its_checkpoint(procs: Procs, coordinator_fa
     ckpt = latest_good(ckdir)
     assert (ckpt.info.step, ckpt.info.samples_seen, ckpt.info.shard) == (last["step"], last["samples_seen"], 1)
     # The checkpoint is exactly the model the peer evaluated when it stopped (one thread, as the peer).
-    workload = DigitsWorkload()
+    workload = load_workload(swarm.train.workload)
     model = workload.build_model(seed=1)
     restore(ckpt, model, fingerprint=saver.records("start")[0]["fingerprint"])
     threads = torch.get_num_threads()

@@ -106,8 +106,8 @@ def test_a_different_run_or_model_is_refused_with_the_difference_named(coordinat
     # The coordinator learns the swarm's model from the first peer's report, then refuses other shapes.
     first = procs.peer(join)
     wait_for(lambda: coord.coordinator.spec is not None, 60, "the coordinator to learn the model")
-    narrower = DigitsWorkload(hidden=512).build_model(seed=0)
-    with pytest.raises(MismatchError, match=r"has shape \[512, 64\] here but \[1024, 64\] in the swarm"):
+    narrower = DigitsWorkload(hidden=128, depth=1).build_model(seed=0)  # the swarm's is digits-small: 256 wide
+    with pytest.raises(MismatchError, match=r"has shape \[128, 64\] here but \[256, 64\] in the swarm"):
         gossiptrain.Peer(narrower, join=join, bind=f"{next_host()}:0")
     with pytest.raises(MismatchError, match=r"parameter 'weight' exists here but not in the swarm's model"):
         gossiptrain.Peer(torch.nn.Linear(64, 10), join=join, bind=f"{next_host()}:0")

@@ -507,7 +507,9 @@ def accuracy(p: Any) -> float:
 
 
 def test_a_peer_joining_a_training_swarm_starts_from_its_state(procs: Procs, coordinator_factory: Any) -> None:
-    coord = coordinator_factory(fast_config(**{"train.max_steps": 0, "train.max_seconds": 120, "train.shards": 3}))
+    # The 1.1M-parameter MLP: its state (4.5 MB) takes several chunks, so the download is a real session.
+    swarm = {"train.max_steps": 0, "train.max_seconds": 120, "train.shards": 3, "train.workload": "digits"}
+    coord = coordinator_factory(fast_config(**swarm))
     join = coord.address.removeprefix("tcp://")
     first = [procs.peer(join) for _ in range(2)]
     procs.wait_for(lambda: all(accuracy(p) >= 0.9 for p in first), 90, "two peers to train to 0.9")

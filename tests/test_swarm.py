@@ -146,7 +146,9 @@ def test_one_swarm_counts_garbage_survives_a_pause_sees_a_clean_leave_and_drops_
 
 # Reports every 0.5 s (fast_config's), not the default 2 s: the restarted coordinator relearns the swarm
 # from the peers' reports, so that wait shrinks with the interval; nothing checked depends on it.
+# digits-small, as fast_config's: the model's size is not what this test is about.
 RESTART_SETTINGS = (
+    "--workload", "digits-small",
     "--set", "membership.heartbeat_interval=0.2", "--set", "train.eval_every_seconds=0.3",
     "--set", "membership.report_interval=0.5",
 )

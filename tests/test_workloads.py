@@ -55,10 +55,12 @@ def _train(workload: Workload, seed: int, steps: int, lr: float) -> EvalResult:
 
 
 def test_builtins_are_workloads_and_load_by_name() -> None:
-    assert builtin_workloads() == ("digits", "logreg")
+    assert builtin_workloads() == ("digits", "digits-small", "logreg")
     digits = load_workload("digits")
+    small = load_workload("digits-small")
     logreg = load_workload("logreg")
     assert isinstance(digits, DigitsWorkload) and digits.name == "digits"
+    assert isinstance(small, DigitsWorkload) and small.name == "digits-small" and (small.hidden, small.depth) == (256, 1)
     assert isinstance(logreg, LogRegWorkload) and logreg.name == "logreg"
     assert isinstance(digits, Workload) and isinstance(logreg, Workload)
 
@@ -137,9 +139,10 @@ def test_build_model_is_deterministic_by_seed(workload: Workload) -> None:
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
-def test_digits_model_size_matches_docstring() -> None:
+def test_digits_model_sizes_match_their_docstrings() -> None:
     model = DigitsWorkload().build_model(0)
     assert sum(p.numel() for p in model.parameters()) == 1_126_410
+    assert sum(p.numel() for p in load_workload("digits-small").build_model(0).parameters()) == 19_210
 
 
 def test_evaluate_restores_mode_and_keeps_no_graph() -> None:
@@ -158,6 +161,12 @@ def test_digits_sgd_reaches_093_within_a_few_hundred_steps(one_thread: None) -> 
     # Calibration for the distributed tests: measured about 50-75 steps
     # (about 3 ms per step at batch 32 on one thread).
     result = _train(DigitsWorkload(), seed=0, steps=300, lr=0.05)
+    assert result.accuracy >= 0.93, result
+
+
+def test_digits_small_reaches_093_in_as_few_steps(one_thread: None) -> None:
+    """The tests' stand-in learns like the reference workload: what they check of training still holds."""
+    result = _train(load_workload("digits-small"), seed=0, steps=300, lr=0.05)
     assert result.accuracy >= 0.93, result
 
 

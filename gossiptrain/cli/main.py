@@ -29,7 +29,7 @@ from gossiptrain.net.addressing import parse_hostport, plain_address
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--workload": ("train.workload", str, "digits, logreg, or module:attr of your own"),
+    "--workload": ("train.workload", str, "digits, digits-small, logreg, or module:attr of your own"),
     "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
     "--compression": ("gossip.compression", str, "none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),
