@@ -74,10 +74,12 @@ def test_better_connected_topologies_reach_the_target_sooner_under_label_skew() 
 
 def test_local_sgd_with_outer_momentum_trains_and_a_diverging_setting_is_refused_by_name() -> None:
     """Outer Nesterov momentum at the largest accepted step trains; DiLoCo's 0.7/0.9 (every peer non-finite) is refused."""
-    from gossiptrain.config import MAX_OUTER_STEP, GossipConfig
+    from gossiptrain.config import MAX_OUTER_MOMENTUM, MAX_OUTER_STEP, GossipConfig
     from gossiptrain.errors import ConfigError
 
-    reaches_target(digits_run("local-sgd", "exponential", **{"gossip.outer_lr": 0.3, "gossip.outer_momentum": 0.9}))
-    assert 0.3 / (1 - 0.9) <= MAX_OUTER_STEP + 1e-9
-    with pytest.raises(ConfigError, match=r"gossip.outer_momentum.*diverges.*stable: outer_lr 0.7 with outer_momentum 0.7"):
+    reaches_target(digits_run("local-sgd", "exponential", **{"gossip.outer_lr": 0.4, "gossip.outer_momentum": 0.8}))
+    assert 0.4 / (1 - 0.8) == pytest.approx(MAX_OUTER_STEP) and MAX_OUTER_MOMENTUM == 0.8
+    with pytest.raises(ConfigError, match=r"gossip.outer_momentum.*drifts.*stable: outer_lr 1.0 with outer_momentum 0.5"):
         GossipConfig(algorithm="local-sgd", outer_lr=0.7, outer_momentum=0.9)
+    with pytest.raises(ConfigError, match=r"gossip.outer_momentum.*diverges.*stable: outer_lr 1.0 with outer_momentum 0.5"):
+        GossipConfig(algorithm="local-sgd", outer_lr=0.7, outer_momentum=0.7)  # 2.33: momentum allowed, step not

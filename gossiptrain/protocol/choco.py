@@ -11,9 +11,9 @@ ends in sync the terms cancel in pairs, so the swarm's mean is kept.
 Messages on an edge are numbered (``seq``): 0 is a dense reset that sets
 both references to the sender's model; then 1, 2, ... A receiver that sees a
 gap (a lost message) drops its reference and ignores the edge until the next
-reset, which the sender sends every ``RESYNC_EVERY`` messages and to every
-new neighbour. Nothing waits, and a lost message costs at most one resync
-period of that edge.
+reset, which the sender sends every ``RESYNC_EVERY`` messages, to every
+new neighbour, and after a refusal of one of its messages. Nothing waits,
+and a lost message costs at most one resync period of that edge.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ class ChocoEdges:
     def forget(self, peer: str) -> None:
         self.out.pop(peer, None)
         self.inn.pop(peer, None)
+
+    def reset_out(self, peer: str) -> None:
+        """Our next message to ``peer`` is a dense reset: one of ours did not arrive (it was refused)."""
+        self.out.pop(peer, None)
 
     @staticmethod
     def _trim(edges: dict) -> None:  # type: ignore[type-arg]

@@ -20,9 +20,14 @@ Asynchronously it is not exact: a merge uses a neighbour's model of some
 earlier round while that neighbour mixes ours of another, so the mean
 wanders by a fraction of the models' disagreement, and shrinks as they
 agree; a message that is lost or arrives late only leaves its weight with
-the receiver (no mass exists to lose). Algorithms that promise exact
-conservation asynchronously are pairwise and push-sum (their nemesis:
-``gossiptrain.testing.averaging_nemesis``).
+the receiver (no mass exists to lose). What holds under every fault is that
+nothing is made up: without local steps each merge is a convex combination,
+so the models stay inside the box of the initial ones, and they come
+together once faults stop (the averaging nemesis,
+``gossiptrain.testing.averaging_nemesis``, checks both after every event;
+top-k edges that fall silent leave the mixing, ``SILENT_EDGE_ROUNDS``).
+Algorithms that promise exact conservation asynchronously are pairwise and
+push-sum.
 
 Local SGD (``gossiptrain.protocol.local_sgd``) is this exchange every H steps.
 With ``compression="topk:..."`` it sends compressed changes against
@@ -41,7 +46,7 @@ import torch
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XPUSH
+from gossiptrain.net.kinds import XNAK, XPUSH
 from gossiptrain.protocol.averaging import (
     Action,
     AtSafePoint,
@@ -58,6 +63,12 @@ from gossiptrain.protocol.robust import trimmed_mean
 
 #: Senders whose latest model is held between two merges; more evict the oldest (bounds memory).
 MAX_HELD_SENDERS = 64
+#: Top-k: an in-edge that brought nothing for this many of our rounds leaves the mixing (and both its
+#: references go) until the sender's next reset. Its reference is a model the sender no longer mixes with
+#: ours (it died, moved to other neighbours, or its messages were refused); mixed forever, it pulls every
+#: round toward a ghost and holds the swarm apart (found by the averaging nemesis). A straggler 16x slower
+#: than us still sends within it.
+SILENT_EDGE_ROUNDS = 16
 
 
 @dataclass
@@ -79,6 +90,8 @@ class NeighborAveraging(Averaging):
         self._degree = 0  # our out-degree at the last round
         self.choco = ChocoEdges(self.codec, self._like()) if self.codec.name == "topk" else None
         self._latest: dict[str, Received] = {}  # top-k: the last message per in-edge (step, degree)
+        self._rounds = 0  # our averaging rounds so far
+        self._heard: dict[str, int] = {}  # top-k: the round in which each in-edge last brought a message
         # Our model as the neighbours got it at our last round, moved by every merge since: params - _sent
         # is our own training since we sent (None until our first round). See _merge_weighted.
         self._sent: list[torch.Tensor] | None = None
@@ -89,10 +102,25 @@ class NeighborAveraging(Averaging):
         if isinstance(event, Received):
             if event.kind == XPUSH:
                 return self._hold(event)
-            return []  # refusals need no handling (nothing waits for a reply); others: misconfigured sender
-        if isinstance(event, (Undelivered, MemberGone)):
-            return []  # nothing to do: a push needs no answer, and we keep nothing for a member
+            if event.kind == XNAK and event.tensors and self.choco is not None:
+                self.choco.reset_out(event.sender)  # our push was refused: its reference moved on without it
+            return []  # nothing waits for a reply; other kinds: a misconfigured sender
+        if isinstance(event, Undelivered):
+            if self.choco is not None:
+                self.choco.reset_out(event.to)
+            return []
+        if isinstance(event, MemberGone):
+            self._forget(event.member)
+            return []
         raise TypeError(f"unknown event {event!r}")
+
+    def _forget(self, member: str) -> None:
+        """Nothing of a member that is gone stays to be mixed: its held model and its edges' references."""
+        self._held.pop(member, None)
+        self._latest.pop(member, None)
+        self._heard.pop(member, None)
+        if self.choco is not None:
+            self.choco.forget(member)
 
     def _hold(self, msg: Received) -> list[Action]:
         if self.choco is not None:
@@ -116,6 +144,7 @@ class NeighborAveraging(Averaging):
         if tick.step - self._last_round_step < self.every:
             return actions
         self._last_round_step = tick.step
+        self._rounds += 1
         if self.choco is not None:
             actions += self._mix_references(self.choco)
         self._end_of_round()
@@ -214,12 +243,15 @@ class NeighborAveraging(Averaging):
             return [Rejected(msg.sender, str(e))]
         if applied:
             self._latest[msg.sender] = msg
+            self._heard[msg.sender] = self._rounds
         else:
             self.stats.late += 1
         return []
 
     def _mix_references(self, choco: ChocoEdges) -> list[Action]:
-        """x += gamma * sum_j w_j (r_ji - r_ij) over in-edges in sync."""
+        """x += gamma * sum_j w_j (r_ji - r_ij) over in-edges in sync and heard from lately."""
+        for j in [j for j, heard in self._heard.items() if self._rounds - heard > SILENT_EDGE_ROUNDS]:
+            self._forget(j)
         self._latest = {j: m for j, m in self._latest.items() if j in choco.inn}
         if not self._latest:
             return []

@@ -33,9 +33,24 @@ member dying with the message in its socket, which ``Kill`` models), and
 clock jumps adding up past ``averaging.OVERDUE_SECONDS`` (the horizon after
 which a reply is abandoned).
 
-Supported: ``pairwise`` and ``push-sum``, the algorithms that promise exact
-conservation asynchronously. ``neighbor`` and ``local-sgd`` keep the mean
-only in synchronous rounds on symmetric weights (``gossiptrain.sim.rounds``).
+**Every algorithm** runs here, each against what it promises:
+
+- ``pairwise`` and ``push-sum`` (``CONSERVING``) promise exact conservation
+  asynchronously: the mass balance above, and survivors that meet at the
+  mean it predicts.
+- ``neighbor`` and ``local-sgd`` (``CONVEX``) keep the mean exactly only in
+  synchronous rounds on symmetric weights (``tests/test_algorithms.py``
+  checks that in lockstep); asynchronously a lost or late push leaves its
+  weight with the receiver, so the mean wanders by a fraction of the
+  disagreement. What they promise under every fault is that averaging makes
+  nothing up: with no local steps (the nemesis takes none for them) each
+  merge is a convex combination, so every model stays inside the box of the
+  initial models (per coordinate, within a lossy codec's resolution), and
+  healed survivors agree inside it. local-sgd's outer step with
+  ``outer_lr > 1`` or momentum extrapolates by design, by at most
+  ``outer_lr / (1 - outer_momentum) - 1`` of the box's width on each side:
+  the box is widened by that (``config.MAX_OUTER_STEP`` was chosen with
+  this nemesis: above it, the swarm drifts away with no gradient at all).
 """
 
 from __future__ import annotations
@@ -53,7 +68,9 @@ from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, MemberGone, Received, SendExchange, Undelivered
 from gossiptrain.protocol.push_sum import PushSum
 
-SUPPORTED = ("pairwise", "push-sum")
+CONSERVING = ("pairwise", "push-sum")  # the mass is conserved exactly, asynchronously
+CONVEX = ("neighbor", "local-sgd")  # every merge is a convex combination: nothing is made up
+SUPPORTED = CONSERVING + CONVEX
 TICK = 0.01  # virtual seconds every operation takes
 
 
@@ -119,7 +136,7 @@ Op = SafePoint | Deliver | Drop | Pause | Resume | Jump | Kill | FailSend
 
 
 class InvariantViolation(AssertionError):
-    """The swarm's mass changed by something other than a local step or a death."""
+    """The swarm's mass changed by something other than a local step or a death, or a model left the box."""
 
 
 @dataclass
@@ -138,6 +155,7 @@ class Report:
     delivered: int = 0
     dropped: int = 0
     refused_full: int = 0  # messages refused because the receiver's queue was full
+    skipped_steps: int = 0  # local steps not taken: CONVEX algorithms run without them
     failed_sends: int = 0
     killed: int = 0
     checks: int = 0  # invariant checks passed
@@ -183,10 +201,22 @@ class Nemesis:
         self.now = 0.0
         self._jumped = 0.0
         self.report = Report()
-        self.expected = sum((mass_of(m) for m in self._alive_machines()), torch.zeros_like(mass_of(self._machine(0))))
-        self.scale = float(self.expected.abs().max()) + 1.0
+        # Safe points per averaging round: local-sgd averages every local_steps, the others every exchange_every_steps.
+        self.every = gossip.local_steps if gossip.algorithm == "local-sgd" else gossip.exchange_every_steps
+        self.conserves = gossip.algorithm in CONSERVING
+        # local-sgd's outer step beyond plain averaging extrapolates on purpose: the box widens by what it may add.
+        outer = gossip.outer_lr / (1 - gossip.outer_momentum) if gossip.algorithm == "local-sgd" else 1.0
+        self.widen = max(0.0, outer - 1.0)  # of the box's width, on each side
+        models = torch.stack([p["x"] for p in self.params])  # (n, dim)
+        self.low, self.high = models.min(dim=0).values, models.max(dim=0).values  # (dim,) the initial box
+        if self.conserves:
+            self.expected = sum((mass_of(m) for m in self._alive_machines()), torch.zeros_like(mass_of(self._machine(0))))
+        else:
+            self.expected = torch.zeros(1, dtype=torch.float64)  # no mass is tracked: messages carry zeros
+        self.scale = max(float(self.expected.abs().max()), float(models.abs().max())) + 1.0
         # How close healed survivors must agree, relative to the scale: a lossy codec moves each toward what it
         # decodes of the others, so they meet within its resolution (int8: 1/127 of the largest value); mass is exact.
+        # The same tolerance bounds how far outside the initial box a CONVEX algorithm's decoded models may take it.
         self.agreement = 1e-6 if gossip.compression == "none" else 2e-2
 
     # -- running ---------------------------------------------------------------------------------
@@ -194,12 +224,12 @@ class Nemesis:
     def run(self, schedule: list[Op], heal_rounds: int | None = None) -> Report:
         """Play ``schedule``, checking the invariant after every operation; then heal and check agreement.
 
-        ``heal_rounds`` (default ``max(30, 10 n)``) fault-free rounds let the survivors agree.
+        ``heal_rounds`` (default ``max(30, 10 n)`` averaging rounds) fault-free rounds let the survivors agree.
         """
         for op in schedule:
             self.apply(op)
             self.check(f"after {op}")
-        self.heal(heal_rounds if heal_rounds is not None else max(30, 10 * self.n))
+        self.heal(heal_rounds if heal_rounds is not None else max(30, 10 * self.n) * self.every)
         self.report.stats = [m.stats.to_dict() for m in self._alive_machines()]
         return self.report
 
@@ -262,13 +292,37 @@ class Nemesis:
         return out
 
     def check(self, where: str) -> None:
-        error = float((self.total() - self.expected).abs().max())
-        if error > 1e-9 * self.scale:
-            raise InvariantViolation(f"{where}: the swarm's mass is off by {error:.3g} (scale {self.scale:.3g})")
+        if self.conserves:
+            error = float((self.total() - self.expected).abs().max())
+            if error > 1e-9 * self.scale:
+                raise InvariantViolation(f"{where}: the swarm's mass is off by {error:.3g} (scale {self.scale:.3g})")
+        else:
+            self._check_box(where)
         self.report.checks += 1
+
+    def _check_box(self, where: str) -> None:
+        """CONVEX: every model finite and inside the initial box (widened by what an outer step may extrapolate)."""
+        slack = self.agreement * self.scale + self.widen * (self.high - self.low)  # (dim,)
+        for i in self._alive():
+            x = self.params[i]["x"]
+            if not bool(torch.isfinite(x).all()):
+                raise InvariantViolation(f"{where}: {self.ids[i]}'s model is not finite: {x.tolist()}")
+            outside = float((torch.maximum(self.low - x, x - self.high) - slack).max())
+            if outside > 0:
+                raise InvariantViolation(
+                    f"{where}: {self.ids[i]}'s model is {outside:.3g} outside the initial models' box "
+                    f"[{self.low.tolist()}, {self.high.tolist()}]: averaging made something up"
+                )
 
     def _check_agreement(self) -> None:
         alive = self._alive()
+        if not self.conserves:  # no mean is predicted: the survivors must agree with each other
+            first = self.params[alive[0]]["x"]
+            for i in alive[1:]:
+                error = float((self.params[i]["x"] - first).abs().max())
+                if error > self.agreement * self.scale:
+                    raise InvariantViolation(f"after healing, {self.ids[i]} is {error:.3g} from {self.ids[alive[0]]}")
+            return
         if isinstance(self._machine(alive[0]), PushSum):
             target = self.expected[:-1] / self.expected[-1]  # sum x / sum w
         else:
@@ -285,7 +339,9 @@ class Nemesis:
         machine = self.machines[i]
         if machine is None or i in self.paused:
             return
-        if local_step:
+        if local_step and not self.conserves:
+            self.report.skipped_steps += 1  # a local step has no box (see the module): CONVEX runs without
+        elif local_step:
             before = mass_of(machine)
             direction = torch.tensor([self.rng.uniform(-1, 1) for _ in range(self.params[i]["x"].numel())], dtype=torch.float64)
             self.params[i]["x"].add_(direction, alpha=local_step)
@@ -301,6 +357,11 @@ class Nemesis:
     def _call(self, i: int, event: averaging.Event, carried: torch.Tensor) -> None:
         """``handle`` on peer i, with the mass balance of the call; its sends go on the wire."""
         machine = self._machine(i)
+        if not self.conserves:
+            for send in machine.handle(event, self.now):
+                if isinstance(send, SendExchange):
+                    self._send(i, send, self.expected * 0)
+            return
         before = mass_of(machine)
         actions = machine.handle(event, self.now)
         out = before + carried - mass_of(machine)  # what this call's messages must carry
@@ -327,7 +388,9 @@ class Nemesis:
             elif float(carried.abs().max()) > 1e-9 * self.scale:
                 raise InvariantViolation(f"{self.ids[i]}'s unsendable {send.kind} carried mass")
             return
-        self.wire.append(_Message(i, self.ids.index(send.to), send, carried))
+        # Serialized as it is sent, as a real wire does: the receiver never shares a tensor with the sender.
+        on_wire = SendExchange(send.to, send.kind, send.xid, {k: t.clone() for k, t in send.tensors.items()}, dict(send.meta))
+        self.wire.append(_Message(i, self.ids.index(send.to), on_wire, carried))
 
     def _deliver(self, message: _Message) -> None:
         self.report.delivered += 1
@@ -356,7 +419,8 @@ class Nemesis:
         machine = self.machines[i]
         if machine is None or len(self._alive()) <= 2:  # two survivors at least, so that agreement means something
             return
-        self.expected = self.expected - mass_of(machine)
+        if self.conserves:
+            self.expected = self.expected - mass_of(machine)
         for _, carried in list(self.queues[i]) + list(self.returns[i]):
             self.expected = self.expected - carried
         self.queues[i].clear()
