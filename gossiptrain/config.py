@@ -119,6 +119,9 @@ class _DefaultSeconds(float):
 _BUDGET_DEFAULTS: dict[str, int | float] = {"max_steps": _DefaultSteps(2000), "max_seconds": _DefaultSeconds(0.0)}
 
 
+#: What ``train.optimizer`` may name (gossiptrain.train.local_trainer.make_optimizer builds them).
+OPTIMIZERS = ("sgd", "adam")
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What each peer trains and for how long.
@@ -132,8 +135,9 @@ class TrainConfig:
     ``budgets_given`` says which of the two were given.
     """
 
-    workload: str = "digits"  # built-in name (digits, digits-small, logreg), "module:attr", or "external"
-    lr: float = 0.05  # SGD learning rate
+    workload: str = "digits"  # built-in name (digits, digits-small, logreg, charlm), "module:attr", or "external"
+    optimizer: str = "sgd"  # sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; betas 0.9, 0.999)
+    lr: float = 0.05  # learning rate (Adam wants about 0.003)
     momentum: float = 0.9  # SGD momentum
     weight_decay: float = 0.0
     batch_size: int = 32
@@ -155,6 +159,7 @@ class TrainConfig:
                 plain = float if isinstance(default, float) else int
                 object.__setattr__(self, name, plain(0 if given else default))
         _require(bool(self.workload.strip()), f"{s}.workload", "must name a workload")
+        _require(self.optimizer in OPTIMIZERS, f"{s}.optimizer", f"is {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         _require(self.lr > 0 and math.isfinite(self.lr), f"{s}.lr", f"must be a positive number, got {self.lr}")
         _require(0 <= self.momentum < 1, f"{s}.momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.weight_decay >= 0, f"{s}.weight_decay", f"must be >= 0, got {self.weight_decay}")

@@ -55,7 +55,7 @@ def _train(workload: Workload, seed: int, steps: int, lr: float) -> EvalResult:
 
 
 def test_builtins_are_workloads_and_load_by_name() -> None:
-    assert builtin_workloads() == ("digits", "digits-small", "logreg")
+    assert builtin_workloads() == ("charlm", "digits", "digits-small", "logreg")
     digits = load_workload("digits")
     small = load_workload("digits-small")
     logreg = load_workload("logreg")

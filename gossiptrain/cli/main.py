@@ -29,17 +29,18 @@ from gossiptrain.net.addressing import parse_hostport, plain_address
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--workload": ("train.workload", str, "digits, digits-small, logreg, or module:attr of your own"),
+    "--workload": ("train.workload", str, "digits, digits-small, logreg, charlm, or module:attr of your own"),
     "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
     "--compression": ("gossip.compression", str, "none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),
     "--max-steps-ahead": ("gossip.max_steps_ahead", int, "pairwise flow control: local steps past the last merge before waiting for the exchange in flight (0: automatic)"),
     "--local-steps": ("gossip.local_steps", int, "local-sgd: local steps between averaging rounds"),
     "--outer-lr": ("gossip.outer_lr", float, "local-sgd: outer learning rate (DiLoCo-style outer optimizer)"),
-    "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none; outer-lr / (1 - this) at most 3)"),
+    "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none; at most 0.8, and outer-lr / (1 - this) at most 2)"),
     "--staleness-weighting": ("gossip.staleness_weighting", str, "constant, or polynomial: 1/(1+s)^exponent"),
     "--staleness-bound": ("gossip.staleness_bound", int, "drop updates more than this many steps stale (0: none)"),
     "--lr": ("train.lr", float, "learning rate"),
+    "--optimizer": ("train.optimizer", str, "sgd (with --lr and train.momentum) or adam"),
     "--batch-size": ("train.batch_size", int, "mini-batch size"),
     "--shards": ("train.shards", int, "number of data shards (usually the number of peers)"),
     "--steps": ("train.max_steps", int, "step budget per peer (0: none); given alone, the only budget"),

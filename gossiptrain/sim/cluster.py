@@ -285,6 +285,7 @@ class Cluster:
             if peer.trainer is not None:
                 result = peer.trainer.evaluate()
                 row.update(step=peer.trainer.steps, loss=peer.trainer.loss_avg, test_acc=result.accuracy, test_loss=result.loss)
+                row.update(result.extras())
                 assert center is not None
                 row["consensus_distance"] = float(torch.linalg.vector_norm(flat[slot] - center))
             rows.append(row)

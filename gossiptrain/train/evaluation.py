@@ -10,7 +10,7 @@ at run time.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,11 @@ class EvalResult:
     def to_dict(self) -> dict[str, float]:
         """Plain numbers for logs, CSV rows and msgpack."""
         return asdict(self)
+
+    def extras(self) -> dict[str, float]:
+        """What a workload's subclass adds (charlm: ``bits_per_char``), for metrics records and simulator rows."""
+        base = {f.name for f in fields(EvalResult)}
+        return {k: v for k, v in asdict(self).items() if k not in base}
 
 
 def classification_eval(logits: Tensor, targets: Tensor, num_classes: int) -> EvalResult:

@@ -29,7 +29,12 @@ _LOGGED_CLASSES = 20  # histogram bins shown in the start-up log line
 
 
 def make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The run's optimizer for ``model``: SGD with ``train.lr``, ``train.momentum`` and ``train.weight_decay``."""
+    """The run's optimizer for ``model``: ``train.optimizer`` with ``train.lr`` and ``train.weight_decay``.
+
+    SGD also takes ``train.momentum``; Adam keeps torch's betas (0.9, 0.999).
+    """
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 

@@ -266,6 +266,7 @@ class _Report:
             "precision": result.precision,
             "recall": result.recall,
             "f1": result.f1,
+            **result.extras(),
             "members": stats["members"],
             "exchanges": exchanges,
             "exchanges_per_s": round(self.rate.update(now, exchanges), 2),

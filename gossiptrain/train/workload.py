@@ -41,6 +41,7 @@ EXTERNAL = "external"
 
 # Built-in names map to "module:attr" paths, imported only when asked for.
 _BUILTINS: dict[str, str] = {
+    "charlm": "peers.charlm:CharLMWorkload",
     "digits": "peers.digits:DigitsWorkload",
     "digits-small": "peers.digits:small",
     "logreg": "peers.logreg:LogRegWorkload",
