@@ -302,11 +302,6 @@ def test_resume_any_run_starts_from_another_runs_checkpoint_and_counts_on(tmp_pa
     assert done["step"] == 40 and done["finish"] == "budget"  # counted on from 10 to the run's 40
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gossiptrain/runtime/peer.py:157-166: a CheckpointError raised by the model factory after the welcome "
-    "skips Peer._withdraw (unlike a model mismatch), so the coordinator lists the refused peer for ~20 s "
-    "(registry expiry) and hands it out; the next peer then waits final.wait_seconds for it"
-))
 @pytest.mark.timeout(90)
 def test_a_peer_refused_for_its_checkpoint_is_not_counted(tmp_path: Path, coordinator_factory: Any) -> None:
     """A refused resume never trains, so, like a peer whose model is refused after the welcome, it must withdraw."""

@@ -154,8 +154,12 @@ class Peer:
                     rng=self._rng,
                 )
             )
-            self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
-            self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
+            try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
+                self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
+                self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
+            except Exception:
+                self._withdraw(welcome)
+                raise
             self._attach(welcome)
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
