@@ -6,10 +6,11 @@ import queue
 from collections import deque
 from typing import Any
 
-from gossiptrain.config import RunConfig
+from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.net import kinds
 from gossiptrain.protocol import averaging
 from gossiptrain.protocol.averaging import AtSafePoint, SendExchange
+from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.runtime.safepoint import SafePoint
 
 
@@ -44,6 +45,7 @@ class EveryThirdStep:
 
     def __init__(self) -> None:
         self.asked: list[str] = []
+        self.receipts = Receipts(GossipConfig(), averaging.AveragingStats())  # the safe point switches them on (its node sends them)
 
     def hold_until(self, now: float) -> None:
         return None

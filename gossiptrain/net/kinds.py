@@ -16,6 +16,7 @@ GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "p
 # Averaging (gossiptrain.protocol.averaging and the other algorithms).
 XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
 XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
+XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)
 # State transfer to newcomers (gossiptrain.protocol.state_transfer).
 SREQ, SREP, SNAK = "sreq", "srep", "snak"
 # The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
@@ -23,7 +24,7 @@ QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
 
 JOINING = (JOIN, WELCOME, REFUSE)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
-EXCHANGE = (XREQ, XREP, XNAK, XPUSH)
+EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
 STATE = (SREQ, SREP, SNAK)
 FINISH = (QUERY, ROSTER, STOP, FIN)
 

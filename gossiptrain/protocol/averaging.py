@@ -67,7 +67,9 @@ from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.protocol.compression import get_codec
+from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
+from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.protocol.staleness import StalenessPolicy
 
 log = logging.getLogger(__name__)
@@ -272,32 +274,6 @@ class _InFlight:
     may_hold: bool = True  # flow control may wait for it (not when the partner was one we are avoiding)
 
 
-class RttEstimator:
-    """Smoothed round-trip time and variance (RFC 6298) giving an adaptive timeout."""
-
-    def __init__(self, floor: float, ceiling: float) -> None:
-        self.floor, self.ceiling = floor, ceiling
-        self.srtt: float | None = None
-        self.rttvar = 0.0
-
-    def observe(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-
-    def timeout(self) -> float:
-        if self.srtt is None:
-            guess = max(self.floor, min(self.ceiling, 2.0))
-            return guess
-        return max(self.floor, min(self.ceiling, self.srtt + 4 * self.rttvar))
-
-    def backoff(self) -> None:
-        """After a timeout, be more patient next time (the partner or network may be slow)."""
-        self.srtt = min(self.ceiling, (self.srtt or self.floor) * 2)
-
-
 class Averaging:
     """What every algorithm shares: the live parameters, validation, compression and staleness.
 
@@ -334,6 +310,9 @@ class Averaging:
         self.version = 0
         self._next_xid = rng.getrandbits(31)
         self._step = 0  # our latest local step, from the last AtSafePoint
+        # Flow control: local steps past the last completed averaging before the loop waits (see hold_until).
+        self.max_ahead = config.max_steps_ahead or AUTO_STEPS_AHEAD
+        self.receipts = Receipts(config, self.stats)  # pushing algorithms: pushes not yet acknowledged (protocol.receipts)
 
     @property
     def busy(self) -> bool:
@@ -449,7 +428,6 @@ class PairwiseAveraging(Averaging):
         self._last_start_step = -(10**9)
         self._avoid_until: dict[str, float] = {}
         self._ready = False  # before our first safe point the model may still be replaced (state transfer)
-        self.max_ahead = config.max_steps_ahead or AUTO_STEPS_AHEAD
         self._merged_at_step = 0  # our step at the last merge (completed or served): flow control counts from it
 
     @property

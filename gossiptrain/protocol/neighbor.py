@@ -46,7 +46,7 @@ import torch
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XNAK, XPUSH
+from gossiptrain.net.kinds import XACK, XNAK, XPUSH
 from gossiptrain.protocol.averaging import (
     Action,
     AtSafePoint,
@@ -80,6 +80,8 @@ class _Held:
 class NeighborAveraging(Averaging):
     """D-PSGD over the live ``params``: push to every neighbour, merge what arrived with MH weights."""
 
+    network_kinds = frozenset({XACK})  # receipts free the links as they arrive (``protocol.receipts``)
+
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
     ) -> None:
@@ -98,18 +100,25 @@ class NeighborAveraging(Averaging):
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, AtSafePoint):
-            return self._tick(event)
+            return self._tick(event, now)
         if isinstance(event, Received):
             if event.kind == XPUSH:
                 return self._hold(event)
-            if event.kind == XNAK and event.tensors and self.choco is not None:
-                self.choco.reset_out(event.sender)  # our push was refused: its reference moved on without it
+            if event.kind == XACK:
+                self.receipts.settled(event.sender, event.xid, now, receipt=True)
+            elif event.kind == XNAK:
+                self.receipts.settled(event.sender, event.xid, now, receipt=False)
+                if event.tensors and self.choco is not None:
+                    self.choco.reset_out(event.sender)  # our push was refused: its reference moved on without it
             return []  # nothing waits for a reply; other kinds: a misconfigured sender
         if isinstance(event, Undelivered):
-            if self.choco is not None:
-                self.choco.reset_out(event.to)
+            if event.kind == XPUSH:
+                self.receipts.settled(event.to, event.xid, now, receipt=False)
+                if self.choco is not None:
+                    self.choco.reset_out(event.to)
             return []
         if isinstance(event, MemberGone):
+            self.receipts.forget(event.member)
             self._forget(event.member)
             return []
         raise TypeError(f"unknown event {event!r}")
@@ -138,10 +147,15 @@ class NeighborAveraging(Averaging):
             self._held.popitem(last=False)
         return []
 
-    def _tick(self, tick: AtSafePoint) -> list[Action]:
+    def hold_until(self, now: float) -> float | None:
+        return self.receipts.hold_until(self._step, now, max(self.max_ahead, self.every))
+
+    def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._step = tick.step
         actions = self._merge() if self.choco is None else []
         if tick.step - self._last_round_step < self.every:
+            return actions
+        if self.receipts.in_flight(now):  # the last round's models are still on their way: one at a time per link
             return actions
         self._last_round_step = tick.step
         self._rounds += 1
@@ -163,11 +177,14 @@ class NeighborAveraging(Averaging):
                     self._encode_own(self.params)
                     return actions
                 actions.append(SendExchange(p, XPUSH, xid, wire, {**meta, "seq": seq}))
+                self.receipts.pushed(p, xid, tick.step, now)
             return actions
         encoded = self._encode_own(self._snapshot())  # a copy: the trainer moves on while it is sent
         if encoded is None:
             return actions
         wire, self._sent = encoded
+        for p in partners:
+            self.receipts.pushed(p, xid, tick.step, now)
         return actions + [SendExchange(p, XPUSH, xid, wire, meta) for p in partners]
 
     def _merge(self) -> list[Action]:

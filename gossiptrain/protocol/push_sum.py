@@ -35,7 +35,7 @@ from typing import Mapping
 import torch
 
 from gossiptrain.config import GossipConfig
-from gossiptrain.net.kinds import XNAK, XPUSH
+from gossiptrain.net.kinds import XACK, XNAK, XPUSH
 from gossiptrain.protocol.averaging import (
     Action,
     AtSafePoint,
@@ -57,6 +57,8 @@ MIN_PUSH_WEIGHT = 2.0**-60
 class PushSum(Averaging):
     """SGP over the live ``params``: ``params`` is z = x / w, ``weight`` is w."""
 
+    network_kinds = frozenset({XACK})  # receipts free the link as they arrive (``protocol.receipts``)
+
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
     ) -> None:
@@ -72,20 +74,32 @@ class PushSum(Averaging):
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, AtSafePoint):
-            return self._tick(event)
+            return self._tick(event, now)
         if isinstance(event, Received):
             if event.kind == XPUSH:
                 return self._absorb(event)
+            if event.kind == XACK:
+                self.receipts.settled(event.sender, event.xid, now, receipt=True)
+                return []
             if event.kind == XNAK:
+                self.receipts.settled(event.sender, event.xid, now, receipt=False)
                 return self._take_back(event)
             return []  # another algorithm's message (a misconfigured sender): ignore
-        if isinstance(event, (Undelivered, MemberGone)):
-            return []  # nothing to do: a push needs no answer, and we keep nothing for a member
+        if isinstance(event, MemberGone):
+            self.receipts.forget(event.member)
+            return []
+        if isinstance(event, Undelivered):
+            return []  # an undelivered push comes back as its own refusal (the driver's); a receipt needs nothing
         raise TypeError(f"unknown event {event!r}")
 
-    def _tick(self, tick: AtSafePoint) -> list[Action]:
+    def hold_until(self, now: float) -> float | None:
+        return self.receipts.hold_until(self._step, now, max(self.max_ahead, self.config.exchange_every_steps))
+
+    def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._step = tick.step
         if tick.step - self._last_push_step < self.config.exchange_every_steps or not tick.partners:
+            return []
+        if self.receipts.in_flight(now):  # one push at a time: at the link's pace, not the steps'
             return []
         if self.weight < MIN_PUSH_WEIGHT:
             return []
@@ -108,6 +122,7 @@ class PushSum(Averaging):
         while len(self._unacked) > UNACKED_PUSHES:
             self._unacked.popitem(last=False)
         self._last_push_step = tick.step
+        self.receipts.pushed(to, xid, tick.step, now)
         self.stats.started += 1
         return [SendExchange(to, XPUSH, xid, wire, {"w": half, "ver": self.version})]
 

@@ -8,7 +8,9 @@ exchange messages: the kinds the averaging algorithm takes on the network
 side (pairwise requests and replies) go to it at once (``take_on_network``);
 the rest wait for the trainer's next safe point in a bounded queue (see
 ``gossiptrain.runtime.safepoint``). When that queue is full, a push is
-refused at once with its mass (its sender adds it back); refusals that
+refused at once with its mass (its sender adds it back), and one taken is
+acknowledged at once (``XACK``: flow control for pushers, see
+``gossiptrain.protocol.receipts``); refusals that
 carry our own mass back wait apart (``returns``), so a full queue never
 drops them. State transfer messages go to
 ``self.state`` (``gossiptrain.runtime.state_endpoint``): it answers newcomers
@@ -261,6 +263,8 @@ class PeerNode(JoinAnsweringEndpoint):
             return
         try:
             self.exchanges.put_nowait(event)
+            if event.kind == kinds.XPUSH:  # its receipt: the pusher's link is free (gossiptrain.protocol.receipts)
+                self.send_exchange(SendExchange(event.sender, kinds.XACK, event.xid, {}))
         except queue.Full:
             self.stats.exchange_queue_full += 1
             if event.kind in _NEEDS_ANSWER:  # refused at once: a requester moves on, a pusher takes its mass back

@@ -58,6 +58,7 @@ class SafePoint:
         # swarm into two halves that never met).
         self.rounds = 0
         node.take_on_network(averaging.network_kinds, self.on_network)
+        averaging.receipts.enabled = True  # our node acknowledges every push it takes, so pushers may wait for receipts
 
     def __call__(self, step: int) -> None:
         """Run the safe point after local step ``step``."""
