@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gossiptrain.config import RunConfig, TrainConfig  # noqa: E402
+from gossiptrain.train.local_trainer import load_shard  # noqa: E402
 from gossiptrain.train.metrics import read_metrics  # noqa: E402
 from gossiptrain.train.workload import Workload, batches, load_workload  # noqa: E402
 
@@ -96,9 +97,7 @@ def shard_batches(workload: Workload, cfg: TrainConfig, shard: int) -> Iterator[
     Mirrors LocalTrainer (iid shard, shuffled with seed * 1000 + shard);
     tests/test_experiments_smoke.py checks that both streams are identical.
     """
-    if cfg.partition != "iid":
-        raise ValueError("the baselines implement iid shards only")
-    inputs, targets = workload.train_shard(shard, cfg.shards, cfg.seed)
+    inputs, targets = load_shard(workload, cfg, shard)  # as LocalTrainer does, label-skewed partitions included
     return batches(inputs, targets, cfg.batch_size, seed=cfg.seed * 1000 + shard)
 
 
@@ -417,8 +416,12 @@ def run_gossip(
 def run_ddp(
     workers: int, seed: int, slowdown: float, target: float | None, timeout: float, workdir: Path, *,
     max_steps: int = 0, save: Path | None = None, eval_every: float = EVAL_EVERY, min_seconds: float = 0.0,
+    overrides: dict[str, Any] | None = None,
 ) -> Run:
-    """torch DDP over gloo: one process per rank, rendezvous through a TCPStore this process hosts on port 0."""
+    """torch DDP over gloo: one process per rank, rendezvous through a TCPStore this process hosts on port 0.
+
+    ``overrides``: more fields of the run (train.workload, train.partition, ...), as ``run_gossip``'s ``gossip``.
+    """
     import torch.distributed as dist
 
     fresh_dir(workdir)
@@ -427,6 +430,7 @@ def run_ddp(
     with Procs(workdir) as procs:
         for r in range(workers):
             extra = ["--save", save] if save is not None and r == 0 else []
+            extra += [a for key, value in (overrides or {}).items() for a in ("--set", f"{key}={json.dumps(value)}")]
             procs.start(f"rank-{r}", python_m(
                 "experiments.baselines.ddp", "--rank", r, "--world", workers, "--store-port", store.port, "--seed", seed,
                 "--slowdown", slowdown_of(r, slowdown), "--max-steps", max_steps, "--eval-every", eval_every,

@@ -15,7 +15,7 @@ from typing import Callable
 from gossiptrain.errors import ConfigError
 
 #: Every codec by name, in the order users read them.
-CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
+CODECS: tuple[str, ...] = ("auto", "none", "fp16", "bf16", "int8", "topk")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ def _parse_ratio(text: str, what: str) -> float:
 
 #: Each codec's parameters: name -> (parser, default text).
 _PARAMS: dict[str, dict[str, tuple[Callable[[str, str], bool | int | float], str]]] = {
+    "auto": {},  # none, fp16 or int8, as the link calls for (gossiptrain.protocol.auto_compression)
     "none": {},
     "fp16": {},
     "bf16": {},

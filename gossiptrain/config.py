@@ -219,7 +219,7 @@ class GossipConfig:
     staleness_weighting: str = "constant"  # constant, or polynomial: weight 1/(1+s)^staleness_exponent
     staleness_exponent: float = 0.5
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
-    compression: str = "none"  # what exchanges send: none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
+    compression: str = "auto"  # what exchanges send: auto (none, fp16 or int8 as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
     robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
     robust_clip: float = 3.0
     robust_trim: float = 0.2  # neighbor/local-sgd with robust: fraction trimmed at each end, per coordinate
@@ -292,9 +292,9 @@ class GossipConfig:
         _require(self.quarantine_seconds >= 0, f"{s}.quarantine_seconds", f"must be >= 0, got {self.quarantine_seconds}")
         codec = self.compression.strip().partition(":")[0]
         _require(
-            codec in ("none", "fp16", "bf16", "int8", "topk"),
+            codec in ("auto", "none", "fp16", "bf16", "int8", "topk"),
             f"{s}.compression",
-            f"is {self.compression!r}; known codecs: none, fp16, bf16, int8, topk",
+            f"is {self.compression!r}; known codecs: auto, none, fp16, bf16, int8, topk",
         )
         _require(
             codec != "topk" or self.algorithm in _EDGE_ALGORITHMS,
@@ -302,7 +302,7 @@ class GossipConfig:
             f"topk sends differences against per-edge references, which only {' and '.join(_EDGE_ALGORITHMS)} keep; "
             f"use fp16, bf16 or int8 with {self.algorithm}",
         )
-        if codec != "none":  # parameters too (ratio=, stochastic=)
+        if codec not in ("none", "auto"):  # parameters too (ratio=, stochastic=)
             parse_codec_spec(self.compression, f"{s}.compression")
 
 

@@ -90,7 +90,8 @@ def test_on_a_fast_link_nothing_waits(algorithm: str) -> None:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_crashed_partner_holds_no_one_longer_than_the_exchange_timeout(algorithm: str) -> None:
     run = logreg(**{"train.shards": 3, "gossip.max_steps_ahead": 1, "gossip.exchange_timeout_max": 1.0,
-                    "gossip.topology": "complete", "gossip.algorithm": algorithm, "gossip.local_steps": 2})
+                    "gossip.topology": "complete", "gossip.algorithm": algorithm, "gossip.local_steps": 2,
+                    "gossip.compression": "none"})  # (message sizes fixed: the crash lands with a request in flight)
     config = SimConfig(peers=3, run=run, duration=6.0, step_time=0.01, seed=2, sample_every=1.0,
                        link=LinkProfile(latency=0.002, bandwidth=2e4), churn_trace=(ChurnEvent(2.0, 1, "crash"),))
     cluster = run_cluster(config)

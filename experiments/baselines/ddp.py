@@ -23,6 +23,7 @@ a TCPStore hosted by the harness on a port the OS picked.
 from __future__ import annotations
 
 import argparse
+import json
 import datetime
 import time
 from pathlib import Path
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=float, default=0.25, help="seconds between rank 0's evaluations (0: only at the end)")
     p.add_argument("--metrics", type=Path, required=True)
     p.add_argument("--save", type=Path, help="rank 0: save the final model here (safetensors)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="a field of the run's configuration, e.g. train.partition='\"classes-per-peer\"' (repeatable)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # as each gossip peer (--threads 1)
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     store = dist.TCPStore("127.0.0.1", args.store_port, None, False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
 
-    cfg = run_config(args.world, args.seed).train
+    sets = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
+    cfg = run_config(args.world, args.seed).with_overrides(sets).train
     workload = load_workload(cfg.workload)
     model = build_model(workload, cfg)
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters: identical anyway

@@ -66,7 +66,8 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
-from gossiptrain.protocol.compression import get_codec
+from gossiptrain.protocol.auto_compression import AutoCompression
+from gossiptrain.protocol.compression import AutoCodec, get_codec
 from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.rtt import RttEstimator
@@ -237,6 +238,8 @@ class AveragingStats:
     waited_s: float = 0.0  # ...and the seconds they waited in all
     longest_wait_s: float = 0.0  # ...and the longest single wait (never past an exchange timeout)
     overran: int = 0  # the driver's check: local steps begun while flow control said to wait (0 unless a bug)
+    compression_level: int = 0  # compression "auto": the level now (0 none, 1 fp16, 2 int8: compression.AUTO_LEVELS)
+    compression_switches: int = 0  # ...and how often it changed
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
 
@@ -245,6 +248,11 @@ class AveragingStats:
         out["staleness_mean"] = mean_staleness(self.staleness)
         out["staleness_hist"] = staleness_buckets(self.staleness)
         return out
+
+
+def wire_bytes(wire: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a message's tensors on the wire."""
+    return sum(t.numel() * t.element_size() for t in wire.values())
 
 
 def mean_staleness(histogram: Counter[int]) -> float:
@@ -272,6 +280,7 @@ class _InFlight:
     deadline: float
     served_meanwhile: int = 0  # requests we served while this one was in flight (at most one: see _serve)
     may_hold: bool = True  # flow control may wait for it (not when the partner was one we are avoiding)
+    nbytes: int = 0  # of the request on the wire
 
 
 class Averaging:
@@ -301,7 +310,8 @@ class Averaging:
         self.rng = rng
         self.stats = AveragingStats()
         self.codec = get_codec(config.compression, "gossip.compression")
-        self.lossless = self.codec.name == "none"
+        # compression "auto": the level follows the measured link (``protocol.auto_compression``)
+        self.auto = AutoCompression(self.codec, self.params) if isinstance(self.codec, AutoCodec) else None
         self.staleness = StalenessPolicy(config.staleness_weighting, config.staleness_exponent, config.staleness_bound)
         self.clip = NormClip(config.robust_clip) if config.robust else None
         # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
@@ -313,6 +323,29 @@ class Averaging:
         # Flow control: local steps past the last completed averaging before the loop waits (see hold_until).
         self.max_ahead = config.max_steps_ahead or AUTO_STEPS_AHEAD
         self.receipts = Receipts(config, self.stats)  # pushing algorithms: pushes not yet acknowledged (protocol.receipts)
+        self.receipts.on_round_trip = self._link_measured
+
+    @property
+    def lossless(self) -> bool:
+        """Whether what we send now is decoded exactly (the level of ``auto`` may change between messages)."""
+        return self.codec.name == "none"
+
+    def flow_bound(self) -> int:
+        """Local steps past the last completed averaging before the training loop waits (``hold_until``)."""
+        return self.max_ahead
+
+    def _at_step(self, step: int, now: float) -> None:
+        """Every algorithm's first move at a safe point: note the step (and, for ``auto``, the step time)."""
+        self._step = step
+        if self.auto is not None:
+            self.auto.at_step(step, now, self.stats.waited_s)
+
+    def _link_measured(self, seconds: float, nbytes: int) -> None:
+        """One of our messages of ``nbytes`` got its answer (reply, receipt) after ``seconds``."""
+        if self.auto is not None:
+            self.auto.exchanged(seconds, nbytes, self.flow_bound())
+            self.stats.compression_level = self.auto.codec.level
+            self.stats.compression_switches = self.auto.switches
 
     @property
     def busy(self) -> bool:
@@ -438,7 +471,7 @@ class PairwiseAveraging(Averaging):
         inflight = self._inflight
         if inflight is None or not inflight.may_hold or now >= inflight.deadline:
             return None
-        if self._step - self._merged_at_step < self.max_ahead:
+        if self._step - self._merged_at_step < self.flow_bound():
             return None
         return inflight.deadline
 
@@ -464,7 +497,7 @@ class PairwiseAveraging(Averaging):
     # -- the safe point ----------------------------------------------------------------------
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
-        self._step = tick.step
+        self._at_step(tick.step, now)
         self._ready = True
         self._apply_pending()
         self._expire(now)
@@ -474,6 +507,7 @@ class PairwiseAveraging(Averaging):
                 return []
             self.stats.timeouts += 1
             self.rtt.backoff()
+            self._link_measured(now - inflight.sent_at, inflight.nbytes)  # it took at least that long
             self._avoid(inflight.partner, now)
             self._inflight = None
             self._overdue[inflight.xid] = inflight
@@ -490,7 +524,8 @@ class PairwiseAveraging(Averaging):
             return []
         wire, sent = encoded
         xid = self._new_xid()
-        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout(), may_hold=healthy)
+        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout(), may_hold=healthy,
+                                   nbytes=wire_bytes(wire))
         self._last_start_step = tick.step
         self.stats.started += 1
         return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
@@ -615,6 +650,7 @@ class PairwiseAveraging(Averaging):
         if on_time:
             self.rtt.observe(now - inflight.sent_at)
             self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
+            self._link_measured(now - inflight.sent_at, inflight.nbytes)
         self.stats.completed += 1
         self._record_staleness(msg)
         return []

@@ -262,16 +262,60 @@ class TopKCodec(_PerTensorCodec):
         return out.reshape(like.shape)
 
 
+# ---------------------------------------------------------------- auto: the level the link calls for
+
+#: What ``compression = "auto"`` chooses from, the most faithful first (``gossiptrain.protocol.auto_compression``).
+AUTO_LEVELS: tuple[str, ...] = ("none", "fp16", "int8")
+
+
+class AutoCodec:
+    """``auto``: encodes at the level its policy chose (``level``), decodes what a peer sent at any level.
+
+    Each peer changes level as its own links change, so a receiver cannot know
+    the sender's: it reads it off the wire (int8 parts carry a ``#scale``, fp16
+    tensors are half precision; anything else must be the plain tensors), and
+    that level's decode checks everything else as always.
+    """
+
+    def __init__(self) -> None:
+        self.codecs: tuple[Codec, ...] = (NoneCodec(), Fp16Codec(), Int8Codec())
+        assert tuple(c.name for c in self.codecs) == AUTO_LEVELS
+        self.level = 0
+
+    @property
+    def name(self) -> str:
+        return self.codecs[self.level].name
+
+    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return self.codecs[self.level].encode(values)
+
+    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if any(isinstance(k, str) and k.endswith(SEP + "scale") for k in wire):
+            codec = self.codecs[2]
+        elif any(isinstance(t, Tensor) and t.dtype == torch.float16 for t in wire.values()):
+            codec = self.codecs[1]
+        else:
+            codec = self.codecs[0]
+        return codec.decode(wire, like)
+
+    @staticmethod
+    def element_bytes(level: int, dtype: torch.dtype) -> int:
+        """Bytes one parameter element of ``dtype`` takes on the wire at ``level`` (int8's scales aside)."""
+        return (torch.empty((), dtype=dtype).element_size(), 2, 1)[level]
+
+
 # ---------------------------------------------------------------- choosing a codec
 
 
 def get_codec(spec: str, field: str = "compression") -> Codec:
-    """The codec a spec names: "none", "fp16", "bf16", "int8[:stochastic=1,seed=N]", "topk[:ratio=R]".
+    """The codec a spec names: "auto", "none", "fp16", "bf16", "int8[:stochastic=1,seed=N]", "topk[:ratio=R]".
 
     ``field`` is the config field the spec came from; ConfigError messages name it.
     The spec is parsed and checked by ``gossiptrain.codec_spec`` (which the config uses too).
     """
     parsed = parse_codec_spec(spec, field)
+    if parsed.name == "auto":
+        return AutoCodec()
     if parsed.name == "none":
         return NoneCodec()
     if parsed.name in ("fp16", "bf16"):

@@ -57,6 +57,7 @@ from gossiptrain.protocol.averaging import (
     Rejected,
     SendExchange,
     Undelivered,
+    wire_bytes,
 )
 from gossiptrain.protocol.choco import ChocoEdges
 from gossiptrain.protocol.robust import trimmed_mean
@@ -148,10 +149,13 @@ class NeighborAveraging(Averaging):
         return []
 
     def hold_until(self, now: float) -> float | None:
-        return self.receipts.hold_until(self._step, now, max(self.max_ahead, self.every))
+        return self.receipts.hold_until(self._step, now, self.flow_bound())
+
+    def flow_bound(self) -> int:
+        return max(self.max_ahead, self.every)
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
-        self._step = tick.step
+        self._at_step(tick.step, now)
         actions = self._merge() if self.choco is None else []
         if tick.step - self._last_round_step < self.every:
             return actions
@@ -177,14 +181,14 @@ class NeighborAveraging(Averaging):
                     self._encode_own(self.params)
                     return actions
                 actions.append(SendExchange(p, XPUSH, xid, wire, {**meta, "seq": seq}))
-                self.receipts.pushed(p, xid, tick.step, now)
+                self.receipts.pushed(p, xid, tick.step, now, wire_bytes(wire))
             return actions
         encoded = self._encode_own(self._snapshot())  # a copy: the trainer moves on while it is sent
         if encoded is None:
             return actions
         wire, self._sent = encoded
         for p in partners:
-            self.receipts.pushed(p, xid, tick.step, now)
+            self.receipts.pushed(p, xid, tick.step, now, wire_bytes(wire))
         return actions + [SendExchange(p, XPUSH, xid, wire, meta) for p in partners]
 
     def _merge(self) -> list[Action]:

@@ -46,6 +46,7 @@ from gossiptrain.protocol.averaging import (
     Rejected,
     SendExchange,
     Undelivered,
+    wire_bytes,
 )
 
 #: Pushes remembered (xid -> receiver and weight, no tensors) so that only a refusal of our own push is taken back.
@@ -93,10 +94,13 @@ class PushSum(Averaging):
         raise TypeError(f"unknown event {event!r}")
 
     def hold_until(self, now: float) -> float | None:
-        return self.receipts.hold_until(self._step, now, max(self.max_ahead, self.config.exchange_every_steps))
+        return self.receipts.hold_until(self._step, now, self.flow_bound())
+
+    def flow_bound(self) -> int:
+        return max(self.max_ahead, self.config.exchange_every_steps)
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
-        self._step = tick.step
+        self._at_step(tick.step, now)
         if tick.step - self._last_push_step < self.config.exchange_every_steps or not tick.partners:
             return []
         if self.receipts.in_flight(now):  # one push at a time: at the link's pace, not the steps'
@@ -122,7 +126,7 @@ class PushSum(Averaging):
         while len(self._unacked) > UNACKED_PUSHES:
             self._unacked.popitem(last=False)
         self._last_push_step = tick.step
-        self.receipts.pushed(to, xid, tick.step, now)
+        self.receipts.pushed(to, xid, tick.step, now, wire_bytes(wire))
         self.stats.started += 1
         return [SendExchange(to, XPUSH, xid, wire, {"w": half, "ver": self.version})]
 

@@ -29,7 +29,7 @@ rounds, unit tests) push every round as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.protocol.rtt import RttEstimator
@@ -44,6 +44,7 @@ class _Unacked:
     step: int  # our local step when we pushed it
     sent_at: float
     deadline: float
+    nbytes: int  # of the push's tensors
 
 
 class Receipts:
@@ -53,11 +54,12 @@ class Receipts:
         self.enabled = False
         self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
         self.stats = stats  # the algorithm's: timeouts (receipts that did not come in time) and rtt_ms
+        self.on_round_trip: Callable[[float, int], None] | None = None  # (seconds, bytes pushed): compression "auto"
         self._out: dict[str, _Unacked] = {}
 
-    def pushed(self, to: str, xid: int, step: int, now: float) -> None:
+    def pushed(self, to: str, xid: int, step: int, now: float, nbytes: int = 0) -> None:
         if self.enabled:
-            self._out[to] = _Unacked(xid, step, now, now + self.rtt.timeout())
+            self._out[to] = _Unacked(xid, step, now, now + self.rtt.timeout(), nbytes)
 
     def settled(self, sender: str, xid: int, now: float, *, receipt: bool) -> bool:
         """``sender`` took (``receipt``) or refused our push ``xid``: its link is free. False if it was not ours."""
@@ -68,6 +70,8 @@ class Receipts:
         if receipt:
             self.rtt.observe(now - out.sent_at)
             self.stats.rtt_ms = 1000 * (self.rtt.srtt or 0.0)
+            if self.on_round_trip is not None:
+                self.on_round_trip(now - out.sent_at, out.nbytes)
         return True
 
     def forget(self, member: str) -> None:
@@ -78,9 +82,11 @@ class Receipts:
         """Whether a push of our last round may still be acknowledged (then no new round starts)."""
         expired = [to for to, out in self._out.items() if now >= out.deadline]
         for to in expired:
-            del self._out[to]
+            out = self._out.pop(to)
             self.stats.timeouts += 1
             self.rtt.backoff()
+            if self.on_round_trip is not None:
+                self.on_round_trip(now - out.sent_at, out.nbytes)  # it took at least that long
         return bool(self._out)
 
     def hold_until(self, step: int, now: float, bound: int) -> float | None:

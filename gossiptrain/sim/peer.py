@@ -200,5 +200,6 @@ class SimPeer:
                 staleness_mean=s.to_dict()["staleness_mean"],
                 rtt_ms=s.rtt_ms,
                 waited_s=s.waited_s,
+                compression_level=s.compression_level,
             )
         return out

@@ -51,7 +51,7 @@ class LocalTrainer:
     ) -> None:
         self.workload = workload
         self.model = model
-        inputs, targets = _load_shard(workload, config, shard)
+        inputs, targets = load_shard(workload, config, shard)
         self.samples = len(targets)
         # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
         self.class_histogram: list[int] = _histogram(workload, targets)
@@ -90,7 +90,8 @@ class LocalTrainer:
         return self.workload.evaluate(self.model)
 
 
-def _load_shard(workload: Workload, config: TrainConfig, shard: int) -> tuple[Tensor, Tensor]:
+def load_shard(workload: Workload, config: TrainConfig, shard: int) -> tuple[Tensor, Tensor]:
+    """A peer's training shard as ``train.partition`` cuts it (the baselines in experiments/ cut theirs here too)."""
     if config.partition == "iid":
         # The three-argument call: workloads written before partitions keep working.
         return workload.train_shard(shard, config.shards, config.seed)

@@ -1,0 +1,110 @@
+"""``gossip.compression = "auto"``: send none, fp16 or int8, whichever the measured link calls for.
+
+A user does not know, and should not have to, whether the link is fast
+enough for full-precision models. What decides it is how long an exchange
+takes against how many local steps flow control lets a peer run meanwhile
+(``Averaging.flow_bound``): past the bound the training loop waits for the
+link. So the policy measures both and compares:
+
+- the step time: seconds between safe points, less the seconds flow control
+  waited (smoothed);
+- the exchange time: from sending one of our messages to its answer (a
+  pairwise reply, a push's receipt), smoothed, so that a link that changes is
+  followed within a few exchanges. The shortest ever seen stands for what
+  does not shrink with fewer bytes (latency, the partner's reaction); the
+  rest scales with the bytes of a level.
+
+If an exchange at the current level would take longer than ``bound`` steps,
+it moves to the first level that fits (or the last, int8); if the next more
+faithful level would take under 3/4 of the bound, after a few exchanges at
+this one, it moves back up a level. On a fast link nothing changes (none);
+on a 100 Mbit link shared by peers with 1 MB models, int8 within a few
+exchanges. Each message is encoded at one level and receivers read the level
+off the wire (``compression.AutoCodec``), so both ends of an exchange still
+agree exactly on what was sent: pairwise and push-sum conserve the swarm's
+sum at every level, as with a fixed lossy codec.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from gossiptrain.protocol.compression import AUTO_LEVELS, AutoCodec
+
+log = logging.getLogger(__name__)
+
+#: Exchanges measured at a level before moving to a more faithful one (no flapping on one fast exchange).
+SETTLE_EXCHANGES = 4
+#: Weight of a new measurement in the smoothed step time and exchange time.
+STEP_SMOOTHING = 0.1
+LINK_SMOOTHING = 0.25
+#: Move to a more faithful level only if its exchanges would take under this share of the bound (hysteresis).
+UP_SHARE = 0.75
+
+
+class AutoCompression:
+    """Chooses ``codec.level`` from measured step time and link speed."""
+
+    def __init__(self, codec: AutoCodec, params: Sequence[torch.Tensor]) -> None:
+        self.codec = codec
+        # Bytes of one model at each level: (levels,)
+        self.level_bytes = [sum(p.numel() * codec.element_bytes(lv, p.dtype) for p in params)
+                            for lv in range(len(AUTO_LEVELS))]
+        self.step_time: float | None = None  # seconds of one local step (waits excluded), smoothed
+        self.exchange_time: float | None = None  # seconds from our message to its answer at the current level, smoothed
+        self.floor: float | None = None  # the shortest exchange seen: what fewer bytes do not shorten
+        self.switches = 0
+        self._last: tuple[int, float, float] | None = None  # (step, now, seconds waited so far)
+        self._at_level = 0  # exchanges measured since the last switch
+
+    def at_step(self, step: int, now: float, waited_s: float) -> None:
+        """A safe point after local step ``step``; ``waited_s``: seconds flow control waited so far, in all."""
+        if self._last is not None:
+            steps = step - self._last[0]
+            seconds = (now - self._last[1]) - (waited_s - self._last[2])
+            if steps > 0 and seconds >= 0:
+                per = seconds / steps
+                self.step_time = per if self.step_time is None else self.step_time + STEP_SMOOTHING * (per - self.step_time)
+        self._last = (step, now, waited_s)
+
+    def exchanged(self, seconds: float, nbytes: int, bound: int) -> None:
+        """One of our messages of ``nbytes`` got its answer ``seconds`` after we sent it; ``bound``: flow control's."""
+        if nbytes <= 0 or seconds < 0:
+            return
+        floor = self.floor = seconds if self.floor is None else min(self.floor, seconds)
+        # As if sent at the current level (it may have left before the last switch)
+        here = floor + (seconds - floor) * self.level_bytes[self.codec.level] / nbytes
+        t = self.exchange_time
+        self.exchange_time = here if t is None else t + LINK_SMOOTHING * (here - t)
+        self._at_level += 1
+        self._choose(bound)
+
+    def predicted(self, level: int) -> float:
+        """Seconds an exchange would take at ``level`` on the link as measured."""
+        if self.exchange_time is None or self.floor is None:
+            return 0.0
+        now = self.level_bytes[self.codec.level]
+        return self.floor + (self.exchange_time - self.floor) * self.level_bytes[level] / now
+
+    def _choose(self, bound: int) -> None:
+        if not self.step_time or self.exchange_time is None:
+            return  # no time passes between steps (a machine driven by hand): nothing to compare
+        budget = bound * self.step_time
+        level = self.codec.level
+        new = level
+        if self.predicted(level) > budget:
+            new = next((lv for lv in range(level + 1, len(AUTO_LEVELS)) if self.predicted(lv) <= budget),
+                       len(AUTO_LEVELS) - 1)
+        elif level > 0 and self._at_level >= SETTLE_EXCHANGES and self.predicted(level - 1) < UP_SHARE * budget:
+            new = level - 1
+        if new != level:
+            log.info("compression %s -> %s: an exchange takes %.3f s at %s, flow control allows %d steps of %.1f ms",
+                     AUTO_LEVELS[level], AUTO_LEVELS[new], self.predicted(level), AUTO_LEVELS[level], bound,
+                     1000 * self.step_time)
+            self.exchange_time = self.predicted(new)  # the prior at the new level, until it is measured there
+            self.codec.level = new
+            self.switches += 1
+            self._at_level = 0
