@@ -168,3 +168,21 @@ def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), output
+
+
+def skewed_sim_final(duration: float, bandwidth: float, sample_every: float, **overrides: object) -> list[dict[str, Any]]:
+    """The last sample's rows of a simulated swarm on label-skewed shards (4 peers, digits-small, 3 classes each,
+    2 ms steps, links of ``bandwidth`` bytes/s): where flow control, compression and momentum show."""
+    from gossiptrain.config import RunConfig
+    from gossiptrain.net.transport.sim import LinkProfile
+    from gossiptrain.sim.cluster import SimConfig, simulate
+
+    run = RunConfig().with_overrides({
+        "train.workload": "digits-small", "train.shards": 4, "train.partition": "classes-per-peer",
+        "train.partition_classes": 3, "train.max_steps": 0, "train.max_seconds": 0,
+        "train.eval_every_seconds": sample_every, **overrides,
+    })
+    result = simulate(SimConfig(peers=4, run=run, duration=duration, seed=0, step_time=0.002, sample_every=sample_every,
+                                link=LinkProfile(latency=0.0005, bandwidth=bandwidth)))
+    last = max(r["time"] for r in result.rows)
+    return [r for r in result.rows if r["time"] == last]

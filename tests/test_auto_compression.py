@@ -172,20 +172,20 @@ def test_a_simulated_swarm_compresses_while_the_link_is_slow_and_stops_when_it_i
     run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 3, "train.max_steps": 0,
                                       "train.max_seconds": 0, "train.eval_every_seconds": 100})
     fast, slow = LinkProfile(latency=0.0005, bandwidth=1.25e9), LinkProfile(latency=0.0005, bandwidth=2.1e5)
-    samples: list[list[int]] = []  # every peer's level, every 0.5 virtual s once all have joined
+    samples: list[list[int]] = []  # every peer's level, every 0.25 virtual s once all have joined
     cluster: Cluster  # (bound below; the callback runs inside its run)
 
     def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
         samples.append([int(r["compression_level"]) for r in rows if "compression_level" in r])
         if len(samples) == 1:
-            cluster.network.default = slow  # from the first sample on: 1.7 Mbit/s for 2 s
-        if len(samples) == 5:
+            cluster.network.default = slow  # from the first sample on: 1.7 Mbit/s for 1.5 s
+        if len(samples) == 7:
             cluster.network.default = fast
 
-    cluster = Cluster(SimConfig(peers=3, run=run, duration=5.5, seed=0, step_time=STEP, link=fast, sample_every=0.5),
+    cluster = Cluster(SimConfig(peers=3, run=run, duration=3.5, seed=0, step_time=STEP, link=fast, sample_every=0.25),
                       on_sample=on_sample)
     run_virtual(cluster.run())
-    assert len(samples) >= 8
+    assert len(samples) >= 10
     assert samples[0] == [0, 0, 0]  # fast: full precision
-    assert samples[4] == [2, 2, 2]  # after 2 s at 1.7 Mbit/s: int8
-    assert samples[7] == [0, 0, 0]  # after 1.5 s fast again: full precision again
+    assert samples[6] == [2, 2, 2]  # after 1.5 s at 1.7 Mbit/s: int8
+    assert samples[9] == [0, 0, 0]  # after 0.75 s fast again: full precision again

@@ -52,7 +52,7 @@ def test_top_k_neighbor_averaging_makes_nothing_up_and_heals(n: int, seed: int, 
     Nemesis(n, gossip("neighbor", "topk:ratio=0.5"), seed=seed).run(schedule, heal_rounds=150)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 600 heal rounds each
 @given(n=st.integers(2, 6), seed=st.integers(0, 2**16), schedule=schedules())
 def test_the_largest_accepted_outer_step_stays_in_its_box_and_heals(n: int, seed: int, schedule: list[Op]) -> None:
     """outer_lr 0.4, momentum 0.8 (step 2, config.MAX_OUTER_STEP): the extrapolation stays bounded, the peers agree."""

@@ -53,7 +53,7 @@ def run_cluster(config: SimConfig) -> Cluster:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     bandwidth=st.floats(3e3, 3e5),
     latency=st.floats(0.0, 0.05),

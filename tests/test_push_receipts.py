@@ -13,13 +13,13 @@ import statistics
 import pytest
 import torch
 
-from gossiptrain.config import ALGORITHMS, GossipConfig, RunConfig
+from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.net.kinds import XACK, XNAK, XPUSH
-from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.averaging import AtSafePoint, MemberGone, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
-from gossiptrain.sim.cluster import SimConfig, simulate
+
+from .swarm import skewed_sim_final
 
 TIMEOUT = 2.0  # the receipt timeout before any round trip was measured (RttEstimator's first guess)
 
@@ -100,15 +100,7 @@ def test_every_algorithm_learns_label_skewed_shards_over_a_slow_link(algorithm: 
     round: merged models were 1,240-1,330 steps old and the mean test accuracy
     stayed at 0.40-0.42. With them: 43-47 steps and 0.49-0.64 (pairwise 0.74).
     """
-    run = RunConfig().with_overrides({
-        "train.workload": "digits-small", "train.shards": 4, "train.partition": "classes-per-peer",
-        "train.partition_classes": 3, "train.max_steps": 0, "train.max_seconds": 0, "train.eval_every_seconds": 1,
-        "gossip.algorithm": algorithm,
-    })
-    result = simulate(SimConfig(peers=4, run=run, duration=20.0, seed=0, step_time=0.002, sample_every=1.0,
-                                link=LinkProfile(latency=0.0005, bandwidth=2.1e5)))
-    last = max(r["time"] for r in result.rows)
-    final = [r for r in result.rows if r["time"] == last]
+    final = skewed_sim_final(20.0, 2.1e5, 1.0, **{"gossip.algorithm": algorithm})
     assert len(final) == 4
     assert statistics.mean(r["staleness_mean"] for r in final) < 200  # merged models are fresh
     assert statistics.mean(r["test_acc"] for r in final) >= 0.45

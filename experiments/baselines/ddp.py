@@ -23,8 +23,8 @@ a TCPStore hosted by the harness on a port the OS picked.
 from __future__ import annotations
 
 import argparse
-import json
 import datetime
+import json
 import time
 from pathlib import Path
 

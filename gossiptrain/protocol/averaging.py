@@ -538,7 +538,8 @@ class PairwiseAveraging(Averaging):
                 torch._foreach_zero_(self.pending)
                 self._dirty = False
             torch._foreach_copy_(self.view, self.params)
-        self._last_served = None  # applied: no longer undoable
+        # _last_served stays undoable through pending: the network side releases the lock between our reply
+        # and its failed send, so a safe point may apply the merge before the Undelivered comes back.
 
     def _frozen_view(self) -> list[torch.Tensor]:
         """``view`` to encode: copied where the codec would send it as is (it moves with every merge)."""
@@ -613,10 +614,12 @@ class PairwiseAveraging(Averaging):
             return self._refused(Received(event.to, XNAK, event.xid), 0.0)
         served = self._last_served
         if event.kind == XREP and served is not None and served[0] == event.xid and served[1] == event.to:
-            # The requester will never apply its half: take ours back (still pending, not yet in the model).
+            # The requester will never apply its half: take ours back (pending, or in the model already: the next
+            # safe point subtracts it there).
             with torch.no_grad():
                 torch._foreach_sub_(self.pending, served[2])
                 torch._foreach_sub_(self.view, served[2])
+            self._dirty = True
             self._last_served = None
             self.stats.served -= 1
             self.stats.undelivered += 1

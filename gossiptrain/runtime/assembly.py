@@ -23,6 +23,7 @@ from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
 from gossiptrain.protocol.joining import Welcome
 from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.momentum import QuasiGlobalMomentum, wants_quasi_global
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
@@ -86,6 +87,8 @@ def training_side(
     """
     averaging = make_averaging(dict(model.named_parameters()), node.config.gossip, rng, me=node.me.id)
     safepoint = SafePoint(node, averaging, clock, send)
+    if optimizer is not None and wants_quasi_global(node.config.gossip):
+        safepoint.after = QuasiGlobalMomentum(optimizer)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
     return TrainingSide(averaging, safepoint, snapshots)
 

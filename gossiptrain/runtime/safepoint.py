@@ -57,6 +57,8 @@ class SafePoint:
         # every time (one-peer-exponential at 8 peers, where a round trip takes about 3 steps, split the
         # swarm into two halves that never met).
         self.rounds = 0
+        # Called at the end of each safe point on the training side, the merges applied (quasi-global momentum).
+        self.after: Callable[[], None] | None = None
         node.take_on_network(averaging.network_kinds, self.on_network)
         averaging.receipts.enabled = True  # our node acknowledges every push it takes, so pushers may wait for receipts
 
@@ -81,6 +83,8 @@ class SafePoint:
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
+        if self.after is not None:
+            self.after()
 
     def on_network(self, event: averaging.Event) -> None:
         """An event the algorithm takes as it arrives (on the node's thread): answer it now, send at once."""
