@@ -5,8 +5,8 @@ or 4 DDP ranks over gloo) runs inside one Linux network namespace whose
 loopback is shaped with `tc` (tbf), so every byte any of them sends crosses
 one shared link of that rate: what "4 machines on one 100 Mbit switch
 port" costs, on one machine. Workload digits-small (the 19,210-parameter
-MLP: at 100 Mbit/s one DDP all-reduce of its gradients takes about as long
-as a step, as a 1M-parameter model's does on a 1 Gbit/s link), shards iid
+MLP: at 100 Mbit/s a DDP step is link-bound, about 40 ms of which 2 ms
+compute; `--workload digits` for the 1.1M-parameter one), shards iid
 or label-skewed (`classes-per-peer`, 3 classes each); target: the mean test
 accuracy (DDP: rank 0's) held at `--target` for 3 evaluations. Then
 charlm (Adam, 3 peers on contiguous thirds of the text) against one
@@ -99,12 +99,13 @@ class Namespace:
 def inside(args: argparse.Namespace) -> None:
     """Run one system (``--system``) and print its row as JSON (called through ``ip netns exec``)."""
     work = Path(args.work)
-    sets = {"train.workload": args.workload, **PARTITIONS[args.partition]}
-    if args.system == "ddp":
-        run = harness.run_ddp(4, args.seed, 1.0, args.target, args.timeout, work, overrides=sets)
-    elif args.system.startswith("charlm-"):
+    if args.system.startswith("charlm-"):
         print(json.dumps(charlm(args, work)))
         return
+    sets = {"train.workload": args.workload, **PARTITIONS[args.partition],
+            **{k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}}
+    if args.system == "ddp":
+        run = harness.run_ddp(4, args.seed, 1.0, args.target, args.timeout, work, overrides=sets)
     else:
         run = harness.run_gossip(4, args.seed, 1.0, args.target, args.timeout, work,
                                  gossip={**sets, "gossip.algorithm": args.system})
@@ -144,7 +145,8 @@ def one(ns: Namespace, system: str, link: str, partition: str, seed: int, args: 
     work = out / "runs" / f"{link}-{partition}-{system}-{seed}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--inside", "--system", system, "--partition", partition,
            "--seed", str(seed), "--target", str(args.target), "--timeout", str(args.timeout), "--work", str(work),
-           "--workload", args.workload, "--charlm-seconds", str(args.charlm_seconds)]
+           "--workload", args.workload, "--charlm-seconds", str(args.charlm_seconds),
+           *[a for item in args.set for a in ("--set", item)]]
     started = time.perf_counter()
     done = ns.run(cmd, capture_output=True, timeout=args.timeout + args.charlm_seconds + harness.STARTUP + 120, check=False)
     row: dict[str, Any] = {"link": link, "partition": partition, "system": system, "seed": seed}
@@ -180,6 +182,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds of training per run before it counts as not reached")
     ap.add_argument("--workload", default=WORKLOAD)
     ap.add_argument("--charlm-seconds", type=float, default=60.0, help="wall seconds of the charlm runs (0: skip charlm)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="a field of every run's configuration, e.g. gossip.momentum_mode='\"local\"' (repeatable)")
+    ap.add_argument("--only-charlm", action="store_true", help="skip the digits runs")
     ap.add_argument("--quick", action="store_true", help="100mbit skew, DDP and the default, 1 seed, short runs")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/wan)")
     # one run inside the namespace (used by the sweep itself)
@@ -201,7 +206,7 @@ def main() -> int:
     out = harness.results_dir("wan", args.out, args.quick)
     rows: list[dict[str, Any]] = []
     with Namespace() as ns:
-        for link in args.links:
+        for link in [] if args.only_charlm else args.links:
             ns.shape(LINKS[link])
             for partition in args.partitions:
                 for seed in range(args.seeds):
@@ -229,6 +234,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
         for partition in args.partitions:
             ddp = cell(link, partition, "ddp")
             for system in args.systems:
+                if not any((r["link"], r["partition"], r["system"]) == (link, partition, system) for r in rows):
+                    continue  # not run (a slice of the sweep)
                 t = cell(link, partition, system)
                 ratio_text = "" if system == "ddp" else harness.fmt(ratio(ddp, t) or float("nan"))
                 table.append([link, partition, system, "not reached" if t is None else f"{t:.1f}", ratio_text])
@@ -240,7 +247,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
         lines += ["", f"charlm, Adam, {args.charlm_seconds:.0f} s on the 100 Mbit/s link: swarm of 3 validation loss "
                   f"{statistics.median(swarm):.3f}, one process alone {statistics.median(alone):.3f}."]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    plot(rows, args, out)
+    if table:
+        plot(rows, args, out)
     print("\n".join(lines))
     algos = [s for s in args.systems if s != "ddp"]
     skew100 = {s: cell("100mbit", "skew", s) for s in algos}

@@ -1,7 +1,7 @@
 """Quasi-global momentum (``gossiptrain.protocol.momentum``): SGD's buffer follows the model's real change.
 
 Unit checks of the update against the paper's formulas, and in the simulator
-the label-skew gain that made it the default for pairwise and push-sum.
+the label-skew gain that made it the default for pairwise.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
         assert "momentum_buffer" not in opt.state[p] or opt.state[p]["momentum_buffer"] is None
 
 
-def test_auto_gives_it_to_pairwise_and_push_sum_only() -> None:
+def test_auto_gives_it_to_pairwise_only() -> None:
     assert [wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd")] == [
-        True, True, False, False]
+        True, False, False, False]
     assert not wants_quasi_global(GossipConfig(momentum_mode="local"))
     assert wants_quasi_global(GossipConfig(algorithm="neighbor", momentum_mode="quasi-global"))
     with pytest.raises(ConfigError, match="gossip.momentum_mode"):

@@ -94,15 +94,17 @@ def test_machines_driven_by_hand_push_every_round_as_before() -> None:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_every_algorithm_learns_label_skewed_shards_over_a_slow_link(algorithm: str) -> None:
-    """The regression test of the slow-link collapse (4 peers, 3 classes each, a 1.7 Mbit/s link, 20 virtual s).
+    """The regression test of the slow-link collapse (4 peers, 3 classes each, a 1.7 Mbit/s link).
 
     Before receipts, push-sum, neighbour and local SGD queued a push at every
     round: merged models were 1,240-1,330 steps old and the mean test accuracy
-    stayed at 0.40-0.42. With them: 43-47 steps and 0.49-0.64 (pairwise 0.74).
+    stayed at 0.40-0.42 after 20 virtual s (0.37-0.41 after 16). With them,
+    and the defaults since (auto compression, quasi-global momentum for
+    pairwise): about 50 steps, and after 12 s 0.58 (push-sum) to 0.95 (pairwise).
     """
-    final = skewed_sim_final(20.0, 2.1e5, 1.0, **{"gossip.algorithm": algorithm})
+    final = skewed_sim_final(12.0, 2.1e5, 1.0, **{"gossip.algorithm": algorithm})
     assert len(final) == 4
     assert statistics.mean(r["staleness_mean"] for r in final) < 200  # merged models are fresh
-    assert statistics.mean(r["test_acc"] for r in final) >= 0.45
+    assert statistics.mean(r["test_acc"] for r in final) >= 0.5
     if algorithm != "pairwise":  # (a pairwise request may time out behind its partner's on so slow a link)
         assert all(r["timeouts"] <= 1 for r in final)  # receipts came (one may be missed while the swarm starts)

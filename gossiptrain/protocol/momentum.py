@@ -18,16 +18,18 @@ Works on ``torch.optim.SGD`` groups with momentum > 0 (others are left as
 they are); ``mu`` is each group's own momentum. Costs two copies of the
 model and a few element-wise operations per step.
 
-``gossip.momentum_mode = "auto"`` (the default) uses it where it measured best:
-pairwise and push-sum. Simulated, 4 peers, digits-small, 3 classes per shard,
-2 ms steps, compression auto, 2 seeds (time to a mean test accuracy of 0.95):
-on 100 Mbit/s links pairwise 4.0 s -> 1.25 s (the first sample), push-sum
-never in 6 s -> 5.0-5.25 s, neighbour and local SGD never -> 1.25-1.5 s; on
-1.7 Mbit/s links pairwise never in 20 s -> 10.3-18.5 s, push-sum about even
-(0.64-0.70 -> 0.69-0.76 after 20 s), but neighbour and local SGD fell from
-0.81-0.87 to 0.48-0.58: their merges come rarely there, each a large jump
-that the buffer then carries on for about ten more steps. So they keep their
-local momentum by default; iid shards and Adam are unaffected.
+``gossip.momentum_mode = "auto"`` (the default) uses it with pairwise, where
+it measured best and safe. Simulated, 4 peers, digits-small, 3 classes per
+shard, 2 ms steps, compression auto, seeds 0 and 1, time to a mean test
+accuracy of 0.95: on 100 Mbit/s links pairwise 4.0 s -> 1.25 s (the first
+sample), push-sum never in 6 s -> 5.0-5.25 s, neighbour and local SGD never
+-> 1.25-1.5 s; on 1.7 Mbit/s links pairwise never in 20 s -> 10.3-18.5 s,
+push-sum about even, but neighbour and local SGD fell from 0.81-0.87 to
+0.48-0.58 after 20 s. And in a real run (experiments/wan.py, 100 Mbit/s,
+seed 1) push-sum with it diverged to non-finite values: its model
+``z = x / w`` jumps whenever a push arrives or leaves, and the buffer
+carries each jump on. So the others keep their local momentum by default
+(``quasi-global`` asks for it anyway); iid shards and Adam are unaffected.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from gossiptrain.config import GossipConfig
 
 #: The algorithms ``momentum_mode = "auto"`` gives quasi-global momentum (see the module docstring).
-AUTO_QUASI_GLOBAL = ("pairwise", "push-sum")
+AUTO_QUASI_GLOBAL = ("pairwise",)
 
 
 def wants_quasi_global(config: GossipConfig) -> bool:
