@@ -57,6 +57,7 @@ def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any)
     done = train_three_peers(procs, coordinator_factory, 500)
     for d in done:
         assert d["test_acc"] >= 0.93 and d["step"] == 500 and d["exchanges"] > 0, d
+        assert d["waited_s"] >= 0 and d["compression_level"] in (0, 1, 2), d  # flow control and auto, in every line
     assert sorted(d["shard"] for d in done) == [0, 1, 2]
 
 

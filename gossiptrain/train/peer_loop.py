@@ -276,6 +276,8 @@ class _Report:
             "staleness_mean": round(stats["staleness_mean"], 3),
             "staleness_hist": stats["staleness_hist"],
             "rtt_ms": round(stats["rtt_ms"], 2),
+            "waited_s": round(stats["waited_s"], 3),  # flow control: the loop waited for the link
+            "compression_level": stats["compression_level"],  # compression auto: 0 none, 1 fp16, 2 int8
             "bytes_sent": stats["bytes_sent"],
             "bytes_received": stats["bytes_received"],
             "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],
