@@ -125,8 +125,8 @@ def charlm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             procs.start(f"peer-{i}", harness.python_m("gossiptrain", "peer", "--join", join, "--quiet", "--threads", 1,
                                                       "--shard", i, "--metrics", work / f"peer-{i}.jsonl"))
         deadline = time.monotonic() + args.charlm_seconds + harness.STARTUP
-        peers_running = lambda: any(p.poll() is None for name, p in procs.procs if name.startswith("peer-"))  # noqa: E731
-        while peers_running() and time.monotonic() < deadline:  # each stops after train.max_seconds
+        peers = [p for name, p in procs.procs if name.startswith("peer-")]
+        while any(p.poll() is None for p in peers) and time.monotonic() < deadline:  # each stops after max_seconds
             if problem := procs.failed():
                 raise RuntimeError(problem)
             time.sleep(harness.POLL)

@@ -357,10 +357,11 @@ class Averaging:
     def hold_until(self, now: float) -> float | None:
         """Flow control: until when the training loop should wait after the last safe point (None: go on).
 
-        Only algorithms with an exchange to wait for hold (pairwise); the driver
-        waits on the network side's progress, never past the returned time.
+        Pairwise waits for its reply in flight (its own override); pushing
+        algorithms for the receipt of their oldest push (``protocol.receipts``).
+        The driver waits on the network side's progress, never past the returned time.
         """
-        return None
+        return self.receipts.hold_until(self._step, now, self.flow_bound())
 
     # -- helpers for subclasses --------------------------------------------------------------
 

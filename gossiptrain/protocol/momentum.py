@@ -83,7 +83,3 @@ class QuasiGlobalMomentum:
                     else:
                         buf.copy_(m)
                     prev.copy_(p)
-
-    def restart(self) -> None:
-        """Forget the reference model (after a state download replaced the parameters): the next call starts over."""
-        self._prev.clear()

@@ -148,9 +148,6 @@ class NeighborAveraging(Averaging):
             self._held.popitem(last=False)
         return []
 
-    def hold_until(self, now: float) -> float | None:
-        return self.receipts.hold_until(self._step, now, self.flow_bound())
-
     def flow_bound(self) -> int:
         return max(self.max_ahead, self.every)
 

@@ -93,9 +93,6 @@ class PushSum(Averaging):
             return []  # an undelivered push comes back as its own refusal (the driver's); a receipt needs nothing
         raise TypeError(f"unknown event {event!r}")
 
-    def hold_until(self, now: float) -> float | None:
-        return self.receipts.hold_until(self._step, now, self.flow_bound())
-
     def flow_bound(self) -> int:
         return max(self.max_ahead, self.config.exchange_every_steps)
 
