@@ -259,6 +259,10 @@ def chaos_config(peers: int) -> RunConfig:
     return fast_config(**{"train.shards": peers, "train.max_steps": 0, "train.max_seconds": 900})
 
 
+# Slow (~30 s of a 2-core default run, over the 5-minute budget): each of its faults has a default test of
+# its own (test_swarm: a kill, a join through a live peer; test_checkpoint: a resume; test_state_transfer:
+# the joiner's download); this one checks them together: `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.timeout(420)  # 80-110 s here with other jobs loading the machine (load ~10); the bound is generous
 def test_chaos_short(procs: Procs, coordinator_factory: Any) -> None:
     """Four peers, two of them killed and restarted (one through the coordinator, one through a live peer).

@@ -49,6 +49,7 @@ def accuracy(x: Any) -> bool:
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+@pytest.mark.slow  # ~13 s of a 2-core run; test_experiment_scripts.py checks it starts: `make test-slow`
 def test_topologies_quick(tmp_path: Path) -> None:
     heads = run_script("topologies", tmp_path)
     assert heads["best_topology_4"] in ("ring", "complete")
@@ -65,6 +66,7 @@ def test_topologies_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+@pytest.mark.slow  # ~15 s of a 2-core run; test_experiment_scripts.py checks it starts: `make test-slow`
 def test_staleness_quick(tmp_path: Path) -> None:
     heads = run_script("staleness", tmp_path)
     settings = {"constant/none", "polynomial:1/none"}
