@@ -8,7 +8,10 @@ port" costs, on one machine. Workload digits-small (the 19,210-parameter
 MLP: at 100 Mbit/s a DDP step is link-bound, about 40 ms of which 2 ms
 compute; `--workload digits` for the 1.1M-parameter one), shards iid
 or label-skewed (`classes-per-peer`, 3 classes each); target: the mean test
-accuracy (DDP: rank 0's) held at `--target` for 3 evaluations. Then
+accuracy (DDP: rank 0's) held at `--target` for 3 evaluations. The peers
+start at a rendezvous (`--wait-for 4`) and their clock starts when the last
+one starts, as DDP's ranks meet before their clock starts
+(`--no-start-together`: each trains as it joins, timed from the first). Then
 charlm (Adam, 3 peers on contiguous thirds of the text) against one
 process alone for the same wall time, on the 100 Mbit/s link.
 
@@ -108,7 +111,7 @@ def inside(args: argparse.Namespace) -> None:
         run = harness.run_ddp(4, args.seed, 1.0, args.target, args.timeout, work, overrides=sets)
     else:
         run = harness.run_gossip(4, args.seed, 1.0, args.target, args.timeout, work,
-                                 gossip={**sets, "gossip.algorithm": args.system})
+                                 gossip={**sets, "gossip.algorithm": args.system}, start_together=args.start_together)
     print(json.dumps({"time_to_target_s": run.time_to_target, "final_acc": run.final_acc,
                       "samples_to_target": run.samples_to_target, **{k: v for k, v in run.extra.items() if k != "steps"}}))
 
@@ -146,6 +149,7 @@ def one(ns: Namespace, system: str, link: str, partition: str, seed: int, args: 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--inside", "--system", system, "--partition", partition,
            "--seed", str(seed), "--target", str(args.target), "--timeout", str(args.timeout), "--work", str(work),
            "--workload", args.workload, "--charlm-seconds", str(args.charlm_seconds),
+           "--start-together" if args.start_together else "--no-start-together",
            *[a for item in args.set for a in ("--set", item)]]
     started = time.perf_counter()
     done = ns.run(cmd, capture_output=True, timeout=args.timeout + args.charlm_seconds + harness.STARTUP + 120, check=False)
@@ -185,6 +189,10 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="a field of every run's configuration, e.g. gossip.momentum_mode='\"local\"' (repeatable)")
     ap.add_argument("--only-charlm", action="store_true", help="skip the digits runs")
+    ap.add_argument("--start-together", action=argparse.BooleanOptionalAction, default=True,
+                    help="gossip peers run with --wait-for 4, as DDP's ranks wait for their rendezvous (default; "
+                         "--no-start-together: each trains as it joins, the first ones alone, and the clock starts "
+                         "with the first)")
     ap.add_argument("--quick", action="store_true", help="100mbit skew, DDP and the default, 1 seed, short runs")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/wan)")
     # one run inside the namespace (used by the sweep itself)
