@@ -126,10 +126,7 @@ def main() -> int:
             summary[link][str(name)] = cell
             shown = "not reached" if cell["time_to_target_s"] is None else f"{cell['time_to_target_s']:.1f}"
             lines.append(f"| {link} | {name} | {shown} | {cell['final_acc']:.3f} | {cell['steps']:.0f} | {cell['waited_s']:.2f} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(json.dumps(summary))
-    return 0
+    return harness.publish(out, lines, summary)
 
 
 if __name__ == "__main__":

@@ -714,6 +714,14 @@ def fmt_seconds(x: float) -> str:
     return fmt(x) if math.isinf(x) else f"{x:.2f} s"
 
 
+def publish(out: Path, lines: list[str], headline: dict[str, Any]) -> int:
+    """Write summary.md from ``lines``, print them, then the headline JSON as the last line; exit status 0."""
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps(headline))
+    return 0
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
