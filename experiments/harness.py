@@ -192,29 +192,22 @@ def series_from(records: list[dict[str, Any]]) -> list[Point]:
     return [Point(r["elapsed"], r["samples"], r["test_acc"]) for r in records if r.get("event") in ("eval", "done")]
 
 
-def gossip_series(
-    per_peer: list[list[dict[str, Any]]], batch_size: int, *, from_last_start: bool = False
-) -> tuple[list[Point], float | None]:
+def gossip_series(per_peer: list[list[dict[str, Any]]], batch_size: int) -> tuple[list[Point], float | None]:
     """The swarm's points: the peers' mean test accuracy, read every EVAL_EVERY seconds; and t0.
 
     Time counts from when the *first* peer started training (peers start as
     they join; counting from the last one would hide the early ones' head
-    start). ``from_last_start``, for peers started at a rendezvous
-    (``--wait-for``): from when the *last* one started, as DDP's clock starts
-    once its ranks have met. A peer sees the count reached as soon as it is
-    in its own view, its partners up to a membership round later (2 s
-    here); the partners still waiting refuse its requests, so its steps
-    meanwhile are its own (their samples are counted all the same). A point
-    exists once every peer has evaluated; its time is when the newest of the
-    evaluations it averages was taken, its samples the peers' steps at those
-    evaluations.
+    start, even at a rendezvous: the first to see the count reached starts
+    up to a membership round before the others, who average with it while
+    they wait). A point exists once every peer has evaluated; its time is
+    when the newest of the evaluations it averages was taken, its samples
+    the peers' steps at those evaluations.
     """
     starts = [next((r["time"] for r in recs if r.get("event") == "start"), None) for recs in per_peer]
     evals = [[r for r in recs if r.get("event") in ("eval", "done")] for recs in per_peer]
     if any(s is None for s in starts) or not all(evals):
         return [], None
-    known_starts = [s for s in starts if s is not None]
-    t0 = max(known_starts) if from_last_start else min(known_starts)
+    t0 = min(s for s in starts if s is not None)
     end = max(e[-1]["time"] for e in evals)
     points: list[Point] = []
     g = t0 + EVAL_EVERY
@@ -395,8 +388,8 @@ def run_gossip(
     ``gossip``: more fields of the run, e.g. {"gossip.compression": "int8"}.
     ``start_together``: every peer runs with ``--wait-for workers``, so none
     trains before all have joined (as DDP's ranks wait for their
-    rendezvous), and the clock starts with the last (see `gossip_series`);
-    otherwise each starts as it joins, the first ones alone.
+    rendezvous); otherwise each starts as it joins, the first ones alone.
+    Either way the clock starts with the first (see `gossip_series`).
     """
     fresh_dir(workdir)
     overrides = {**run_overrides(workers, seed, max_seconds=timeout + 30), "gossip.topology": topology, **(gossip or {})}
@@ -414,11 +407,11 @@ def run_gossip(
 
         def read() -> list[Point]:
             per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)]
-            return gossip_series(per_peer, run.train.batch_size, from_last_start=start_together)[0]
+            return gossip_series(per_peer, run.train.batch_size)[0]
 
         points = poll_run(procs, read, target, timeout, min_seconds=min_seconds)
     per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)]
-    _, t0 = gossip_series(per_peer, run.train.batch_size, from_last_start=start_together)
+    _, t0 = gossip_series(per_peer, run.train.batch_size)
     last = [next((r for r in reversed(recs) if r.get("event") in ("eval", "done")), {}) for recs in per_peer]
     extra_info = {
         "exchanges_per_peer": statistics.mean(r.get("exchanges", 0) for r in last),

@@ -9,9 +9,9 @@ MLP: at 100 Mbit/s a DDP step is link-bound, about 40 ms of which 2 ms
 compute; `--workload digits` for the 1.1M-parameter one), shards iid
 or label-skewed (`classes-per-peer`, 3 classes each); target: the mean test
 accuracy (DDP: rank 0's) held at `--target` for 3 evaluations. The peers
-start at a rendezvous (`--wait-for 4`) and their clock starts when the last
-one starts, as DDP's ranks meet before their clock starts
-(`--no-start-together`: each trains as it joins, timed from the first). Then
+start at a rendezvous (`--wait-for 4`), as DDP's ranks meet before their
+clock starts, timed from the first start (`--no-start-together`: each
+trains as it joins). Then
 charlm (Adam, 3 peers on contiguous thirds of the text) against one
 process alone for the same wall time, on the 100 Mbit/s link.
 
@@ -191,8 +191,7 @@ def main() -> int:
     ap.add_argument("--only-charlm", action="store_true", help="skip the digits runs")
     ap.add_argument("--start-together", action=argparse.BooleanOptionalAction, default=True,
                     help="gossip peers run with --wait-for 4, as DDP's ranks wait for their rendezvous (default; "
-                         "--no-start-together: each trains as it joins, the first ones alone, and the clock starts "
-                         "with the first)")
+                         "--no-start-together: each trains as it joins, the first ones alone); timed from the first start")
     ap.add_argument("--quick", action="store_true", help="100mbit skew, DDP and the default, 1 seed, short runs")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/wan)")
     # one run inside the namespace (used by the sweep itself)

@@ -143,6 +143,23 @@ def test_every_refused_request_is_answered_to_its_sender_with_its_xid_and_no_ten
     assert refusal == nak("A", 16) and c.stats.rejected == 1 and float(pc["w"]) == 8.0
 
 
+def test_a_peer_waiting_at_a_rendezvous_serves_the_model_it_holds_now_and_its_first_safe_point_keeps_the_merge() -> None:
+    """Before its first safe point a pairwise peer refuses (its model may still be replaced); at a rendezvous
+    (``serve_as_is``) it answers from the parameters as they are then, a downloaded state included, and the
+    merge reaches its live parameters at its first safe point, the sum of the two models kept."""
+    b, pb = pairwise([8.0], me="B", ready=False)
+    pb["w"].copy_(torch.tensor([6.0]))  # a state download replaced the parameters in place
+    assert b.handle(Received("A", XREQ, 1, w(0.0)), 0.0) == [nak("A", 1)]
+    b.serve_as_is()
+    (rep,) = b.handle(Received("A", XREQ, 2, w(2.0)), 0.0)
+    assert rep.kind == XREP and rep.to == "A" and float(rep.tensors["w"]) == 6.0  # what it holds now, not 8
+    assert b.stats.served == 1
+    settle(b, step=0)
+    assert float(pb["w"]) == 4.0  # 6 + 1/2 (2 - 6): with A's 2 + 1/2 (6 - 2) = 4 the sum 8 is kept
+    b.serve_as_is()  # once training has begun, a no-op
+    assert float(pb["w"]) == 4.0 and float(b.view[0]) == 4.0
+
+
 def test_a_server_whose_own_model_cannot_be_sent_refuses_and_logs_on_the_1st_2nd_and_4th_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

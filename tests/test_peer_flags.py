@@ -175,7 +175,10 @@ def test_wait_for_holds_training_until_the_count_is_reached_counting_the_peer_it
         lambda: len([r for r in plain.records("eval") if r["members"] == 2]) >= 4, 60, "plain to see early for a while"
     )
     assert early.alive() and early.records() == [], early.records()[:2]  # joined (plain sees it), not training
-    assert plain.records("start")[0]["step"] == 0 and plain.records("eval")[-1]["step"] > 0  # no flag: trains alone
+    assert plain.records("start")[0]["step"] == 0 and plain.records("eval")[-1]["step"] > 0  # no flag: trains at once
+    # ... and averages with early meanwhile: a peer at the rendezvous answers with the model it holds.
+    procs.wait_for(lambda: plain.records("eval")[-1]["exchanges"] > 0, 30, "plain to complete an exchange with early")
+    assert early.records() == []
     launched = time.time()
     late = procs.peer(join, "--wait-for", "3", name="late")
     procs.wait_for(lambda: early.records("eval") and late.records("eval"), 60, "early and late to train")

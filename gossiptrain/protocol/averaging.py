@@ -354,6 +354,13 @@ class Averaging:
     def handle(self, event: Event, now: float) -> list[Action]:
         raise NotImplementedError
 
+    def serve_as_is(self) -> None:
+        """Before the first safe point: answer partners from the model as it is now (a peer at a rendezvous).
+
+        Only pairwise refuses requests before its first safe point (the model
+        might still be replaced); pushes are taken at safe points anyway.
+        """
+
     def hold_until(self, now: float) -> float | None:
         """Flow control: until when the training loop should wait after the last safe point (None: go on).
 
@@ -467,6 +474,12 @@ class PairwiseAveraging(Averaging):
     @property
     def busy(self) -> bool:
         return self._inflight is not None
+
+    def serve_as_is(self) -> None:
+        if not self._ready:  # nothing merged yet (requests were refused): the model others see is the live one
+            with torch.no_grad():
+                torch._foreach_copy_(self.view, self.params)  # a downloaded state replaced the parameters in place
+            self._ready = True
 
     def hold_until(self, now: float) -> float | None:
         inflight = self._inflight

@@ -272,9 +272,13 @@ class Peer:
         """Block until at least ``count`` members (us included) are alive in our view.
 
         A rendezvous for loops that should not start alone, e.g.
-        ``peer.wait_for_peers(peer.num_shards)``. Returns the member count;
-        raises TimeoutError after ``timeout`` seconds.
+        ``peer.wait_for_peers(peer.num_shards)``. Meanwhile the peer answers
+        its partners' exchanges with the model as it is now (the first to see
+        the count reached starts a membership round before the others), so
+        call it once the model is final. Returns the member count; raises
+        TimeoutError after ``timeout`` seconds.
         """
+        self.serve_before_training()
         deadline = None if timeout is None else time.monotonic() + timeout
         while (n := self.members) < count:
             if self._closed:
@@ -283,6 +287,11 @@ class Peer:
                 raise TimeoutError(f"only {n} of {count} members after {timeout} s")
             time.sleep(0.02)
         return n
+
+    def serve_before_training(self) -> None:
+        """Answer partners' exchanges from the model as it is now, before the first ``step`` (see ``wait_for_peers``)."""
+        self._check_open()
+        self._safepoint.serve_as_is()
 
     def step(self, samples_seen: int | None = None) -> None:
         """Call after each optimizer step: apply finished exchanges, answer requests, start one.

@@ -86,6 +86,11 @@ class SafePoint:
         if self.after is not None:
             self.after()
 
+    def serve_as_is(self) -> None:
+        """Before training: answer partners from the model as it is now (``Averaging.serve_as_is``)."""
+        with self._lock:
+            self.averaging.serve_as_is()
+
     def on_network(self, event: averaging.Event) -> None:
         """An event the algorithm takes as it arrives (on the node's thread): answer it now, send at once."""
         now = self.clock.now()

@@ -139,6 +139,8 @@ class SimPeer:
                     )
                     install_transfer(self.transfer, values, snapshots, optimizer)
                 node.state.mark_ready()
+                if self.spec.wait_for:
+                    safepoint.serve_as_is()  # as the peer command: answer partners while waiting
                 while len(node.view()) < self.spec.wait_for:  # the rendezvous, polled as the peer command polls it
                     await asyncio.sleep(0.05)
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer)

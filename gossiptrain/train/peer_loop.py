@@ -138,7 +138,7 @@ def run_peer(
             on_training()
         # Log lines above the live line, never on it; and a line for each member that joins, leaves or dies.
         with progress.logs_above(MEMBER_EVENTS, accept=lambda record: getattr(record, "peer_id", None) == peer.id):
-            if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress):
+            if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress, serve=resume is None):
                 return {"event": "stopped", "peer": peer.id, "step": 0}
             return _train(
                 peer, workload, metrics, progress, stop, options.slowdown,
@@ -146,8 +146,14 @@ def run_peer(
             )
 
 
-def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress) -> bool:
-    """A rendezvous (as DDP's): block until ``count`` members are alive in our view; False if stopped first."""
+def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress, *, serve: bool) -> bool:
+    """A rendezvous (as DDP's): block until ``count`` members are alive in our view; False if stopped first.
+
+    ``serve``: answer partners' exchanges meanwhile (the model is final unless a checkpoint is still to be
+    loaded): the first peer to see the count reached may start a membership round before the others.
+    """
+    if serve:
+        peer.serve_before_training()
     while peer.members < count:
         if stop.wait(0.05):
             return False
