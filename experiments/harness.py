@@ -406,19 +406,18 @@ def run_gossip(
             ))
 
         def read() -> list[Point]:
-            per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)]
-            return gossip_series(per_peer, run.train.batch_size)[0]
+            return gossip_series([read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)], run.train.batch_size)[0]
 
         points = poll_run(procs, read, target, timeout, min_seconds=min_seconds)
     per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(workers)]
     _, t0 = gossip_series(per_peer, run.train.batch_size)
     last = [next((r for r in reversed(recs) if r.get("event") in ("eval", "done")), {}) for recs in per_peer]
+    starts = [r["time"] for recs in per_peer for r in recs if r.get("event") == "start"]
     extra_info = {
         "exchanges_per_peer": statistics.mean(r.get("exchanges", 0) for r in last),
         "steps": [r.get("step", 0) for r in last],
         "rtt_ms": statistics.median(r.get("rtt_ms", 0.0) for r in last),
-        "start_spread_s": round(max(starts) - min(starts), 3) if (starts := [
-            r["time"] for recs in per_peer for r in recs if r.get("event") == "start"]) else None,
+        "start_spread_s": round(max(starts) - min(starts), 3) if starts else None,  # first to last peer's start
     }
     return Run("gossip", seed, slowdown, points, target, setup_seconds=(t0 or began) - began, extra=extra_info)
 
