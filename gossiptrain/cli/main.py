@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments; default 1: no)")
     p.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads for this peer (default 1)")
     p.add_argument("--wait-for", type=int, default=0, metavar="N",
-                   help="train only once N members (this one included) are in the swarm: a start line (default 0: at once)")
+                   help="train only once N members (this one included) are ready to train (joined, state downloaded): "
+                   "a start line that releases them together (default 0: at once)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.add_argument("--final-model", metavar="FILE",

@@ -19,6 +19,8 @@ XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that
 XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)
 # State transfer to newcomers (gossiptrain.protocol.state_transfer).
 SREQ, SREP, SNAK = "sreq", "srep", "snak"
+# A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
+READY = "ready"
 # The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
 QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
 
@@ -26,6 +28,7 @@ JOINING = (JOIN, WELCOME, REFUSE)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
 STATE = (SREQ, SREP, SNAK)
+RENDEZVOUS = (READY,)
 FINISH = (QUERY, ROSTER, STOP, FIN)
 
-ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + FINISH)
+ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + FINISH)

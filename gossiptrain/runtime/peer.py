@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -241,7 +242,11 @@ class Peer:
             install_transfer(result, values, self._snapshots, self.optimizer)  # here, on the training thread
             if values is not None and self.config.state.transfer_step:
                 self.resume_at(result.step)
-        node.state.mark_ready()
+
+        async def ready() -> None:  # on the loop thread, where the node lives
+            node.mark_ready()
+
+        self._loop.run(ready(), timeout=10)
 
     # -- the training loop's side ------------------------------------------------------------
 
@@ -268,25 +273,41 @@ class Peer:
         """Alive members in our view, ourselves included."""
         return len(self._node.view()) if self._node else 0
 
-    def wait_for_peers(self, count: int, timeout: float | None = None) -> int:
-        """Block until at least ``count`` members (us included) are alive in our view.
+    def wait_for_peers(
+        self, count: int, timeout: float | None = None, *, stop: threading.Event | None = None,
+        serve: bool = True, on_wait: Callable[[int], None] | None = None,
+    ) -> int:
+        """Block until ``count`` members (us included) are ready to train: a rendezvous, as DDP's.
 
-        A rendezvous for loops that should not start alone, e.g.
-        ``peer.wait_for_peers(peer.num_shards)``. Meanwhile the peer answers
-        its partners' exchanges with the model as it is now (the first to see
-        the count reached starts a membership round before the others), so
-        call it once the model is final. Returns the member count; raises
-        TimeoutError after ``timeout`` seconds.
+        For loops that should not start alone, e.g. ``peer.wait_for_peers(peer.num_shards)``.
+        Ready means joined and past the state download (``gossiptrain.protocol.rendezvous``),
+        so every member starts within about one message of the others, and none
+        downloads from a member that started before it. Meanwhile the peer answers
+        its partners' exchanges with the model as it is now (``serve``; call it
+        once the model is final). ``on_wait(ready)`` is called about every 50 ms
+        while it waits. Returns the ready members counted: ``count`` or more,
+        fewer only when ``stop`` was set first. Raises TimeoutError after
+        ``timeout`` seconds.
         """
-        self.serve_before_training()
+        node = self._check_open()
+        if serve:
+            self.serve_before_training()
+
+        async def start() -> None:  # on the loop thread; a rendezvous of an earlier call is over when this returns
+            node.wait_for(count)
+
+        self._loop.run(start(), timeout=10)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (n := self.members) < count:
+        while not node.released.wait(0.05):
             if self._closed:
                 raise GossipError("this peer is closed")
+            if stop is not None and stop.is_set():
+                return node.ready_count
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"only {n} of {count} members after {timeout} s")
-            time.sleep(0.02)
-        return n
+                raise TimeoutError(f"only {node.ready_count} of {count} members ready after {timeout} s")
+            if on_wait is not None:
+                on_wait(node.ready_count)
+        return max(count, node.ready_count)
 
     def serve_before_training(self) -> None:
         """Answer partners' exchanges from the model as it is now, before the first ``step`` (see ``wait_for_peers``)."""

@@ -15,7 +15,9 @@ carry our own mass back wait apart (``returns``), so a full queue never
 drops them. State transfer messages go to
 ``self.state`` (``gossiptrain.runtime.state_endpoint``): it answers newcomers
 as a donor and feeds our own download when we are one. End-of-run messages
-go to ``self.finish`` (``gossiptrain.protocol.finish``).
+go to ``self.finish`` (``gossiptrain.protocol.finish``). Ready sets go to
+``self.rendezvous`` (``gossiptrain.protocol.rendezvous``): who is past its
+state download, for peers that wait for a count before training.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -51,6 +54,7 @@ from gossiptrain.protocol.membership import (
     Tick,
     members_from_wire,
 )
+from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
@@ -127,11 +131,19 @@ class PeerNode(JoinAnsweringEndpoint):
         self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock)
         # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
         self.finish = finish.FinishEndpoint(config, me=me.id, members=self.membership.alive)
+        # Who is ready to train, for a peer that waits for a count first (`--wait-for`, Peer.wait_for_peers).
+        self.rendezvous = Rendezvous(
+            me.id, interval=config.membership.heartbeat_interval / 2, max_ids=config.limits.max_container_len, rng=rng,
+            gone=self._gone,
+        )
+        self.released = threading.Event()  # the rendezvous's count is reached: the trainer may start (its thread waits)
+        self.ready_count = 0  # live members known ready, for the trainer thread to read
         self.handlers = {
             kinds.JOIN: self._on_join,
             **dict.fromkeys(kinds.MEMBERSHIP, self._on_membership),
             **dict.fromkeys(kinds.EXCHANGE, self._on_exchange),
             **dict.fromkeys(kinds.STATE, self._on_state),
+            kinds.READY: self._on_ready,
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
@@ -190,6 +202,16 @@ class PeerNode(JoinAnsweringEndpoint):
         if self.coordinator:
             self.send(self.coordinator, kinds.REPORT, self._report_body())
 
+    def mark_ready(self) -> None:
+        """Our model is final (state downloaded, or none to download): donors may serve it, rendezvous count us."""
+        self.state.mark_ready()
+        self._send_ready(self.rendezvous.arrive(self.clock.now(), self._view))
+
+    def wait_for(self, count: int) -> None:
+        """Start a rendezvous for ``count`` ready members (us included); ``released`` is set when they are there."""
+        self.released.clear()
+        self._send_ready(self.rendezvous.wait(count, self.clock.now(), self._view))
+
     # -- sending ---------------------------------------------------------------------------
 
     def send_exchange(self, action: SendExchange) -> None:
@@ -220,7 +242,9 @@ class PeerNode(JoinAnsweringEndpoint):
             now = self.clock.now()
             self._apply(self.membership.handle(Tick(), now))
             self.state.tick(now)
-            await self.clock.sleep(max(floor, self.membership.next_timer() - self.clock.now()))
+            self._send_ready(self.rendezvous.tick(now, self._view))
+            wake = min(self.membership.next_timer(), self.rendezvous.next_timer())
+            await self.clock.sleep(max(floor, wake - self.clock.now()))
 
     async def _report_loop(self) -> None:
         while True:
@@ -246,6 +270,20 @@ class PeerNode(JoinAnsweringEndpoint):
     def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
         self.state.on_message(msg)
 
+    def _on_ready(self, msg: Message, frames: Sequence[object]) -> None:
+        ids, go = ready_from_wire(msg.body, self.config.limits.max_container_len)
+        self._remember_addr(msg.sender, msg.addr)  # our answer reaches a sender not yet in our view
+        self._send_ready(self.rendezvous.handle(msg.sender, ids, go, self.clock.now(), self._view))
+
+    def _send_ready(self, actions: list[SendReady]) -> None:
+        for a in actions:
+            addr = self._address_of(a.to)
+            if addr is not None:
+                self.send(addr, kinds.READY, {"ready": list(a.ready), "go": a.go})
+        self.ready_count = self.rendezvous.count()
+        if self.rendezvous.released and not self.released.is_set():
+            self.released.set()
+
     def _on_finish_message(self, msg: Message, frames: Sequence[object]) -> None:
         self.on_finish(finish_event(msg, self.transport.source_of(frames)))
 
@@ -270,6 +308,10 @@ class PeerNode(JoinAnsweringEndpoint):
             if event.kind in _NEEDS_ANSWER:  # refused at once: a requester moves on, a pusher takes its mass back
                 bare = SendExchange(event.sender, kinds.XNAK, event.xid, {})
                 self.send_exchange(push_sum.refusal(event) if event.kind == kinds.XPUSH else bare)
+
+    def _gone(self, member_id: str) -> bool:
+        m = self.membership.get(member_id)
+        return m is not None and m.state in (membership.DEAD, membership.LEFT)
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
@@ -320,6 +362,7 @@ class PeerNode(JoinAnsweringEndpoint):
                     self._now(averaging.MemberGone(a.member.id))
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
+            self._send_ready(self.rendezvous.tick(self.clock.now(), self._view))  # a member we counted may be gone
 
     def _tell(self, a: MemberUp | MemberDown) -> None:
         """The line people see (``MEMBER_EVENTS``); members already there when we started are not news (DEBUG)."""

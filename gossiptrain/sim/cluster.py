@@ -66,7 +66,7 @@ class SimConfig:
     cores: float = 0.0  # cores the peers share (0: one each); fewer cores than busy peers slow everyone
     step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed, mean 1; 0: every step alike)
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation, charged every train.eval_every_seconds (0: free)
-    wait_for: int = 0  # as `peer --wait-for N`: a peer trains once N members (itself included) are in its view
+    wait_for: int = 0  # as `peer --wait-for N`: a peer trains once N members (itself included) are ready
     join_spread: float = 1.0  # virtual seconds over which the initial peers start (evenly spaced)
     sample_every: float = 1.0  # virtual seconds between samples of every peer
     membership_only: bool = False  # no model, no training: just the membership protocol

@@ -49,7 +49,7 @@ class SimPeerSpec:
     poison: float = 1.0  # a rogue peer sends valid parameters scaled by this (1: honest)
     step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed with mean 1)
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation (a real peer evaluates on its training thread)
-    wait_for: int = 0  # train only once this many members (itself included) are in the view, as `peer --wait-for`
+    wait_for: int = 0  # train only once this many members (itself included) are ready, as `peer --wait-for`
 
     @property
     def name(self) -> str:
@@ -85,6 +85,7 @@ class SimPeer:
         self.transport: SimTransport | None = None
         self.joined_at: float | None = None
         self.transfer: TransferResult | None = None  # how its state download went (None: there was none)
+        self.ready_at: float | None = None  # virtual time it was ready to train (joined, state downloaded)
         self.started_at: float | None = None  # virtual time its training began
 
     @property
@@ -138,11 +139,13 @@ class SimPeer:
                         optimizer=optimizer,
                     )
                     install_transfer(self.transfer, values, snapshots, optimizer)
-                node.state.mark_ready()
-                if self.spec.wait_for:
-                    safepoint.serve_as_is()  # as the peer command: answer partners while waiting
-                while len(node.view()) < self.spec.wait_for:  # the rendezvous, polled as the peer command polls it
-                    await asyncio.sleep(0.05)
+                node.mark_ready()
+                self.ready_at = self.clock.now()
+                if self.spec.wait_for:  # the rendezvous, as the peer command's (Peer.wait_for_peers)
+                    safepoint.serve_as_is()  # answer partners while waiting
+                    node.wait_for(self.spec.wait_for)
+                    while not node.released.is_set():
+                        await asyncio.sleep(0.01)
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer)
                 if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
                     trainer.steps = self.transfer.step
@@ -185,6 +188,8 @@ class SimPeer:
     def stats(self) -> dict[str, float]:
         """Counters for the time series (zeros before the peer has joined)."""
         out: dict[str, float] = {"members": len(self.node.view()) if self.node else 0}
+        if self.ready_at is not None:
+            out["ready"] = self.ready_at
         if self.started_at is not None:
             out["started"] = self.started_at
         if self.transport is not None:

@@ -51,7 +51,7 @@ class PeerOptions:
     join_attempts: int | None = None  # default: membership.join_attempts
     slowdown: float = 1.0  # >1 makes this peer a straggler: it idles (slowdown-1) x each step's compute time
     threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
-    wait_for: int = 0  # do not train until this many members (us included) are in the view; 0: start at once
+    wait_for: int = 0  # do not train until this many members (us included) are ready to train; 0: start at once
     progress: bool = True
     checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end)
     checkpoint_every_seconds: float = 60.0  # 0: no time-based saves
@@ -147,18 +147,14 @@ def run_peer(
 
 
 def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress, *, serve: bool) -> bool:
-    """A rendezvous (as DDP's): block until ``count`` members are alive in our view; False if stopped first.
+    """A rendezvous (``Peer.wait_for_peers``), with the progress line; False if stopped first.
 
-    ``serve``: answer partners' exchanges meanwhile (the model is final unless a checkpoint is still to be
-    loaded): the first peer to see the count reached may start a membership round before the others.
+    ``serve``: answer partners' exchanges meanwhile, unless a checkpoint is still to be loaded.
     """
-    if serve:
-        peer.serve_before_training()
-    while peer.members < count:
-        if stop.wait(0.05):
-            return False
-        progress.update(f"peer {peer.id}: waiting for {count} members, {peer.members} so far")
-    return True
+    def show(ready: int) -> None:
+        progress.update(f"peer {peer.id}: waiting for {count} members ready to train, {ready} so far")
+
+    return peer.wait_for_peers(count, stop=stop, serve=serve, on_wait=show) >= count
 
 
 def _train(
