@@ -2,7 +2,7 @@
 
 The codec reads each message's level off the wire; the policy moves to int8
 when an exchange takes longer than flow control's bound and back when the
-link allows; pairwise and push-sum conserve the swarm's sum through every
+link allows, and takes a level back that made exchanges no shorter; pairwise and push-sum conserve the swarm's sum through every
 change; in the simulator the swarm switches as the link's bandwidth changes.
 """
 
@@ -22,7 +22,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XACK, XPUSH
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.auto_compression import SETTLE_EXCHANGES, AutoCompression
+from gossiptrain.protocol.auto_compression import BLOCK_EXCHANGES, SETTLE_EXCHANGES, AutoCompression
 from gossiptrain.protocol.averaging import AtSafePoint, Received, SendExchange, wire_bytes
 from gossiptrain.protocol.compression import AUTO_LEVELS, AutoCodec
 from gossiptrain.sim.cluster import Cluster, SimConfig
@@ -88,6 +88,32 @@ def test_a_slow_link_moves_to_the_first_level_that_fits_and_a_fast_one_back_one_
     assert levels[0] == 2 and levels[-1] == 0  # back to none...
     assert all(b - a in (0, -1) for a, b in zip(levels, levels[1:]))  # ...a level at a time
     assert auto.switches == 4
+
+
+def test_fewer_bytes_that_do_not_shorten_exchanges_are_taken_back_and_tried_again_ever_later() -> None:
+    """Exchanges slow for another reason (peers waiting for a shared CPU): int8 is tried, found no faster, undone."""
+    auto = policy_after_steps()
+    bound = 4  # 8 ms of steps; every exchange takes 12 ms whatever its size
+    levels = [auto.codec.level]
+    for _ in range(3 * BLOCK_EXCHANGES + 20):
+        auto.exchanged(0.012, auto.level_bytes[auto.codec.level], bound)
+        levels.append(auto.codec.level)
+    tried = [i for i, (a, b) in enumerate(zip(levels, levels[1:])) if b > a]
+    assert levels[1] == 2 and levels[1 + SETTLE_EXCHANGES] == 0  # tried at once, judged, taken back
+    assert tried[1] - tried[0] >= BLOCK_EXCHANGES  # not tried again for a while...
+    assert tried[2] - tried[1] >= 2 * BLOCK_EXCHANGES  # ...and twice as long after the next failure
+    assert levels[-1] == 0
+
+
+def test_fewer_bytes_that_do_shorten_exchanges_are_kept() -> None:
+    auto = policy_after_steps()
+    bound = 4
+    levels = []
+    for _ in range(4 * SETTLE_EXCHANGES):  # 1 ms of latency plus the model both ways at 100 Mbit/s: 13 ms at none
+        levels.append(auto.codec.level)
+        auto.exchanged(0.001 + 16 * auto.level_bytes[auto.codec.level] / 1e8, auto.level_bytes[auto.codec.level], bound)
+    assert levels[1:] == [2] * 8 + [1] * 7
+    assert auto.codec.level == 1  # int8 kept after its trial, then fp16, which fits this link too: never none again
 
 
 def test_steps_spent_waiting_for_the_link_do_not_count_as_step_time() -> None:
