@@ -1,7 +1,7 @@
 """Label skew at 16 peers: the default's final accuracy with Dirichlet shards (alpha 0.01) against iid shards.
 
 16 simulated peers (`gossiptrain.sim`) train digits-small with the defaults
-(pairwise, quasi-global momentum, auto compression, flow control), once on
+(pairwise, drift correction, auto compression, flow control), once on
 iid shards and once on `--partition dirichlet --partition-alpha 0.01` (about
 one class per peer), same seeds, same virtual time. Two settings:
 

@@ -13,7 +13,9 @@ start at a rendezvous (`--wait-for 4`), as DDP's ranks meet before their
 clock starts, timed from the first start (`--no-start-together`: each
 trains as it joins). Then
 charlm (Adam, 3 peers on contiguous thirds of the text) against one
-process alone for the same wall time, on the 100 Mbit/s link.
+process alone for the same wall time, on the 100 Mbit/s link; with
+`--charlm-steps N` also after the same samples: 3 peers of N steps each
+(starting together) against one process of 3N steps on all the text.
 
 Needs root (`ip netns`, `tc`): without it, it prints one line saying why
 and exits 0. Output in experiments/results/wan/ (`--quick`: a scratch
@@ -24,7 +26,8 @@ object: {"ddp_over_gossip_100mbit_skew", "ddp_over_gossip_lan_skew",
 means gossip is faster; worst_algorithm_over_default is the slowest
 algorithm's time over the default's on the 100 Mbit/s skewed link;
 charlm_swarm_over_alone is the swarm's mean validation loss over the lone
-process's, below 1 means the swarm learned more).
+process's, below 1 means the swarm learned more; with `--charlm-steps`
+also "charlm_swarm_over_all_samples", the target being at most 1.05).
 
     python experiments/wan.py            # both links, iid and skew, DDP + 4 algorithms, 3 seeds, charlm (hours)
     python experiments/wan.py --quick    # 100 Mbit/s skew only: DDP and the default, 1 seed, short runs, charlm 10 s
@@ -117,19 +120,27 @@ def inside(args: argparse.Namespace) -> None:
 
 
 def charlm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """charlm for ``--charlm-seconds``: the swarm (3 peers, contiguous thirds) or one process alone; its final loss."""
-    peers = 3 if args.system == "charlm-swarm" else 1
+    """charlm: the swarm (3 peers, contiguous thirds) or one process alone; its final validation loss.
+
+    ``charlm-swarm`` / ``charlm-alone``: ``--charlm-seconds`` of wall time each.
+    ``charlm-swarm-steps`` / ``charlm-all-samples``: the same samples, 3 peers of
+    ``--charlm-steps`` steps (starting together) against one process of 3 times that.
+    """
+    by_steps = args.system in ("charlm-swarm-steps", "charlm-all-samples")
+    peers = 3 if args.system.startswith("charlm-swarm") else 1
     harness.fresh_dir(work)
-    overrides = {**CHARLM, "train.shards": peers, "train.seed": args.seed, "train.max_steps": 0,
-                 "train.max_seconds": args.charlm_seconds, "train.eval_every_seconds": 2.0}
+    budget = ({"train.max_steps": args.charlm_steps * (3 // peers), "train.max_seconds": 0} if by_steps
+              else {"train.max_steps": 0, "train.max_seconds": args.charlm_seconds})
+    overrides = {**CHARLM, "train.shards": peers, "train.seed": args.seed, **budget, "train.eval_every_seconds": 2.0}
+    wait = ["--wait-for", str(peers)] if by_steps and peers > 1 else []
     with harness.Procs(work) as procs:
         join = harness.start_coordinator(procs, overrides)
         for i in range(peers):
             procs.start(f"peer-{i}", harness.python_m("gossiptrain", "peer", "--join", join, "--quiet", "--threads", 1,
-                                                      "--shard", i, "--metrics", work / f"peer-{i}.jsonl"))
-        deadline = time.monotonic() + args.charlm_seconds + harness.STARTUP
-        peers = [p for name, p in procs.procs if name.startswith("peer-")]
-        while any(p.poll() is None for p in peers) and time.monotonic() < deadline:  # each stops after max_seconds
+                                                      "--shard", i, "--metrics", work / f"peer-{i}.jsonl", *wait))
+        deadline = time.monotonic() + (args.timeout if by_steps else args.charlm_seconds) + harness.STARTUP
+        running = [p for name, p in procs.procs if name.startswith("peer-")]
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:  # each stops after max_seconds
             if problem := procs.failed():
                 raise RuntimeError(problem)
             time.sleep(harness.POLL)
@@ -148,7 +159,7 @@ def one(ns: Namespace, system: str, link: str, partition: str, seed: int, args: 
     work = out / "runs" / f"{link}-{partition}-{system}-{seed}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--inside", "--system", system, "--partition", partition,
            "--seed", str(seed), "--target", str(args.target), "--timeout", str(args.timeout), "--work", str(work),
-           "--workload", args.workload, "--charlm-seconds", str(args.charlm_seconds),
+           "--workload", args.workload, "--charlm-seconds", str(args.charlm_seconds), "--charlm-steps", str(args.charlm_steps),
            "--start-together" if args.start_together else "--no-start-together",
            *[a for item in args.set for a in ("--set", item)]]
     started = time.perf_counter()
@@ -186,6 +197,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds of training per run before it counts as not reached")
     ap.add_argument("--workload", default=WORKLOAD)
     ap.add_argument("--charlm-seconds", type=float, default=60.0, help="wall seconds of the charlm runs (0: skip charlm)")
+    ap.add_argument("--charlm-steps", type=int, default=0,
+                    help="also charlm after the same samples: 3 peers of N steps against one process of 3N (0: skip)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="a field of every run's configuration, e.g. gossip.momentum_mode='\"local\"' (repeatable)")
     ap.add_argument("--only-charlm", action="store_true", help="skip the digits runs")
@@ -219,10 +232,12 @@ def main() -> int:
                 for seed in range(args.seeds):
                     for system in args.systems:
                         rows.append(one(ns, system, link, partition, seed, args, out))
-        if args.charlm_seconds > 0:
+        charlm_systems = [*(("charlm-swarm", "charlm-alone") if args.charlm_seconds > 0 else ()),
+                          *(("charlm-swarm-steps", "charlm-all-samples") if args.charlm_steps > 0 else ())]
+        if charlm_systems:
             ns.shape(LINKS["100mbit"])
             for seed in range(args.seeds):
-                for system in ("charlm-swarm", "charlm-alone"):
+                for system in charlm_systems:
                     rows.append(one(ns, system, "100mbit", "contiguous", seed, args, out))
     harness.write_csv(out / "runs.csv", rows)
     return report(rows, args, out)
@@ -247,12 +262,20 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
                 ratio_text = "" if system == "ddp" else harness.fmt(ratio(ddp, t) or float("nan"))
                 table.append([link, partition, system, "not reached" if t is None else f"{t:.1f}", ratio_text])
     lines += harness.markdown_table(["link", "shards", "system", "time to target (s)", "DDP / this"], table)
-    swarm = [r.get("val_loss") for r in rows if r["system"] == "charlm-swarm" and r.get("val_loss") is not None]
-    alone = [r.get("val_loss") for r in rows if r["system"] == "charlm-alone" and r.get("val_loss") is not None]
+    def losses(system: str) -> list[float]:
+        return [r["val_loss"] for r in rows if r["system"] == system and r.get("val_loss") is not None]
+
+    swarm, alone = losses("charlm-swarm"), losses("charlm-alone")
     charlm_ratio = ratio(statistics.median(swarm), statistics.median(alone)) if swarm and alone else None
     if swarm and alone:
         lines += ["", f"charlm, Adam, {args.charlm_seconds:.0f} s on the 100 Mbit/s link: swarm of 3 validation loss "
                   f"{statistics.median(swarm):.3f}, one process alone {statistics.median(alone):.3f}."]
+    by_steps, all_samples = losses("charlm-swarm-steps"), losses("charlm-all-samples")
+    samples_ratio = ratio(statistics.median(by_steps), statistics.median(all_samples)) if by_steps and all_samples else None
+    if by_steps and all_samples:
+        lines += ["", f"charlm, Adam, the same samples on the 100 Mbit/s link: swarm of 3 x {args.charlm_steps} steps "
+                  f"validation loss {statistics.median(by_steps):.3f}, one process of {3 * args.charlm_steps} steps "
+                  f"{statistics.median(all_samples):.3f} (swarm / all samples {samples_ratio:.3f}; target at most 1.05)."]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     if table:
         plot(rows, args, out)
@@ -267,6 +290,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
         "ddp_over_gossip_lan_iid": harness.finite_or_none(ratio(cell("1gbit", "iid", "ddp"), cell("1gbit", "iid", DEFAULT))),
         "worst_algorithm_over_default": harness.finite_or_none(ratio(worst, default)),
         "charlm_swarm_over_alone": harness.finite_or_none(charlm_ratio),
+        **({"charlm_swarm_over_all_samples": harness.finite_or_none(samples_ratio)} if args.charlm_steps > 0 else {}),
     }))
     return 0
 

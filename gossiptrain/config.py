@@ -191,6 +191,8 @@ class TrainConfig:
 
 #: How SGD momentum meets averaging (gossiptrain.protocol.momentum).
 MOMENTA: tuple[str, ...] = ("auto", "local", "quasi-global")
+#: The largest ``gossip.drift_gain`` accepted: 8 already diverged in the simulator on a 100 Mbit/s link.
+MAX_DRIFT_GAIN = 8.0
 #: The largest outer step local-sgd accepts, outer_lr / (1 - outer_momentum), and the largest outer momentum.
 #: In the simulator (digits, 8 peers, exponential, H = 4; tests/test_algorithms_sim.py) 0.7/0.8 (3.5),
 #: 1.0/0.7 (3.3), 0.5/0.9 (5) and 0.7/0.9 (7) went non-finite. The averaging nemesis
@@ -222,6 +224,7 @@ class GossipConfig:
     staleness_exponent: float = 0.5
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
     momentum_mode: str = "auto"  # SGD momentum across averaging: quasi-global (follows the swarm), local (the optimizer's own), auto
+    drift_gain: float = -1.0  # replay merges this many times more, smoothed (gossiptrain.protocol.drift); 0: off; -1: auto
     compression: str = "auto"  # what exchanges send: auto (none, fp16 or int8 as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
     robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
     robust_clip: float = 3.0
@@ -293,6 +296,10 @@ class GossipConfig:
         )
         _require(self.quarantine_after >= 1, f"{s}.quarantine_after", f"must be >= 1, got {self.quarantine_after}")
         _require(self.quarantine_seconds >= 0, f"{s}.quarantine_seconds", f"must be >= 0, got {self.quarantine_seconds}")
+        _require(
+            self.drift_gain == -1 or 0 <= self.drift_gain <= MAX_DRIFT_GAIN, f"{s}.drift_gain",
+            f"is {self.drift_gain:g}; use 0 (off) up to {MAX_DRIFT_GAIN:g}, or -1 (auto: 4)",
+        )
         _require(self.momentum_mode in MOMENTA, f"{s}.momentum_mode", f"is {self.momentum_mode!r}; choose from {', '.join(MOMENTA)}")
         codec = self.compression.strip().partition(":")[0]
         _require(

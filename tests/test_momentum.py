@@ -55,9 +55,8 @@ def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
         assert "momentum_buffer" not in opt.state[p] or opt.state[p]["momentum_buffer"] is None
 
 
-def test_auto_gives_it_to_pairwise_only() -> None:
-    assert [wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd")] == [
-        True, False, False, False]
+def test_auto_gives_it_to_no_algorithm_since_drift_correction() -> None:
+    assert not any(wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd"))
     assert not wants_quasi_global(GossipConfig(momentum_mode="local"))
     assert wants_quasi_global(GossipConfig(algorithm="neighbor", momentum_mode="quasi-global"))
     with pytest.raises(ConfigError, match="gossip.momentum_mode"):
@@ -65,10 +64,11 @@ def test_auto_gives_it_to_pairwise_only() -> None:
 
 
 def skewed_run(mode: str) -> float:
-    """Mean test accuracy after 2.5 virtual s: 4 peers, digits-small, 3 classes each, 100 Mbit/s links."""
-    return statistics.mean(r["test_acc"] for r in skewed_sim_final(2.5, 1.25e7, 0.5, **{"gossip.momentum_mode": mode}))
+    """Mean test accuracy after 2.5 virtual s: 4 peers, digits-small, 3 classes each, 100 Mbit/s links, no drift correction."""
+    final = skewed_sim_final(2.5, 1.25e7, 0.5, **{"gossip.momentum_mode": mode, "gossip.drift_gain": 0.0})
+    return statistics.mean(r["test_acc"] for r in final)
 
 
-def test_on_label_skewed_shards_the_default_learns_faster_than_local_momentum() -> None:
-    """Measured in the simulator (2 seeds): pairwise at 0.95 by 1.25 s with it, by 4.0 s without."""
-    assert skewed_run("auto") > skewed_run("local") + 0.03
+def test_on_label_skewed_shards_it_learns_faster_than_local_momentum() -> None:
+    """Measured in the simulator (2 seeds): pairwise at 0.95 by 1.25 s with it, by 4.0 s without (no drift correction)."""
+    assert skewed_run("quasi-global") > skewed_run("local") + 0.03

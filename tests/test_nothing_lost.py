@@ -57,9 +57,18 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def settled(peer: Peer) -> torch.Tensor:
-    """The peer's model with every merge it has made applied: the parameters plus what waits for its next safe point."""
-    averaging: Any = peer._averaging  # pairwise keeps merges made since the last safe point in ``pending``
-    return torch.cat([(p.detach().double() + d.double()).flatten() for p, d in zip(peer.model.parameters(), averaging.pending)])
+    """The peer's model with every merge it has made applied, and every replay drift correction still owes.
+
+    Pairwise keeps merges made since the last safe point in ``pending``; drift
+    correction (``gossiptrain.protocol.drift``) will replay each of them ``gain``
+    times more, and still owes ``owed()`` of those already applied.
+    """
+    averaging: Any = peer._averaging
+    drift = peer._safepoint.drift
+    gain = drift.gain if drift is not None else 0.0
+    owed = drift.owed() if drift is not None else [torch.zeros_like(p) for p in peer.model.parameters()]
+    return torch.cat([(p.detach().double() + (1 + gain) * d.double() + o.double()).flatten()
+                      for p, d, o in zip(peer.model.parameters(), averaging.pending, owed)])
 
 
 @pytest.mark.timeout(120)

@@ -35,9 +35,11 @@ def test_the_headline_compares_each_cell_with_ddp(tmp_path: Path, capsys: pytest
         {"link": "1gbit", "partition": "iid", "system": "pairwise", "seed": 0, "time_to_target_s": 5.0},
         {"link": "100mbit", "partition": "contiguous", "system": "charlm-swarm", "seed": 0, "val_loss": 1.5},
         {"link": "100mbit", "partition": "contiguous", "system": "charlm-alone", "seed": 0, "val_loss": 2.0},
+        {"link": "100mbit", "partition": "contiguous", "system": "charlm-swarm-steps", "seed": 0, "val_loss": 1.1},
+        {"link": "100mbit", "partition": "contiguous", "system": "charlm-all-samples", "seed": 0, "val_loss": 1.0},
     ]
     args = Namespace(links=["100mbit", "1gbit"], partitions=["skew", "iid"], systems=["ddp", "pairwise", "push-sum"],
-                     seeds=1, target=0.93, timeout=60.0, workload="digits-small", charlm_seconds=30.0)
+                     seeds=1, target=0.93, timeout=60.0, workload="digits-small", charlm_seconds=30.0, charlm_steps=100)
     wan.report(rows, args, tmp_path)
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert head["ddp_over_gossip_100mbit_skew"] == 3.0
@@ -45,6 +47,7 @@ def test_the_headline_compares_each_cell_with_ddp(tmp_path: Path, capsys: pytest
     assert head["ddp_over_gossip_lan_skew"] is None  # not run
     assert head["worst_algorithm_over_default"] is None  # push-sum never reached it
     assert head["charlm_swarm_over_alone"] == 0.75
+    assert head["charlm_swarm_over_all_samples"] == pytest.approx(1.1)  # the same samples: 3 x 100 steps against 300
     summary = (tmp_path / "summary.md").read_text()
     assert "| 100mbit | skew | push-sum | not reached |" in summary
 

@@ -21,6 +21,7 @@ import torch
 from gossiptrain.net.transport import Transport
 from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
+from gossiptrain.protocol.drift import DriftCorrection, drift_gain
 from gossiptrain.protocol.joining import Welcome
 from gossiptrain.protocol.membership import Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum, wants_quasi_global
@@ -89,6 +90,8 @@ def training_side(
     safepoint = SafePoint(node, averaging, clock, send)
     if optimizer is not None and wants_quasi_global(node.config.gossip):
         safepoint.after = QuasiGlobalMomentum(optimizer)
+    if (gain := drift_gain(node.config.gossip)) > 0:
+        safepoint.drift = DriftCorrection(averaging.params, gain)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
     return TrainingSide(averaging, safepoint, snapshots)
 

@@ -386,6 +386,7 @@ class Peer:
         """A safe point without a local step: averaging goes on, snapshots are served."""
         self._check_open()
         self._rounds += 1
+        self._safepoint.drift = None  # no local steps any more: no drift to correct, the models only meet
         self._safepoint(self._step + self._rounds)  # exchanges start once per round, as after a step
         self._snapshots(self._step, self.samples_seen)
         time.sleep(self._pace)

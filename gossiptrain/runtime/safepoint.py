@@ -26,6 +26,7 @@ from typing import Callable
 from gossiptrain.net import kinds
 from gossiptrain.protocol import averaging, push_sum
 from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
+from gossiptrain.protocol.drift import DriftCorrection
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
@@ -59,6 +60,9 @@ class SafePoint:
         self.rounds = 0
         # Called at the end of each safe point on the training side, the merges applied (quasi-global momentum).
         self.after: Callable[[], None] | None = None
+        # Reads the parameters as a safe point starts and adds its correction once the merges are in and
+        # ``after`` ran (gossiptrain.protocol.drift); None: off.
+        self.drift: DriftCorrection | None = None
         node.take_on_network(averaging.network_kinds, self.on_network)
         averaging.receipts.enabled = True  # our node acknowledges every push it takes, so pushers may wait for receipts
 
@@ -69,6 +73,8 @@ class SafePoint:
         now = self.clock.now()
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
+        if self.drift is not None:
+            self.drift.before()
         with self._lock:
             if self.averaging.hold_until(now) is not None:  # the step just taken began when it should have waited
                 self.averaging.stats.overran += 1
@@ -85,6 +91,8 @@ class SafePoint:
                 self.submit(action)
         if self.after is not None:
             self.after()
+        if self.drift is not None:
+            self.drift.after()
 
     def serve_as_is(self) -> None:
         """Before training: answer partners from the model as it is now (``Averaging.serve_as_is``)."""

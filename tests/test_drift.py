@@ -1,0 +1,104 @@
+"""Drift correction (``gossiptrain.protocol.drift``): merges replayed, nothing made up, skewed swarms stop drifting.
+
+What a peer adds plus what it still owes is always ``gain`` times the sum of
+its merge displacements (hypothesis, float64), so a pairwise swarm's sum,
+counting what is owed, is conserved; a safe point without merges adds only
+what is owed; and in the simulator on label-skewed shards the default
+(gain 4) learns faster than no correction.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossiptrain.config import GossipConfig, RunConfig
+from gossiptrain.errors import ConfigError
+from gossiptrain.net.transport.sim import LinkProfile
+from gossiptrain.protocol.drift import AUTO_GAIN, DriftCorrection, drift_gain
+from gossiptrain.sim.cluster import SimConfig, simulate
+
+
+def safe_point(d: DriftCorrection, merge: torch.Tensor | None) -> None:
+    """One safe point whose merges move the model by ``merge`` (None: no merge)."""
+    d.before()
+    if merge is not None:
+        with torch.no_grad():
+            d.params[0].add_(merge)
+    d.after()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    merges=st.lists(st.one_of(st.none(), st.floats(-10, 10)), min_size=1, max_size=300),
+    gain=st.floats(0, 8),
+    memory=st.integers(2, 200),
+)
+def test_what_is_added_plus_what_is_owed_is_gain_times_the_merges(merges: list[float | None], gain: float, memory: int) -> None:
+    x = torch.zeros(3, dtype=torch.float64)
+    d = DriftCorrection([x], gain, memory_steps=memory)
+    total = torch.zeros(3, dtype=torch.float64)
+    for m in merges:
+        merge = None if m is None else torch.tensor([m, -m, 0.5 * m], dtype=torch.float64)
+        safe_point(d, merge)
+        if merge is not None:
+            total += merge
+    added = x - total
+    assert torch.allclose(added + d.owed()[0], gain * total, atol=1e-9 * (1 + float(total.abs().max())) * memory)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    schedule=st.lists(st.tuples(st.floats(-5, 5), st.integers(0, 3)), min_size=1, max_size=80),
+    gain=st.floats(0.5, 8),
+)
+def test_a_pairwise_swarm_conserves_its_sum_counting_what_is_owed(schedule: list[tuple[float, int]], gain: float) -> None:
+    """A merge moves one peer by +v and its partner by -v, the partner up to 3 safe points later."""
+    xs = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
+    ds = [DriftCorrection([x], gain) for x in xs]
+    later: list[tuple[int, torch.Tensor]] = []  # (safe points to wait, the partner's half)
+    for v, delay in schedule:
+        move = torch.tensor([v, 2 * v], dtype=torch.float64)
+        due = [m for k, m in later if k == 0]
+        later = [(k - 1, m) for k, m in later if k > 0] + [(delay, -move)]
+        safe_point(ds[0], move)
+        safe_point(ds[1], sum(due, torch.zeros(2, dtype=torch.float64)) if due else None)
+    for _, m in later:  # the partner's last halves arrive
+        safe_point(ds[1], m)
+    swarm = xs[0] + xs[1] + ds[0].owed()[0] + ds[1].owed()[0]
+    assert torch.allclose(swarm, torch.zeros(2, dtype=torch.float64), atol=1e-9 * len(schedule) * 100)
+
+
+def test_without_merges_nothing_moves_and_the_gain_comes_from_the_configuration() -> None:
+    x = torch.ones(4)
+    d = DriftCorrection([x], 4.0)
+    for _ in range(10):
+        safe_point(d, None)
+    assert torch.equal(x, torch.ones(4))
+    assert drift_gain(GossipConfig()) == AUTO_GAIN == 4.0
+    assert drift_gain(GossipConfig(drift_gain=0.0)) == 0.0
+    for bad in (-0.5, 9.0):
+        with pytest.raises(ConfigError, match="drift_gain"):
+            GossipConfig(drift_gain=bad)
+
+
+def skewed_accuracy(gain: float) -> float:
+    """Mean test accuracy of 4 simulated peers at 0.76 virtual s (3 classes each, 2 ms steps, 4 ms links)."""
+    run = RunConfig().with_overrides({
+        "train.workload": "digits-small", "train.shards": 4, "train.partition": "classes-per-peer",
+        "train.partition_classes": 3, "train.max_steps": 0, "train.max_seconds": 0, "train.eval_every_seconds": 0.25,
+        "gossip.drift_gain": gain,
+    })
+    rows = simulate(SimConfig(peers=4, run=run, duration=0.8, seed=0, step_time=0.002, sample_every=0.25, wait_for=4,
+                              join_spread=0.01, link=LinkProfile(latency=0.004, bandwidth=1.25e8))).rows
+    last = max(r["time"] for r in rows)
+    return statistics.mean(r["test_acc"] for r in rows if r["time"] == last)
+
+
+def test_on_label_skewed_shards_the_default_correction_learns_faster_than_none() -> None:
+    corrected, uncorrected = skewed_accuracy(-1.0), skewed_accuracy(0.0)
+    assert corrected >= 0.93 > uncorrected + 0.1  # measured: 0.946 against 0.762
