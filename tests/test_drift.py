@@ -91,7 +91,7 @@ def skewed_accuracy(gain: float) -> float:
     run = RunConfig().with_overrides({
         "train.workload": "digits-small", "train.shards": 4, "train.partition": "classes-per-peer",
         "train.partition_classes": 3, "train.max_steps": 0, "train.max_seconds": 0, "train.eval_every_seconds": 0.25,
-        "gossip.drift_gain": gain,
+        "gossip.drift_gain": gain, "gossip.momentum_mode": "local",  # the correction's own gain, without quasi-global momentum
     })
     rows = simulate(SimConfig(peers=4, run=run, duration=0.8, seed=0, step_time=0.002, sample_every=0.25, wait_for=4,
                               join_spread=0.01, link=LinkProfile(latency=0.004, bandwidth=1.25e8))).rows

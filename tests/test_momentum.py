@@ -43,6 +43,28 @@ def test_the_buffer_is_the_running_average_of_the_models_change_merges_included(
     assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), m), atol=1e-6)
 
 
+def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_from_it() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU)
+    active = [True]
+    qg = QuasiGlobalMomentum(opt, active=lambda: active[0])
+    qg()
+    sgd_step(p, opt, 1.0)
+    qg()  # active: the buffer is the running average of the change, (1 - mu) * 1
+    active[0] = False
+    sgd_step(p, opt, 1.0)  # torch's own momentum: buf <- mu buf + g
+    with torch.no_grad():
+        p.add_(0.5)  # a merge, which the inactive hook leaves out of the buffer
+    qg()
+    own = MU * (1 - MU) + 1.0
+    assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), own))
+    active[0] = True
+    sgd_step(p, opt, 0.0)  # steps by mu * own
+    qg()  # back: the average goes on from the buffer, with this step's change only (not the merge before)
+    expected = MU * own + (1 - MU) * (MU * own)
+    assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), expected), atol=1e-6)
+
+
 def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     for opt in (torch.optim.Adam([p], lr=LR), torch.optim.SGD([p], lr=LR)):
@@ -55,8 +77,9 @@ def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
         assert "momentum_buffer" not in opt.state[p] or opt.state[p]["momentum_buffer"] is None
 
 
-def test_auto_gives_it_to_no_algorithm_since_drift_correction() -> None:
-    assert not any(wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd"))
+def test_auto_gives_it_to_pairwise_only() -> None:
+    assert [wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd")] == [
+        True, False, False, False]
     assert not wants_quasi_global(GossipConfig(momentum_mode="local"))
     assert wants_quasi_global(GossipConfig(algorithm="neighbor", momentum_mode="quasi-global"))
     with pytest.raises(ConfigError, match="gossip.momentum_mode"):

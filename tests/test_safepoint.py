@@ -45,7 +45,8 @@ class EveryThirdStep:
 
     def __init__(self) -> None:
         self.asked: list[str] = []
-        self.receipts = Receipts(GossipConfig(), averaging.AveragingStats())  # the safe point switches them on (its node sends them)
+        self.stats = averaging.AveragingStats()  # the safe point reads the seconds waited (SafePoint.wait_share)
+        self.receipts = Receipts(GossipConfig(), self.stats)  # the safe point switches them on (its node sends them)
 
     def hold_until(self, now: float) -> None:
         return None

@@ -38,13 +38,15 @@ for 3 samples, seeds 0-2), pairwise:
 
 Seed 0, 1 Gbit/s, gain 4: push-sum 4.91 -> 1.27 s, neighbor 3.97 -> 0.55 s,
 local-sgd not in 6 s -> 0.81 s; at 1.7 Mbit/s push-sum 0.67 -> 0.82 after
-12 s, neighbor and local-sgd not in 12 s -> 5.2 s. With quasi-global
-momentum, which carries merges on in the optimizer's buffer as well, the
-correction is faster on fast links (pairwise 0.33 s at gain 4) but makes
-pairwise diverge at 1.7 Mbit/s even at gain 2 (accuracy 0.32-0.37 after
-12 s); gain 8 diverged at 100 Mbit/s. So ``gossip.drift_gain = -1`` (auto)
-is 4 for every algorithm, and ``gossip.momentum_mode = "auto"`` now leaves
-the optimizer's momentum alone.
+12 s, neighbor and local-sgd not in 12 s -> 5.2 s. Gains 6 and 8 (local
+momentum) were no faster than 4. With quasi-global momentum, which carries
+merges on in the optimizer's buffer as well, the correction is faster
+still where the link keeps up (pairwise 0.33-0.37 s at 1 Gbit/s,
+0.55-0.57 s at 100 Mbit/s) but made pairwise diverge at 1.7 Mbit/s even at
+gain 2 (accuracy 0.32-0.37 after 12 s). So ``gossip.drift_gain = -1``
+(auto) is 4 for every algorithm, and pairwise's ``momentum_mode = "auto"``
+is quasi-global only while its link keeps up (``gossiptrain.protocol.momentum``):
+6.9-9.5 s at 1.7 Mbit/s, as with local momentum.
 """
 
 from __future__ import annotations

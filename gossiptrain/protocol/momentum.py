@@ -31,20 +31,29 @@ seed 1) push-sum with it diverged to non-finite values: its model
 carries each jump on. So the others keep their local momentum by default
 (``quasi-global`` asks for it anyway); iid shards and Adam are unaffected.
 
-Since drift correction (``gossiptrain.protocol.drift``) is on by default,
-``auto`` gives quasi-global momentum to no algorithm: local momentum with
-the correction beat quasi-global momentum without it on every link
-simulated, and the two together made pairwise diverge on a 1.7 Mbit/s link.
+With drift correction (``gossiptrain.protocol.drift``, on by default) the
+two together are the fastest on links that keep up with the computation
+(experiments/wan.py, pairwise, label-skewed digits-small, 3 seeds: 1 Gbit/s
+0.51-0.53 s against 0.52-1.31 s with local momentum; 100 Mbit/s 0.53-1.85 s
+against 1.04-1.32 s), but made pairwise diverge in the simulator on a
+1.7 Mbit/s link, where flow control waits most of the time. So ``auto``
+gives pairwise quasi-global momentum only while its link keeps up: while
+its safe points waited less than ``LINK_BOUND_SHARE`` of the time lately
+(``SafePoint.wait_share``); past that the optimizer's own momentum runs.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from gossiptrain.config import GossipConfig
 
-#: The algorithms ``momentum_mode = "auto"`` gives quasi-global momentum: none since drift correction (see above).
-AUTO_QUASI_GLOBAL: tuple[str, ...] = ()
+#: The algorithms ``momentum_mode = "auto"`` gives quasi-global momentum (while the link keeps up: see above).
+AUTO_QUASI_GLOBAL: tuple[str, ...] = ("pairwise",)
+#: Past this share of time spent waiting for the link (flow control), ``auto`` runs the optimizer's own momentum.
+LINK_BOUND_SHARE = 0.5
 
 
 def wants_quasi_global(config: GossipConfig) -> bool:
@@ -57,14 +66,18 @@ def wants_quasi_global(config: GossipConfig) -> bool:
 class QuasiGlobalMomentum:
     """Call after each safe point (the model then holds this step's merges)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, active: Callable[[], bool] | None = None) -> None:
         self.optimizer = optimizer
+        self.active = active  # asked at every safe point (None: always); while False the optimizer's own momentum runs
         self.enabled = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups)
         self._prev: dict[torch.Tensor, torch.Tensor] = {}  # the parameters after the last safe point
         self._m: dict[torch.Tensor, torch.Tensor] = {}  # the quasi-global momentum
 
     def __call__(self) -> None:
         if not self.enabled:
+            return
+        if self.active is not None and not self.active():
+            self._follow()
             return
         with torch.no_grad():
             for group in self.optimizer.param_groups:
@@ -88,3 +101,14 @@ class QuasiGlobalMomentum:
                     else:
                         buf.copy_(m)
                     prev.copy_(p)
+
+    def _follow(self) -> None:
+        """Inactive: the optimizer's own momentum runs; keep our state so that a later return starts from it."""
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    buf = self.optimizer.state[p].get("momentum_buffer")
+                    if p in self._prev:
+                        self._prev[p].copy_(p)
+                    if buf is not None and p in self._m:
+                        self._m[p].copy_(buf)

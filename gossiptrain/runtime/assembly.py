@@ -24,7 +24,7 @@ from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
 from gossiptrain.protocol.drift import DriftCorrection, drift_gain
 from gossiptrain.protocol.joining import Welcome
 from gossiptrain.protocol.membership import Member
-from gossiptrain.protocol.momentum import QuasiGlobalMomentum, wants_quasi_global
+from gossiptrain.protocol.momentum import LINK_BOUND_SHARE, QuasiGlobalMomentum, wants_quasi_global
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
@@ -88,8 +88,11 @@ def training_side(
     """
     averaging = make_averaging(dict(model.named_parameters()), node.config.gossip, rng, me=node.me.id)
     safepoint = SafePoint(node, averaging, clock, send)
-    if optimizer is not None and wants_quasi_global(node.config.gossip):
-        safepoint.after = QuasiGlobalMomentum(optimizer)
+    gossip = node.config.gossip
+    if optimizer is not None and wants_quasi_global(gossip):
+        # auto: only while the link keeps up (with drift correction it diverged where flow control waits most)
+        keeps_up = (lambda: safepoint.wait_share < LINK_BOUND_SHARE) if gossip.momentum_mode == "auto" else None
+        safepoint.after = QuasiGlobalMomentum(optimizer, active=keeps_up)
     if (gain := drift_gain(node.config.gossip)) > 0:
         safepoint.drift = DriftCorrection(averaging.params, gain)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)

@@ -33,6 +33,9 @@ from gossiptrain.runtime.peer_network import PeerNode
 
 log = logging.getLogger(__name__)
 
+#: Weight of one safe point in ``SafePoint.wait_share``.
+WAIT_SMOOTHING = 0.05
+
 
 class SafePoint:
     """Feeds one peer's averaging state machine at each local step."""
@@ -63,6 +66,10 @@ class SafePoint:
         # Reads the parameters as a safe point starts and adds its correction once the merges are in and
         # ``after`` ran (gossiptrain.protocol.drift); None: off.
         self.drift: DriftCorrection | None = None
+        # The share of time spent waiting for the link (flow control) lately, smoothed over about 20 safe points.
+        self.wait_share = 0.0
+        self._last_call: tuple[float, float] | None = None  # (when, seconds waited in all) at the last safe point
+        self._waited_sum = self._time_sum = 0.0
         node.take_on_network(averaging.network_kinds, self.on_network)
         averaging.receipts.enabled = True  # our node acknowledges every push it takes, so pushers may wait for receipts
 
@@ -73,6 +80,7 @@ class SafePoint:
         now = self.clock.now()
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
+        self._measure_waits(now)
         if self.drift is not None:
             self.drift.before()
         with self._lock:
@@ -111,6 +119,15 @@ class SafePoint:
                 self.node.send_exchange(action)
 
     # -- flow control ----------------------------------------------------------------------------
+
+    def _measure_waits(self, now: float) -> None:
+        waited = self.averaging.stats.waited_s
+        last = self._last_call
+        self._last_call = (now, waited)
+        if last is not None and now > last[0]:  # smoothed sums, so that the share is one of time, not of safe points
+            self._waited_sum = (1 - WAIT_SMOOTHING) * self._waited_sum + (waited - last[1])
+            self._time_sum = (1 - WAIT_SMOOTHING) * self._time_sum + (now - last[0])
+            self.wait_share = min(1.0, self._waited_sum / self._time_sum)
 
     def hold(self) -> float:
         """Seconds the training loop should wait now for the exchange in flight (0: go on); see ``Averaging.hold_until``."""

@@ -30,6 +30,7 @@ from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.sim.vtime import LoopClock
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
@@ -82,6 +83,7 @@ class SimPeer:
         self.node: PeerNode | None = None
         self.trainer: LocalTrainer | None = None
         self.averaging: Averaging | None = None
+        self.safepoint: SafePoint | None = None
         self.transport: SimTransport | None = None
         self.joined_at: float | None = None
         self.transfer: TransferResult | None = None  # how its state download went (None: there was none)
@@ -132,6 +134,7 @@ class SimPeer:
                 self.averaging = side.averaging
                 self.averaging.poison = self.spec.poison
                 safepoint, snapshots = side.safepoint, side.snapshots
+                self.safepoint = safepoint
                 if config.state.enabled and any(m != node.me.id for m in node.view()):
                     # As Peer does: the swarm's current state first, then training (virtual time passes meanwhile).
                     self.transfer, values = await catch_up(
@@ -209,4 +212,6 @@ class SimPeer:
                 waited_s=s.waited_s,
                 compression_level=s.compression_level,
             )
+        if self.safepoint is not None:
+            out["wait_share"] = self.safepoint.wait_share  # lately; quasi-global momentum's `auto` reads it
         return out
