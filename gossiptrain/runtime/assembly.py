@@ -93,7 +93,7 @@ def training_side(
         # auto: only while the link keeps up (with drift correction it diverged where flow control waits most)
         keeps_up = (lambda: safepoint.wait_share < LINK_BOUND_SHARE) if gossip.momentum_mode == "auto" else None
         safepoint.after = QuasiGlobalMomentum(optimizer, active=keeps_up)
-    if (gain := drift_gain(node.config.gossip)) > 0:
+    if (gain := drift_gain(gossip)) > 0:
         safepoint.drift = DriftCorrection(averaging.params, gain)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
     return TrainingSide(averaging, safepoint, snapshots)
