@@ -25,10 +25,10 @@ def members_only(**overrides: Any) -> RunConfig:
 
 
 def test_same_seed_same_run_other_seed_other_run() -> None:
-    config = SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=6, step_time=0.01, seed=7)
+    config = SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=3, step_time=0.01, seed=7)
     first, second = simulate(config), simulate(config)
     assert first.rows and first.rows == second.rows
-    other = simulate(SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=6, step_time=0.01, seed=8))
+    other = simulate(SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=3, step_time=0.01, seed=8))
     assert other.rows != first.rows
     assert first.summary["mean_test_acc"] > 0.8  # real learning happened, in virtual time
 
