@@ -129,7 +129,8 @@ def charlm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     by_steps = args.system in ("charlm-swarm-steps", "charlm-all-samples")
     peers = 3 if args.system.startswith("charlm-swarm") else 1
     harness.fresh_dir(work)
-    budget = ({"train.max_steps": args.charlm_steps * (3 // peers), "train.max_seconds": 0} if by_steps
+    steps = args.charlm_steps if peers > 1 else 3 * args.charlm_steps  # the lone process gets all 3 peers' samples
+    budget = ({"train.max_steps": steps, "train.max_seconds": 0} if by_steps
               else {"train.max_steps": 0, "train.max_seconds": args.charlm_seconds})
     overrides = {**CHARLM, "train.shards": peers, "train.seed": args.seed, **budget, "train.eval_every_seconds": 2.0}
     wait = ["--wait-for", str(peers)] if by_steps and peers > 1 else []

@@ -29,8 +29,8 @@ def members(n: int, seed: int = 0) -> dict[str, Rendezvous]:
 
 def test_a_waiting_member_asks_until_a_member_that_became_ready_answers() -> None:
     view = ["a", "b"]
-    a, b = members(2)["m0"], members(2)["m1"]
-    a.me, b.me = "a", "b"
+    rng = random.Random(0)
+    a, b = (Rendezvous(name, interval=INTERVAL, max_ids=64, rng=rng) for name in view)
     a.wait(2, 0.0, view)
     asked = a.arrive(0.0, view)
     assert asked == [SendReady("b", ("a",))]  # b is not known ready: ask it
