@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from gossiptrain.train.metrics import read_metrics
 
+from . import zygote
+
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 _hosts = itertools.count(10)
@@ -54,7 +56,7 @@ def describe(procs: "list[Proc]") -> str:
 
 
 class Proc:
-    """A gossiptrain CLI process with its output captured to a file."""
+    """A gossiptrain CLI process (``python -m module args``) with its output captured to a file."""
 
     def __init__(self, args: list[str], workdir: Path, name: str, module: str = "gossiptrain") -> None:
         self.name = name
@@ -62,9 +64,13 @@ class Proc:
         self.metrics = workdir / f"{name}.jsonl"
         self._fh = open(self.log, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-        )
+        self.popen: subprocess.Popen[bytes] | zygote.ForkedProcess
+        if zygote.enabled():  # forked from a process that has imported torch already (tests/zygote.py)
+            self.popen = zygote.ForkedProcess(module, args, self.log, env, ROOT)
+        else:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -107,6 +107,10 @@ def test_robust_cannot_be_combined_with_push_sum() -> None:
         GossipConfig(algorithm="push-sum", robust=True)
 
 
+#: Virtual seconds of each run (seed 1, neighbor: clean loss 0.101, defended 0.136, undefended inf).
+DURATION = 3.0
+
+
 def poisoned_run(rogue: bool, robust: bool, algorithm: str = "pairwise") -> tuple[float, float]:
     """(mean test accuracy, mean test loss) of the honest peers at the end."""
     run = RunConfig().with_overrides(
@@ -119,7 +123,7 @@ def poisoned_run(rogue: bool, robust: bool, algorithm: str = "pairwise") -> tupl
             "gossip.robust": robust,
         }
     )
-    config = SimConfig(peers=6, run=run, duration=4, step_time=0.01, seed=1, rogue=(5,) if rogue else ())
+    config = SimConfig(peers=6, run=run, duration=DURATION, step_time=0.01, seed=1, rogue=(5,) if rogue else ())
     rows = simulate(config).rows
     end = max(r["time"] for r in rows)
     honest = [r for r in rows if r["time"] == end and not r.get("rogue")]

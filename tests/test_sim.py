@@ -39,7 +39,7 @@ def steps_by_peer(rows: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def test_a_straggler_slows_only_itself_under_pairwise_averaging() -> None:
-    base = dict(peers=6, run=logreg(**{"train.shards": 6}), duration=10, step_time=0.01, seed=1)
+    base = dict(peers=6, run=logreg(**{"train.shards": 6}), duration=4, step_time=0.01, seed=1, join_spread=0.1)
     even = steps_by_peer(simulate(SimConfig(**base)).rows)
     uneven = steps_by_peer(simulate(SimConfig(**base, speeds=(4.0, 1, 1, 1, 1, 1))).rows)
     fast = [uneven[p] for p in range(1, 6)]
