@@ -47,6 +47,9 @@ class Limits:
     max_str_len: int = 4096  # msgpack string length
     inbox_messages: int = 256  # received messages waiting for the peer loop
     send_queue_messages: int = 8  # ZMQ SNDHWM: queued messages per connection
+    # Outgoing connections kept open; past it the least recently used is closed (and dialled again if needed),
+    # so gossip about many members (or made-up ones) cannot use up the process's file descriptors.
+    max_connections: int = 256
     averaging_queue: int = 8  # exchange messages waiting for the trainer
     chunk_bytes: int = 16 << 20  # a tensor over this is sent as several frames of at most this size (wire)
     # Joins are answered by the coordinator and by every peer; each source (an IP, an IPv6 /64)

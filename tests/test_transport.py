@@ -167,3 +167,38 @@ def test_bind_failure_is_a_config_error_and_leaks_nothing(run: Runner) -> None:
                 await taken.recv()
 
     run(main())
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc/self/fd")
+def test_sending_to_thousands_of_made_up_addresses_keeps_connections_and_descriptors_bounded() -> None:
+    """As a member gossiped 5,000 made-up members would: the least recently used connections are closed, while
+    the one partner sent to all along keeps its connection and gets every message."""
+    with socket.socket() as s:  # a port nothing listens on, at 5,000 loopback addresses
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake = [f"tcp://127.3.{i // 250}.{i % 250 + 1}:{port}" for i in range(5000)]
+    limit = 64
+
+    async def main() -> None:
+        async with started(TcpTransport("tcp://127.0.0.2:0", Limits(max_connections=limit)), tcp_backend().make()) as (a, b):
+            assert a.send(b.address, [b"first"]) and await receive(b) == [b"first"]  # connected
+            before = _open_fds()
+            peak = 0
+            for i, address in enumerate(fake):
+                a.send(address, [b"x"])
+                if i % 50 == 0:  # the partner: sent to more recently than any 64 made-up members
+                    assert a.send(b.address, [str(i).encode()])
+                    await asyncio.sleep(0)
+                    peak = max(peak, _open_fds() - before)
+                    assert len(a._destinations) <= limit
+            assert a.stats.connections_closed >= len(fake) - limit
+            assert peak <= 4 * limit  # per connection: a DEALER's mailbox, its TCP socket, a monitor while it dials
+            assert [await receive(b) for _ in range(0, len(fake), 50)] == [[str(i).encode()] for i in range(0, len(fake), 50)]
+
+    asyncio.run(main())

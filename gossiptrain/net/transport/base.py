@@ -35,6 +35,7 @@ class TransportStats:
     send_dropped: int = 0  # destination queue full, or not reachable in time
     oversize_dropped: int = 0  # over max_frames / max_frame_bytes / max_message_bytes (either side)
     handshake_failures: int = 0  # a connection that never became a valid peer (e.g. garbage bytes)
+    connections_closed: int = 0  # outgoing connections closed as the least recently used (limits.max_connections)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

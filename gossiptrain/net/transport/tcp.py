@@ -1,7 +1,8 @@
 """The real network backend: ZeroMQ over TCP (IPv4 and IPv6), on asyncio or uvloop.
 
 One ROUTER socket receives from everyone; one DEALER per destination sends,
-created on first use. ZeroMQ gives us framing, reconnection and per-pipe
+created on first use, at most ``limits.max_connections`` of them (the least
+recently used is closed first). ZeroMQ gives us framing, reconnection and per-pipe
 queues; this module adds what it lacks for untrusted peers: limits checked
 frame by frame, drops counted instead of raised, and a bounded wait for a
 new destination to connect (ZMQ_IMMEDIATE would otherwise refuse the first
@@ -23,7 +24,7 @@ import asyncio
 import ipaddress
 import itertools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 from urllib.parse import urlsplit
@@ -147,7 +148,8 @@ class TcpTransport(Transport):
         self._router: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._auth: ThreadAuthenticator | None = None
-        self._destinations: dict[str, _Destination] = {}
+        # Outgoing connections, least recently used first (at most limits.max_connections)
+        self._destinations: OrderedDict[str, _Destination] = OrderedDict()
         self._monitors = itertools.count()
 
     def source_of(self, frames: Sequence[object]) -> str | None:
@@ -231,7 +233,11 @@ class TcpTransport(Transport):
 
     def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
         item = (message, nbytes)
-        dest = self._destinations.get(address) or self._connect(address)
+        dest = self._destinations.get(address)
+        if dest is not None:
+            self._destinations.move_to_end(address)
+        else:
+            dest = self._connect(address)
         if dest is None:
             return False
         if dest.pending is not None:
@@ -278,6 +284,12 @@ class TcpTransport(Transport):
         if self.curve is None and server_key is not None:
             log.warning("not sending to %s: it is a secure member (its address has a CURVE key); run with --secure", url)
             return None
+        while len(self._destinations) >= self.limits.max_connections:
+            # Partners and probes are sent to often, so they stay; what goes is whom we have not sent to for longest.
+            oldest = next(iter(self._destinations))
+            log.debug("closing the connection to %s: %d open (limits.max_connections)", oldest, len(self._destinations))
+            self._drop(oldest, linger_ms=CLOSE_LINGER_MS)
+            self.stats.connections_closed += 1
         sock = monitor = None
         try:
             sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.asyncio.Socket)
