@@ -57,16 +57,19 @@ class Limits:
     join_rate_per_source: float = 5.0  # joins answered per second per source, after the burst; excess dropped
     join_burst: int = 32  # joins one source may send at once (the bucket's size)
     join_sources_tracked: int = 4096  # sources with a bucket; beyond this the least recently seen is forgotten
+    # Reports to the coordinator (every membership.report_interval per member), bucketed per source the same
+    # way: a host of 64 peers sends 32 a second; a flood costs a counter, not registry entries or answers.
+    report_rate_per_source: float = 40.0
+    report_burst: int = 128
+    registry_members: int = 16_384  # members the coordinator keeps; past it, reports of unknown ids are not recorded
 
     def check(self, section: str = "limits") -> None:
         for f in fields(self):
             _require(getattr(self, f.name) > 0, f"{section}.{f.name}", "must be > 0")
         _require(self.max_frames >= 1, f"{section}.max_frames", "must be >= 1")
-        _require(
-            math.isfinite(self.join_rate_per_source),
-            f"{section}.join_rate_per_source",
-            f"must be a finite number, got {self.join_rate_per_source}",
-        )
+        for name in ("join_rate_per_source", "report_rate_per_source"):
+            rate = getattr(self, name)
+            _require(math.isfinite(rate), f"{section}.{name}", f"must be a finite number, got {rate}")
         _require(
             self.max_message_bytes >= self.max_frame_bytes,
             f"{section}.max_message_bytes",

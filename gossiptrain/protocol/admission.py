@@ -33,16 +33,26 @@ MAX_CLAIMED_SOURCE = 128
 class JoinLimiter:
     """A token bucket per source, for a bounded number of sources."""
 
-    def __init__(self, rate: float, burst: int, max_sources: int) -> None:
+    def __init__(
+        self, rate: float, burst: int, max_sources: int, *, what: str = "joins", knobs: tuple[str, str] = ("join_burst", "join_rate_per_source")
+    ) -> None:
         self.rate = rate
         self.burst = float(burst)
         self.max_sources = max_sources
+        self.what = what  # for the warning: what is dropped, and the limits fields that set the bucket
+        self.knobs = knobs
         self._buckets: OrderedDict[str, tuple[float, float, bool]] = OrderedDict()  # tokens, last seen, warned
         self.dropped = 0
 
     @classmethod
     def from_limits(cls, limits: Limits) -> "JoinLimiter":
         return cls(limits.join_rate_per_source, limits.join_burst, limits.join_sources_tracked)
+
+    @classmethod
+    def for_reports(cls, limits: Limits) -> "JoinLimiter":
+        """The coordinator's bucket per source for members' reports (each answered with gossip to the reporter)."""
+        return cls(limits.report_rate_per_source, limits.report_burst, limits.join_sources_tracked,
+                   what="reports", knobs=("report_burst", "report_rate_per_source"))
 
     def __len__(self) -> int:
         """Sources tracked now (at most ``max_sources``)."""
@@ -65,8 +75,8 @@ class JoinLimiter:
             self.dropped += 1
             if not warned:
                 log.warning(
-                    "dropping joins from %s: over limits.join_burst=%d, then limits.join_rate_per_source=%g/s",
-                    source, int(self.burst), self.rate,
+                    "dropping %s from %s: over limits.%s=%d, then limits.%s=%g/s",
+                    self.what, source, self.knobs[0], int(self.burst), self.knobs[1], self.rate,
                 )
                 warned = True
         self._buckets[source] = (tokens, now, warned)  # (re)inserted last: the most recently seen

@@ -6,9 +6,12 @@ reports. It holds no training state, so it can be stopped and restarted at
 any time: training goes on, and a restarted coordinator relearns the swarm
 from the next round of reports.
 
-Joins are rate limited per source (``gossiptrain.protocol.admission.JoinLimiter``),
-so that one host flooding joins costs a counter, not replies, connections
-or registry entries. Who may connect at all is the transport's business
+Joins and reports are rate limited per source (``gossiptrain.protocol.admission.JoinLimiter``),
+so that one host flooding them costs a counter, not replies, connections
+or registry entries; the registry holds at most ``limits.registry_members``
+(members it knows keep their places). Since a report is answered with gossip
+to the address it claims, the rate limit also bounds what a forged report
+can make the coordinator send to someone else. Who may connect at all is the transport's business
 (CURVE with ``--secure``).
 """
 
@@ -25,6 +28,7 @@ from gossiptrain.net import kinds
 from gossiptrain.net.kinds import GOSSIP
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
+from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.protocol.joining import JoinRequest
@@ -43,22 +47,29 @@ class CoordinatorStats(EndpointStats):
     joins_refused: int = 0
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     reports: int = 0
+    reports_throttled: int = 0  # dropped unanswered: over the per-source report rate (limits.report_*)
+    registry_full: int = 0  # reports of members not recorded: the registry held limits.registry_members
 
 
 class Registry:
     """Members the coordinator has heard from recently; silent ones expire."""
 
-    def __init__(self, expire_after: float) -> None:
+    def __init__(self, expire_after: float, capacity: int) -> None:
         self.expire_after = expire_after
+        self.capacity = capacity
         self._seen: dict[str, tuple[Member, float]] = {}
 
-    def update(self, member: Member, now: float) -> None:
+    def update(self, member: Member, now: float) -> bool:
+        """Record ``member`` as heard from now; False if it is new and the registry is full of live members."""
         if member.state != ALIVE:
             self._seen.pop(member.id, None)
-            return
+            return True
         known = self._seen.get(member.id)
+        if known is None and len(self._seen) >= self.capacity and len(self.alive(now)) >= self.capacity:
+            return False  # those we know keep their places: a flood of new ids cannot push them out
         if known is None or member.incarnation >= known[0].incarnation:
             self._seen[member.id] = (member, now)
+        return True
 
     def alive(self, now: float) -> list[Member]:
         for mid, (_, seen) in list(self._seen.items()):
@@ -86,7 +97,8 @@ class Coordinator(JoinAnsweringEndpoint):
         # The swarm's model: given when the workload is known (the CLI builds it), else learnt from the first peer.
         self.spec: ParamSpec | None = spec
         m = config.membership
-        self.registry = Registry(expire_after=3 * m.report_interval + m.suspicion_timeout_max(1))
+        self.registry = Registry(3 * m.report_interval + m.suspicion_timeout_max(1), config.limits.registry_members)
+        self.report_limiter = JoinLimiter.for_reports(config.limits)
         self._last_count = 0
         # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
         self.finish = FinishEndpoint(config, me="coordinator", members=self.members)
@@ -118,12 +130,17 @@ class Coordinator(JoinAnsweringEndpoint):
             self._last_count = count
 
     def _on_report(self, msg: Message, frames: Sequence[object]) -> None:
+        if not self.report_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
+            self.stats.reports_throttled += 1  # no registry entry, and no gossip sent to the address it claims
+            return
         member = Member.from_wire(msg.body.get("member"))
         if member.id != msg.sender:
             raise ProtocolError("a report must be about its sender")
         self._learn_spec(msg.body.get("spec"))
-        self.registry.update(member, self.clock.now())
         self.stats.reports += 1
+        if not self.registry.update(member, self.clock.now()):
+            self.stats.registry_full += 1
+            return
         self._note_count()
         self._introduce(member)
 
