@@ -48,7 +48,7 @@ class CoordinatorStats(EndpointStats):
     joins_throttled: int = 0  # dropped unanswered: over the per-source join rate (limits.join_*)
     reports: int = 0
     reports_throttled: int = 0  # dropped unanswered: over the per-source report rate (limits.report_*)
-    registry_full: int = 0  # reports of members not recorded: the registry held limits.registry_members
+    registry_full: int = 0  # joins and reports of members not recorded: the registry held limits.registry_members
 
 
 class Registry:
@@ -179,5 +179,6 @@ class Coordinator(JoinAnsweringEndpoint):
     def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
         if request.spec is not None:
             self.spec = self.spec or request.spec
-        self.registry.update(newcomer, self.clock.now())
+        if not self.registry.update(newcomer, self.clock.now()):
+            self.stats.registry_full += 1  # welcomed all the same: it is recorded once it reports with room
         self._note_count()
