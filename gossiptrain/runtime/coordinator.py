@@ -65,17 +65,22 @@ class Registry:
             self._seen.pop(member.id, None)
             return True
         known = self._seen.get(member.id)
-        if known is None and len(self._seen) >= self.capacity and len(self.alive(now)) >= self.capacity:
+        if known is None and len(self._seen) >= self.capacity and self._expire(now) >= self.capacity:
             return False  # those we know keep their places: a flood of new ids cannot push them out
         if known is None or member.incarnation >= known[0].incarnation:
             self._seen[member.id] = (member, now)
         return True
 
     def alive(self, now: float) -> list[Member]:
+        self._expire(now)
+        return [m for m, _ in self._seen.values()]
+
+    def _expire(self, now: float) -> int:
+        """Forget the members silent for longer than ``expire_after``; how many are left."""
         for mid, (_, seen) in list(self._seen.items()):
             if now - seen > self.expire_after:
                 del self._seen[mid]
-        return [m for m, _ in self._seen.values()]
+        return len(self._seen)
 
 
 class Coordinator(JoinAnsweringEndpoint):

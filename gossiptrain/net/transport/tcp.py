@@ -164,6 +164,11 @@ class TcpTransport(Transport):
         """``url`` (this endpoint under another host name, e.g. the advertised one) as others must dial it."""
         return curve_address(url, self.curve.public) if self.curve is not None else url
 
+    @property
+    def open_connections(self) -> int:
+        """Outgoing connections open now (at most ``limits.max_connections``)."""
+        return len(self._destinations)
+
     def connect_failure(self, address: str) -> str | None:
         """Why the handshake with ``address`` failed (wrong key, not allowed, ...), if it did."""
         dest = self._destinations.get(address)
