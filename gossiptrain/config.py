@@ -62,6 +62,9 @@ class Limits:
     report_rate_per_source: float = 40.0
     report_burst: int = 128
     registry_members: int = 16_384  # members the coordinator keeps; past it, reports of unknown ids are not recorded
+    # Members heard of through gossip but not yet verified (probed at the address claimed), at most a quarter
+    # of them from one introducer: a liar's made-up members cost a bounded table, never a place in views.
+    candidates: int = 128
 
     def check(self, section: str = "limits") -> None:
         for f in fields(self):
@@ -346,6 +349,8 @@ class MembershipConfig:
     newcomer_grace: float = 15.0  # seconds a welcomed member may take to start (build its model) unprobed; then dropped
     tombstone_rounds: int = 120  # periods a dead/left member is remembered (blocks stale resurrection)
     probe_dead_every: int = 4  # every this many periods, send our view to one member we think dead
+    candidate_probes: int = 16  # probes a period of members heard of but not verified yet (limits.candidates)
+    verdicts_per_sender: int = 8  # suspicions and deaths of others taken from one member a period; more are ignored
     report_interval: float = 2.0  # seconds between reports to the coordinator
     join_timeout: float = 2.0  # seconds to wait for an answer to one join attempt
     join_attempts: int = 5  # attempts before giving up, join_timeout seconds each
@@ -370,6 +375,8 @@ class MembershipConfig:
         _require(0 < self.newcomer_grace < math.inf, f"{s}.newcomer_grace", "must be a positive number")
         _require(self.tombstone_rounds >= 1, f"{s}.tombstone_rounds", "must be >= 1")
         _require(self.probe_dead_every >= 1, f"{s}.probe_dead_every", "must be >= 1")
+        _require(self.candidate_probes >= 1, f"{s}.candidate_probes", "must be >= 1")
+        _require(self.verdicts_per_sender >= 1, f"{s}.verdicts_per_sender", "must be >= 1")
         _require(self.report_interval > 0, f"{s}.report_interval", "must be > 0")
         _require(self.join_timeout > 0, f"{s}.join_timeout", "must be > 0")
         _require(self.join_attempts >= 1, f"{s}.join_attempts", "must be >= 1")

@@ -119,8 +119,8 @@ class Procs:
         self.all.append(proc)
         return proc
 
-    def start(self, *args: str, name: str) -> Proc:
-        proc = Proc(list(args), self.workdir, name)
+    def start(self, *args: str, name: str, module: str = "gossiptrain") -> Proc:
+        proc = Proc(list(args), self.workdir, name, module)
         self.all.append(proc)
         return proc
 

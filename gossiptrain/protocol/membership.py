@@ -52,12 +52,17 @@ from typing import Any, Iterable, Sequence
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, PING, PING_REQ, SYNC
+from gossiptrain.protocol.candidates import Candidate, Candidates
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 _STATES = (ALIVE, SUSPECT, DEAD, LEFT)
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_ADDR = 256
 _MAX_RELAYS = 64  # indirect probes we run for others at once; more are refused (bounded state)
+# How far gossip from others may raise a member's incarnation: refutations raise it by one, so honest
+# news never jumps far; a larger claim (a restart, a lie) is believed only from the member's own answer.
+_INCARNATION_GAP = 1 << 16
+_CANDIDATE_ATTEMPTS = 2  # probes a candidate gets before it is dropped as never answering
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,14 @@ class Digest:
     sender: str = ""  # member id of the sender; empty for the coordinator or a welcome
     reply_to: str = ""  # the sender's address, where a full view (``reply``) or a refutation hint goes
     reply: bool = False
+    source: str = ""  # the network source it came from (an IP), where the transport can tell: who introduced what
+
+
+@dataclass(frozen=True)
+class Welcomed:
+    """We welcomed ``member`` ourselves: its placeholder (incarnation 0) is a member at once, not a candidate."""
+
+    member: Member
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,7 @@ class Ping:
     reply_to: str
     seq: int
     entries: Sequence[Member] = ()
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,7 @@ class PingReq:
     target: str
     target_addr: str
     entries: Sequence[Member] = ()
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,7 @@ class Ack:
     sender: str
     seq: int
     entries: Sequence[Member] = ()
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class Leave:
     """We are leaving: announce it to everyone we know."""
 
 
-Event = Tick | Digest | Ping | PingReq | Ack | Leave
+Event = Tick | Digest | Ping | PingReq | Ack | Leave | Welcomed
 
 # -- actions -----------------------------------------------------------------------------
 
@@ -239,17 +255,41 @@ class HealthStats:
     suspicions: int = 0  # members we came to suspect (own probes and gossip)
     refutations: int = 0  # times we had to refute a suspicion of ourselves
     acks_from_others: int = 0  # acks to our probes from a member other than the one probed: ignored
+    redirects_refused: int = 0  # a live member claimed at another address: refused (only its own answer moves it)
+    jumps_refused: int = 0  # an incarnation raised far by someone else's gossip: refused (only its owner raises it)
+    verdicts_refused: int = 0  # suspicions and deaths told by strangers, or past one member's share of a period
+    verdicts_doubted: int = 0  # a death told of a member that answers our own probes: taken as a suspicion
+    hearsay_refused: int = 0  # tombstones of members we never knew, past the bound we keep
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
 
 
 class Membership:
     """The membership view of one member. Feed it events; carry out the actions it returns."""
 
-    def __init__(self, me: Member, config: MembershipConfig, rng: random.Random) -> None:
+    def __init__(
+        self, me: Member, config: MembershipConfig, rng: random.Random, candidates: int = 128, nonces: random.Random | None = None
+    ) -> None:
+        """``candidates``: members heard of but not verified yet that we hold at once (``limits.candidates``).
+
+        ``nonces`` draws the probe sequence numbers, which prove that an ack
+        came from whoever got the probe: a real peer passes an OS-seeded
+        generator (a ``--seed`` must not make them guessable); by default
+        ``rng`` (the simulator's runs repeat exactly).
+        """
         self.me = me
         self.config = config
         self.stats = HealthStats()
         self._rng = rng
+        self._nonces = nonces or rng
         self._records: dict[str, _Record] = {}
+        forget_after = config.tombstone_rounds * config.heartbeat_interval
+        self.candidates = Candidates(candidates, max(1, candidates // 4), quarantine_for=forget_after)
+        self._candidate_budget = config.candidate_probes  # candidate probes left this period
+        self._hearsay: set[str] = set()  # tombstones of members we never knew (bounded: 4 x candidates)
+        self._last_ack: dict[str, float] = {}  # member id -> when it last answered our own probe (evidence of life)
+        self._verdicts: dict[str, int] = {}  # sender -> suspicions and deaths taken from it this period
         self._suspects: set[str] = set()
         self._newcomers: set[str] = set()  # a welcome's placeholders (incarnation 0) not started yet
         self._started: int | None = None  # live members other than us at an incarnation > 0 (None: count again)
@@ -259,7 +299,6 @@ class Membership:
         self._sync_gap = 0.0  # doubles from one period to config.sync_interval: a newcomer swaps views often at first
         self._probe: _Probe | None = None
         self._probe_order: list[str] = []
-        self._seq = 0
         self._relays: dict[int, _Relay] = {}
         self._broadcasts: deque[list[Any]] = deque()  # [entry, transmits left], fresh first
         self._queued: dict[str, list[Any]] = {}  # member id -> its item in _broadcasts
@@ -269,6 +308,17 @@ class Membership:
         self._rttvar = 0.0
 
     # -- queries ---------------------------------------------------------------------------
+
+    def trust_stats(self) -> dict[str, int]:
+        """What gossip we did not believe (counters), and how many candidates wait now."""
+        s, c = self.stats, self.candidates.stats
+        refused = s.redirects_refused + s.jumps_refused + s.verdicts_refused + s.hearsay_refused
+        return {
+            **c.to_dict(),
+            **{k: v for k, v in s.to_dict().items() if k.endswith(("_refused", "_doubted"))},
+            "candidates": len(self.candidates),
+            "gossip_refused": refused + c.candidates_refused + c.candidates_unanswered,
+        }
 
     def alive(self) -> list[Member]:
         """Live members including ourselves (suspects too: not dead yet), sorted by id (the order topologies index)."""
@@ -328,6 +378,9 @@ class Membership:
             times.append(rec.changed_at + self._suspicion_timeout(rec, confirmers))
         for mid in self._newcomers:
             times.append(self._records[mid].changed_at + self.config.newcomer_grace)
+        due = self.candidates.next_deadline()
+        if due is not None:
+            times.append(due)
         return min(times)
 
     # -- the state machine -----------------------------------------------------------------
@@ -336,25 +389,28 @@ class Membership:
         if isinstance(event, Tick):
             return self._tick(now)
         actions: list[Action] = []
-        if isinstance(event, Ping):
-            self._merge(event.entries, now, actions)
+        if isinstance(event, Welcomed):
+            self._welcome(event.member, now, actions)
+        elif isinstance(event, Ping):
+            self._merge(event.entries, now, actions, event.sender, event.source)
             actions.append(Send(event.reply_to, ACK, self._piggyback(event.sender), seq=event.seq))
         elif isinstance(event, PingReq):
-            self._merge(event.entries, now, actions)
+            self._merge(event.entries, now, actions, event.sender, event.source)
             self._relay(event, now, actions)
         elif isinstance(event, Ack):
-            self._merge(event.entries, now, actions)
-            self._on_ack(event, now, actions)
+            self._on_ack(event, now, actions)  # first: a candidate it verifies is then a member the entries may name
+            self._merge(event.entries, now, actions, event.sender, event.source)
         elif isinstance(event, Digest):
-            self._merge(event.entries, now, actions)
-            if event.reply and event.reply_to:
-                actions.append(Send(event.reply_to, GOSSIP, self._digest(event.sender)))
+            self._merge(event.entries, now, actions, event.sender, event.source)
+            if event.reply:
+                self._send_view(event.sender, actions)
         elif isinstance(event, Leave):
             return self._leave()
         else:
             raise TypeError(f"unknown event {event!r}")
-        if isinstance(event, (Digest, PingReq)) and event.sender and event.reply_to:
-            self._hint(event.sender, event.reply_to, now, actions)  # a ping's ack already carries the hint
+        if isinstance(event, (Digest, PingReq)) and event.sender:
+            self._hint(event.sender, now, actions)  # a ping's ack already carries the hint
+        self._probe_candidates(now, actions)
         return actions
 
     def _tick(self, now: float) -> list[Action]:
@@ -366,6 +422,7 @@ class Membership:
             self._next_sync = now
             self._sync_gap = self.config.heartbeat_interval
         self._expire(now, actions)
+        self._expire_candidates(now, actions)
         p = self._probe
         if p is not None and (p.acked or now >= p.deadline):
             self._conclude(p, now, actions)
@@ -373,22 +430,25 @@ class Membership:
             self._ask_others(p, now, actions)
         if now >= self._next_period:
             self._start_period(now, actions)
+        self._probe_candidates(now, actions)
         return actions
 
     # -- probing ---------------------------------------------------------------------------
 
     def _start_period(self, now: float, actions: list[Action]) -> None:
         self._rounds += 1
+        self._candidate_budget = self.config.candidate_probes
+        self._verdicts.clear()
         self._next_period = now + self.period() * self._rng.uniform(0.9, 1.1)
         if self._probe is not None:
             self._conclude(self._probe, now, actions)
         target = self._next_target()
         if target is not None:
-            self._seq += 1
+            seq = self._nonce()
             timeout = self.probe_timeout()
-            self._probe = _Probe(target.id, self._seq, now, now + timeout, deadline=now + 0.9 * self.period())
+            self._probe = _Probe(target.id, seq, now, now + timeout, deadline=now + 0.9 * self.period())
             self.stats.probes += 1
-            actions.append(Send(target.addr, PING, self._piggyback(target.id), seq=self._seq))
+            actions.append(Send(target.addr, PING, self._piggyback(target.id), seq=seq))
         if now >= self._next_sync:
             # Swarms start together: the first views swapped are partial, so swap again soon, then less often.
             self._sync_gap = min(2 * self._sync_gap, self.config.sync_interval)
@@ -446,13 +506,17 @@ class Membership:
         if rec is None or rec.member.state not in (ALIVE, SUSPECT):
             return
         claim = dataclasses.replace(rec.member, state=SUSPECT, by=self.me.id)
-        self._merge([claim], now, actions)
+        self._merge([claim], now, actions, self.me.id)
         # The members we asked for help failed to reach it too, and are the likeliest to confirm: tell them
         # now rather than on our next probe of them, so that a real death is confirmed (Lifeguard) within a period.
         for addr in p.helpers:
             actions.append(Send(addr, GOSSIP, (self.me, claim)))
 
     def _on_ack(self, event: Ack, now: float, actions: list[Action]) -> None:
+        candidate = self.candidates.answered(event.seq, event.sender)
+        if candidate is not None:
+            self._verified(candidate, event.entries, now, actions)
+            return
         relay = self._relays.get(event.seq)
         if relay is not None:
             if event.sender == relay.target:  # another member now at the target's address proves nothing
@@ -468,6 +532,8 @@ class Membership:
             self.stats.acks_from_others += 1
             return
         p.acked = True
+        if event.sender == p.target:
+            self._last_ack[p.target] = now  # its own answer to our nonce: evidence against a death told by others
         if not p.indirect_sent and event.sender == p.target:
             self._sample_rtt(now - p.sent_at)
 
@@ -483,9 +549,9 @@ class Membership:
             del self._relays[seq]
         if len(self._relays) >= _MAX_RELAYS or event.target == self.me.id:
             return
-        self._seq += 1
-        self._relays[self._seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval, event.target)
-        actions.append(Send(event.target_addr, PING, self._piggyback(event.target), seq=self._seq))
+        seq = self._nonce()
+        self._relays[seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval, event.target)
+        actions.append(Send(event.target_addr, PING, self._piggyback(event.target), seq=seq))
 
     # -- suspicion and death ---------------------------------------------------------------
 
@@ -532,6 +598,8 @@ class Membership:
             for mid, rec in list(self._records.items()):
                 if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
                     del self._records[mid]
+                    self._hearsay.discard(mid)
+                    self._last_ack.pop(mid, None)
             for mid, t in list(self._hinted.items()):
                 if now - t > self.config.heartbeat_interval:
                     del self._hinted[mid]
@@ -554,62 +622,218 @@ class Membership:
 
     # -- merging what we hear --------------------------------------------------------------
 
-    def _merge(self, entries: Iterable[Member], now: float, actions: list[Action]) -> None:
-        """SWIM's precedence: a higher incarnation wins; at equal ones, suspect beats alive and left beats both."""
+    def _merge(self, entries: Iterable[Member], now: float, actions: list[Action], sender: str = "", source: str = "") -> None:
+        """SWIM's precedence, with nothing taken on trust.
+
+        A higher incarnation wins; at equal ones, suspect beats alive and left
+        beats both. On top of that: a member we do not know, one claimed at
+        another address, or one raised far past the incarnation we know, is
+        only a candidate until it answers our own probe there (``_verified``);
+        suspicions and deaths are taken only from live members, a bounded
+        number per sender and period; and a death told of a member that
+        answered our own probe lately is only a suspicion (it refutes it).
+        """
         for e in entries:
             if e.id == self.me.id:
                 self._refute(e)
                 continue
             rec = self._records.get(e.id)
-            if rec is None:
-                if e.state == ALIVE:
-                    self._records[e.id] = _Record(e, now)
-                    self._started = None
-                    if e.incarnation == 0:
-                        self._newcomers.add(e.id)
-                    self._broadcast(e)
-                    self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), e.id)
-                    actions.append(MemberUp(e))
-                elif e.state in (DEAD, LEFT):  # a tombstone: stale news of it arriving later must not bring it in
-                    self._records[e.id] = _Record(e, now)
-                continue  # news of a stranger's suspicion is not taken
-            old = rec.member
             if e.state == ALIVE:
-                if e.incarnation > old.incarnation:
-                    self._set(rec, e, now)
-                    self._broadcast(e)
-                    if old.state in (DEAD, LEFT):
-                        actions.append(MemberUp(e, rejoined=True))
+                self._merge_alive(e, rec, now, source or sender or "?")
+            elif rec is None:
+                if e.state in (DEAD, LEFT) and self._live_sender(sender):
+                    self._remember_hearsay(e, now)  # stale news of it arriving later must not bring it in
+                # news of a stranger's suspicion is not taken
+            elif e.incarnation > rec.member.incarnation + _INCARNATION_GAP:
+                self.stats.jumps_refused += 1
             elif e.state == SUSPECT:
-                if old.state in (DEAD, LEFT) or e.incarnation < old.incarnation:
-                    continue
-                if old.state == ALIVE or e.incarnation > old.incarnation:
-                    self._set(rec, e, now)
-                    self.stats.suspicions += 1
-                    actions.append(Suspected(e))
-                elif e.by and e.by not in rec.suspectors and len(rec.suspectors) <= self.config.suspicion_confirmations:
-                    rec.member = e  # an independent confirmation: pass it on, and the timer shrinks
-                else:
-                    continue
-                if e.by:
-                    rec.suspectors.add(e.by)
-                self._broadcast(e)
-            elif e.state in (DEAD, LEFT):
-                if old.state not in (DEAD, LEFT) and e.incarnation >= old.incarnation:
-                    suspectors = tuple(sorted(rec.suspectors)) if old.state == SUSPECT and e.state == DEAD else ()
-                    self._set(rec, dataclasses.replace(e, by=""), now)
-                    self._broadcast(rec.member)
-                    if old.state in (ALIVE, SUSPECT):
-                        actions.append(MemberDown(rec.member, "left" if e.state == LEFT else "dead", suspectors))
-                elif e.state == LEFT and old.state == DEAD and e.incarnation >= old.incarnation:
+                if rec.member.state in (ALIVE, SUSPECT) and e.incarnation >= rec.member.incarnation:
+                    if self._verdict_allowed(sender):
+                        self._merge_suspicion(e, rec, now, actions)
+            elif rec.member.state in (DEAD, LEFT):
+                if e.state == LEFT and rec.member.state == DEAD and e.incarnation >= rec.member.incarnation:
                     rec.member = e  # it had left, not died: remember it so
+            elif e.incarnation >= rec.member.incarnation:
+                if e.state == LEFT and sender == e.id:
+                    self._down(rec, e, now, actions)  # its own leave
+                elif not self._verdict_allowed(sender):
+                    pass
+                elif self._answered_lately(e.id, now):
+                    # It answered our own probe within a suspicion timeout: one member's word does not remove
+                    # it. Suspect it instead (the teller counts as a suspector) and probe it next: if alive, it
+                    # hears the suspicion and refutes it; if not, our own timer confirms the death.
+                    self.stats.verdicts_doubted += 1
+                    self._merge_suspicion(dataclasses.replace(e, state=SUSPECT, by=sender), rec, now, actions)
+                    self._probe_order.append(e.id)
+                else:
+                    self._down(rec, e, now, actions)
+
+    def _merge_alive(self, e: Member, rec: _Record | None, now: float, introducer: str) -> None:
+        """An alive claim: a refutation is taken as told; a newcomer, a move or a big jump waits for verification."""
+        if rec is None:
+            self.candidates.offer(e, introducer, now)
+            return
+        old = rec.member
+        if e.incarnation <= old.incarnation:
+            return
+        if e.addr != old.addr and old.state in (ALIVE, SUSPECT):
+            self.stats.redirects_refused += 1  # nobody moves a live member: it answers where it is (memberlist's rule)
+            return
+        if old.state in (DEAD, LEFT) or old.incarnation == 0 or e.incarnation > old.incarnation + _INCARNATION_GAP:
+            self.candidates.offer(e, introducer, now)  # a rejoin, a start or a restart: it must answer for itself
+            return
+        self._set(rec, e, now)  # a refutation: one more than the suspicion it outranks
+        self._broadcast(e)
+
+    def _merge_suspicion(self, e: Member, rec: _Record, now: float, actions: list[Action]) -> None:
+        old = rec.member
+        if old.state == ALIVE or e.incarnation > old.incarnation:
+            self._set(rec, e, now)
+            self.stats.suspicions += 1
+            actions.append(Suspected(e))
+        elif e.by and e.by not in rec.suspectors and len(rec.suspectors) <= self.config.suspicion_confirmations:
+            rec.member = e  # an independent confirmation: pass it on, and the timer shrinks
+        else:
+            return
+        if e.by == self.me.id or self._live_sender(e.by):  # a made-up suspector confirms nothing
+            rec.suspectors.add(e.by)
+        self._broadcast(e)
+
+    def _down(self, rec: _Record, e: Member, now: float, actions: list[Action]) -> None:
+        old = rec.member
+        suspectors = tuple(sorted(rec.suspectors)) if old.state == SUSPECT and e.state == DEAD else ()
+        self._set(rec, dataclasses.replace(e, by=""), now)
+        self._broadcast(rec.member)
+        actions.append(MemberDown(rec.member, "left" if e.state == LEFT else "dead", suspectors))
+
+    def _live_sender(self, sender: str) -> bool:
+        rec = self._records.get(sender)
+        return rec is not None and rec.member.state in (ALIVE, SUSPECT) and rec.member.incarnation > 0
+
+    def _verdict_allowed(self, sender: str) -> bool:
+        """Suspicions and deaths are taken from ourselves and from live members, at most ``verdicts_per_sender`` a period."""
+        if sender == self.me.id:
+            return True
+        if not self._live_sender(sender) or self._verdicts.get(sender, 0) >= self.config.verdicts_per_sender:
+            self.stats.verdicts_refused += 1
+            return False
+        self._verdicts[sender] = self._verdicts.get(sender, 0) + 1
+        return True
+
+    def _answered_lately(self, member_id: str, now: float) -> bool:
+        at = self._last_ack.get(member_id)
+        return at is not None and now - at < self.config.suspicion_timeout_max(len(self._records) + 1)
+
+    def _remember_hearsay(self, e: Member, now: float) -> None:
+        if len(self._hearsay) >= 4 * self.candidates.capacity:
+            self.stats.hearsay_refused += 1
+            return
+        self._records[e.id] = _Record(e, now)
+        self._hearsay.add(e.id)
+        self.candidates.drop(e.id)
+
+    def _welcome(self, m: Member, now: float, actions: list[Action]) -> None:
+        """Our own welcome's placeholder: a member (not probed, dropped if it never starts) without verification."""
+        if m.id in self._records:
+            return
+        self.candidates.drop(m.id)
+        self._records[m.id] = _Record(m, now)
+        self._started = None
+        if m.incarnation == 0:
+            self._newcomers.add(m.id)
+        self._broadcast(m)
+        actions.append(MemberUp(m))
+
+    # -- verifying candidates --------------------------------------------------------------
+
+    def _nonce(self) -> int:
+        """A probe's sequence number: random, so that only whoever got the probe can answer it."""
+        return self._nonces.getrandbits(62) | 1
+
+    def _probe_candidates(self, now: float, actions: list[Action]) -> None:
+        """Probe candidates not probed yet (placeholders wait for their start), ``candidate_probes`` a period."""
+        if self.me.state != ALIVE or not len(self.candidates):
+            return
+        for c in self.candidates:
+            if self._candidate_budget <= 0:
+                return
+            if c.seq == 0 and c.claim.incarnation > 0:
+                self._probe_candidate(c, now, actions)
+
+    def _probe_candidate(self, c: Candidate, now: float, actions: list[Action]) -> None:
+        self._candidate_budget -= 1
+        seq = self._nonce()
+        self.candidates.probing(c, seq, now + self.period())
+        actions.append(Send(c.claim.addr, PING, (self.me,), seq=seq))
+
+    def _expire_candidates(self, now: float, actions: list[Action]) -> None:
+        for c in self.candidates:
+            if c.seq and now >= c.deadline:
+                if c.attempts < _CANDIDATE_ATTEMPTS and self._candidate_budget > 0:
+                    self._probe_candidate(c, now, actions)  # a lost probe, or a newcomer still starting: once more
+                elif c.attempts >= _CANDIDATE_ATTEMPTS:
+                    self.candidates.unanswered(c, now)
+            elif c.claim.incarnation == 0 and now - c.heard_at >= self.config.newcomer_grace:
+                self.candidates.drop(c.claim.id)  # someone else's placeholder that never started
+        if self._rounds % 16 == 0:
+            self.candidates.forget_quarantines(now)
+
+    def _verified(self, c: Candidate, entries: Sequence[Member], now: float, actions: list[Action]) -> None:
+        """A candidate answered our probe at the address claimed: take it (as its own entry says, if it sent one)."""
+        own = entries[0] if entries else None
+        m = own if own is not None and own.id == c.claim.id and own.addr == c.claim.addr and own.state == ALIVE else c.claim
+        m = m if m.incarnation >= c.claim.incarnation else c.claim
+        self._last_ack[m.id] = now
+        self._hearsay.discard(m.id)
+        for r in list(self._records.values()):
+            if r.member.id != m.id and r.member.addr == m.addr and r.member.state in (ALIVE, SUSPECT):
+                # One address, one live member: the process there now answers as m (a restart under a new id).
+                self._set(r, dataclasses.replace(r.member, state=DEAD, by=""), now)
+                actions.append(MemberDown(r.member, "dead"))
+        rec = self._records.get(m.id)
+        if rec is None:
+            self._records[m.id] = _Record(m, now)
+            self._started = None
+            self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), m.id)
+            actions.append(MemberUp(m))
+        elif m.incarnation > rec.member.incarnation:
+            old = rec.member
+            self._set(rec, m, now)
+            if old.state in (DEAD, LEFT):
+                actions.append(MemberUp(m, rejoined=True))
+            elif old.incarnation == 0:
+                self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), m.id)
+        else:
+            return
+        self._broadcast(m)
+        if c.wants_view:
+            actions.append(Send(m.addr, GOSSIP, self._digest(m.id)))  # the full view its sync asked for
+        if sum(1 for r in self._records.values() if r.member.state == ALIVE) == 1:
+            actions.append(Send(m.addr, SYNC, self._digest(m.id)))  # our first member: swap views with it at once
+
+    def _send_view(self, sender: str, actions: list[Action]) -> None:
+        """A sync asked for our full view: to a verified member at once, to a candidate once it is verified."""
+        rec = self._records.get(sender)
+        if rec is not None and rec.member.state in (ALIVE, SUSPECT):
+            actions.append(Send(rec.member.addr, GOSSIP, self._digest(sender)))
+            return
+        c = self.candidates.get(sender)
+        if c is not None:
+            c.wants_view = True
 
     def _refute(self, claim: Member) -> None:
-        """A claim that we are suspect, dead or gone, or one from a newer incarnation: outrank it."""
+        """A claim that we are suspect, dead or gone, or one from a newer incarnation: outrank it.
+
+        Only we raise our incarnation; a claim far above it is a lie that no
+        member took (``_INCARNATION_GAP``), so we do not chase it there.
+        """
         if self.me.state != ALIVE:
             return
         stale = claim.incarnation < self.me.incarnation or (claim.incarnation == self.me.incarnation and claim.state == ALIVE)
         if stale:
+            return
+        if claim.incarnation > self.me.incarnation + _INCARNATION_GAP:
+            self.stats.jumps_refused += 1
             return
         self.stats.refutations += 1
         if claim.state != ALIVE:
@@ -617,8 +841,11 @@ class Membership:
         # No need to queue it: we ride on every message we send, and each member that takes it passes it on.
         self.me = dataclasses.replace(self.me, incarnation=max(self.me.incarnation, claim.incarnation) + 1)
 
-    def _hint(self, sender: str, reply_to: str, now: float, actions: list[Action]) -> None:
-        """A member we hold suspect or dead just spoke to us: tell it, at most once a period, so it can refute."""
+    def _hint(self, sender: str, now: float, actions: list[Action]) -> None:
+        """A member we hold suspect or dead just spoke to us: tell it, at most once a period, so it can refute.
+
+        The hint goes to the address we hold for it, never to one the message names (no reflection).
+        """
         rec = self._records.get(sender)
         if rec is None or rec.member.state not in (SUSPECT, DEAD):
             return
@@ -626,7 +853,7 @@ class Membership:
         if last is not None and now - last < self.config.heartbeat_interval:
             return
         self._hinted[sender] = now
-        actions.append(Send(reply_to, GOSSIP, (self.me, rec.member)))
+        actions.append(Send(rec.member.addr, GOSSIP, (self.me, rec.member)))
 
     # -- what we send ----------------------------------------------------------------------
 

@@ -113,6 +113,13 @@ class Rendezvous:
             out.append(SendReady(sender, self._set()))
         return out + self._progress(now, alive, announce=False, told=go)
 
+    def met(self, members: Sequence[str]) -> list[SendReady]:
+        """Members just came into our view (verified): ask them at once while we wait, not at the next interval."""
+        if not self._waiting() or self._reached():
+            return []
+        ids = self._set()
+        return [SendReady(m, ids) for m in members if m not in self.ready and m != self.me]
+
     def tick(self, now: float, alive: Sequence[str]) -> list[SendReady]:
         """Ask again, every ``interval`` while we wait, members we do not know to be ready."""
         if not self._waiting():

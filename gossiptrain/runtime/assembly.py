@@ -42,12 +42,13 @@ def node_for(
     clock: Clock,
     rng: random.Random,
     spec: ParamSpec | None,
+    nonces: random.Random | None = None,
 ) -> PeerNode:
     """The (unstarted) network side of the member ``welcome`` admitted, seeded with the members it named.
 
     ``incarnation`` must outrank whatever the swarm remembers of an earlier
     process under this id (even its death): callers pass the current time in
-    microseconds, wall-clock or virtual.
+    microseconds, wall-clock or virtual. ``nonces``: see ``Membership``.
     """
     me = Member(welcome.member_id, address, welcome.shard, incarnation=incarnation)
     return PeerNode(
@@ -59,6 +60,7 @@ def node_for(
         spec=spec,
         coordinator=welcome.coordinator,
         seeds=welcome.members,
+        nonces=nonces,
     )
 
 

@@ -191,6 +191,7 @@ class Peer:
             clock=self._clock,
             rng=self._rng,
             spec=spec,
+            nonces=random.SystemRandom(),  # probe nonces stay unguessable whatever seed the run was given
         )
         self._loop.run(node.start(), timeout=10)
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
@@ -229,6 +230,7 @@ class Peer:
         """Download a live member's state into the model before the first step, if anyone else is alive."""
         node = self._node
         assert node is not None
+        self._loop.run(node.seeds_verified(), timeout=10)
         others = [m for m in node.view() if m != self.id]
         if enabled and self.config.state.enabled and others:
             result, values = self._loop.run(
@@ -423,6 +425,7 @@ class Peer:
             out.update(self._averaging.stats.to_dict())
             out.update(self._safepoint.quarantine.stats.to_dict())
             out.update(self._node.stats.to_dict())
+            out.update(self._node.membership.trust_stats())
             out.update(self._node.state.stats())
         if self._transport is not None:
             out.update(self._transport.stats.to_dict())

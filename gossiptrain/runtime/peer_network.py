@@ -52,6 +52,7 @@ from gossiptrain.protocol.membership import (
     Send,
     Suspected,
     Tick,
+    Welcomed,
     members_from_wire,
 )
 from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
@@ -102,6 +103,7 @@ class PeerNode(JoinAnsweringEndpoint):
         spec: ParamSpec | None,
         coordinator: str = "",
         seeds: list[Member] | None = None,
+        nonces: random.Random | None = None,
     ) -> None:
         super().__init__(
             transport, config.limits, sender=me.id, fingerprint=config.fingerprint(), stats=NodeStats(), advertise=me.addr
@@ -112,7 +114,7 @@ class PeerNode(JoinAnsweringEndpoint):
         self.rng = rng
         self.spec = spec
         self.coordinator = coordinator
-        self.membership = Membership(me, config.membership, rng)
+        self.membership = Membership(me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces)
         self.topology = topologies.parse(config.gossip.topology)
         self._fallback = topologies.get("complete")
         # self.step: the trainer's step, stamped on outgoing messages (written by the trainer thread)
@@ -148,6 +150,7 @@ class PeerNode(JoinAnsweringEndpoint):
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
         self._started = me.incarnation  # members of a lower one were there before us: they did not join just now
+        self._seeds = tuple(m.id for m in seeds or () if m.incarnation > 0 and m.id != me.id)
         if seeds:
             self._apply(self.membership.handle(Digest(seeds), clock.now()))
 
@@ -212,6 +215,21 @@ class PeerNode(JoinAnsweringEndpoint):
         self.released.clear()
         self._send_ready(self.rendezvous.wait(count, self.clock.now(), self._view))
 
+    async def seeds_verified(self) -> None:
+        """Wait until one of the members our welcome named has answered our probe (or none is left to answer).
+
+        They are candidates until then (``gossiptrain.protocol.candidates``),
+        so a newcomer that looked for a donor at once would find nobody. On
+        loopback this takes a round trip; it never takes longer than the
+        probes' own deadlines (two protocol periods, and one more as slack):
+        a seed that has died meanwhile holds nobody up.
+        """
+        deadline = self.clock.now() + 3 * self.config.membership.heartbeat_interval
+        while self.clock.now() < deadline and len(self._view) < 2:
+            if not any(mid in self.membership.candidates for mid in self._seeds):
+                return
+            await self.clock.sleep(self.config.membership.min_probe_timeout)
+
     # -- sending ---------------------------------------------------------------------------
 
     def send_exchange(self, action: SendExchange) -> None:
@@ -257,7 +275,8 @@ class PeerNode(JoinAnsweringEndpoint):
     # -- handling --------------------------------------------------------------------------
 
     def _on_membership(self, msg: Message, frames: Sequence[object]) -> None:
-        self._apply(self.membership.handle(membership_event(msg, self.config.limits.max_container_len), self.clock.now()))
+        event = membership_event(msg, self.config.limits.max_container_len, self.transport.source_of(frames) or "")
+        self._apply(self.membership.handle(event, self.clock.now()))
 
     def _on_exchange(self, msg: Message, frames: Sequence[object]) -> None:
         xid = msg.body.get("xid")
@@ -328,10 +347,11 @@ class PeerNode(JoinAnsweringEndpoint):
         return self.coordinator
 
     def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
-        self._apply(self.membership.handle(Digest([newcomer]), self.clock.now()))  # a placeholder until it starts
+        self._apply(self.membership.handle(Welcomed(newcomer), self.clock.now()))  # a placeholder until it starts
 
     def _apply(self, actions: list[Any]) -> None:
         changed = False
+        met: list[str] = []
         for a in actions:
             if isinstance(a, Send):
                 body: dict[str, Any] = {"members": [m.to_wire() for m in a.entries]}
@@ -346,6 +366,7 @@ class PeerNode(JoinAnsweringEndpoint):
             elif isinstance(a, MemberUp):
                 self.stats.members_up += 1
                 changed = True
+                met.append(a.member.id)
                 log.debug("member %s is up at %s", a.member.id, a.member.addr)
                 self._tell(a)
             elif isinstance(a, MemberDown):
@@ -363,6 +384,7 @@ class PeerNode(JoinAnsweringEndpoint):
         if changed:
             self._view = tuple(m.id for m in self.membership.alive())
             self._send_ready(self.rendezvous.tick(self.clock.now(), self._view))  # a member we counted may be gone
+            self._send_ready(self.rendezvous.met(met))
 
     def _tell(self, a: MemberUp | MemberDown) -> None:
         """The line people see (``MEMBER_EVENTS``); members already there when we started are not news (DEBUG)."""
@@ -380,21 +402,24 @@ class PeerNode(JoinAnsweringEndpoint):
             _member_events.info("member %s died", m.id, extra=extra)
 
 
-def membership_event(msg: Message, max_members: int) -> membership.Event:
-    """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed."""
+def membership_event(msg: Message, max_members: int, source: str = "") -> membership.Event:
+    """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed.
+
+    ``source``: the IP it came from, where the transport can tell (what its candidates are charged to).
+    """
     body = msg.body
     entries = members_from_wire(body.get("members"), max_members)
     if msg.kind in (kinds.GOSSIP, kinds.LEAVE, kinds.SYNC):
-        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == kinds.SYNC)
+        return Digest(entries, msg.sender, msg.addr, reply=msg.kind == kinds.SYNC, source=source)
     seq = body.get("seq")
     if type(seq) is not int or not 0 <= seq < 1 << 63:
         raise ProtocolError(f"{msg.kind} without a valid seq")
     if msg.kind == kinds.PING:
-        return Ping(msg.sender, msg.addr, seq, entries)
+        return Ping(msg.sender, msg.addr, seq, entries, source)
     if msg.kind == kinds.ACK:
-        return Ack(msg.sender, seq, entries)
+        return Ack(msg.sender, seq, entries, source)
     target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
-    return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries)
+    return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries, source)
 
 
 def exchange_meta(body: dict[str, Any]) -> dict[str, float | int]:

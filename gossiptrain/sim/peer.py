@@ -135,6 +135,7 @@ class SimPeer:
                 self.averaging.poison = self.spec.poison
                 safepoint, snapshots = side.safepoint, side.snapshots
                 self.safepoint = safepoint
+                await node.seeds_verified()
                 if config.state.enabled and any(m != node.me.id for m in node.view()):
                     # As Peer does: the swarm's current state first, then training (virtual time passes meanwhile).
                     self.transfer, values = await catch_up(

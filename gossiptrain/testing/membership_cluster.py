@@ -30,7 +30,7 @@ from gossiptrain.protocol.membership import (
 )
 from gossiptrain.testing.matchers import match
 
-__all__ = ["DEFAULT_CONFIG", "Cluster", "event_for"]
+__all__ = ["DEFAULT_CONFIG", "Cluster", "admit", "event_for"]
 
 DEFAULT_CONFIG = MembershipConfig(heartbeat_interval=1.0)
 """One-second protocol periods: round numbers for the bounds a test computes from the config."""
@@ -46,6 +46,23 @@ def event_for(src: Membership, a: Send) -> Any:
     if a.kind == PING_REQ:
         return PingReq(sender, addr, a.seq, a.target, a.target_addr, a.entries)
     return Digest(a.entries, sender, addr, reply=a.kind == SYNC)
+
+
+def admit(node: Membership, members: list[Member], now: float, sender: str = "") -> list[Any]:
+    """Tell ``node`` of ``members`` and answer its verification probes as each of them would: they become members.
+
+    Gossip only makes a member a candidate; this plays the candidates' side
+    (an ack with the probe's nonce from the address claimed) for tests that
+    drive one machine by hand. Returns every action ``node`` took.
+    """
+    by_addr = {m.addr: m for m in members}
+    actions = node.handle(Digest(members, sender), now)
+    out = list(actions)
+    for a in actions:
+        m = by_addr.get(a.addr) if isinstance(a, Send) and a.kind == PING else None
+        if m is not None:
+            out += node.handle(Ack(m.id, a.seq, (m,)), now)
+    return out
 
 
 class Cluster:

@@ -286,6 +286,8 @@ class _Report:
             "handshake_failures": stats["handshake_failures"],
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
+            # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts
+            "gossip_refused": stats["gossip_refused"],
         }
         if self.checkpointer is not None:
             rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
