@@ -1,6 +1,6 @@
 """One lying member beside three honest `gossiptrain peer` processes on loopback (issue 17).
 
-The liar (``tests/lying_member.py``) joins like any peer, never trains, and
+The liar (``experiments/lying_member.py``) joins like any peer, never trains, and
 every half second sends every member 2,000 made-up members at closed
 loopback ports, every member's id at its own address (incarnation + 10^12)
 and every member's death. The honest swarm must train as it does without
@@ -35,7 +35,7 @@ def test_three_honest_peers_train_beside_a_member_gossiping_lies(procs: Procs, c
     coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 400}))
     join = coord.address.removeprefix("tcp://")
     liar = procs.start(
-        "--join", join, "--bind", f"{next_host()}:0", "--seconds", "120", name="liar", module="tests.lying_member"
+        "--join", join, "--bind", f"{next_host()}:0", "--seconds", "120", name="liar", module="experiments.lying_member"
     )
     procs.wait_for(lambda: "lying" in liar.output() or not liar.alive(), 60, "the liar to join and start lying")
     assert liar.alive(), liar.output()

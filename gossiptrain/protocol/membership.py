@@ -457,7 +457,8 @@ class Membership:
             if others:
                 peer = self._rng.choice(others)
                 actions.append(Send(peer.addr, SYNC, self._digest(peer.id)))
-        dead = [r.member for r in self._records.values() if r.member.state == DEAD]
+        # Only members we knew ourselves: a tombstone we were told of names an address someone else chose.
+        dead = [r.member for r in self._records.values() if r.member.state == DEAD and r.member.id not in self._hearsay]
         if dead and self._rounds % self.config.probe_dead_every == 0:
             # A member we think dead may be alive behind a healed partition: our view (with its
             # own tombstone, so that it refutes) lets both sides find each other again.

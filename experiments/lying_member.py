@@ -1,6 +1,6 @@
-"""A member that joins like any peer, never trains, and every 0.5 s gossips lies (tests only, issue 17).
+"""A member that joins like any peer, never trains, and every 0.5 s gossips lies (experiments/hostile.py and its test; issue 17).
 
-Run as ``python -m tests.lying_member --join HOST:PORT --bind HOST:0 --lies LIES --seconds S``,
+Run as ``python -m experiments.lying_member --join HOST:PORT --bind HOST:0 --lies LIES --seconds S``,
 with LIES a comma-separated choice of:
 
 - ``made-up``: N made-up members at closed loopback ports (``--made-up N``, default 2,000), rising incarnations;

@@ -1,0 +1,201 @@
+"""One lying member beside an honest swarm, against the same swarm with the same member idle (issue 17).
+
+N honest `gossiptrain peer` processes train digits (iid shards, one torch
+thread each, a common start with `--wait-for N`) with a coordinator on
+127.0.0.x, as the other experiments run them (experiments/harness.py).
+Before they start, one more member joins (``experiments/lying_member.py``):
+it never trains and, every 0.5 s, sends every member it knows one attack:
+
+- ``idle``: nothing (the baseline: the same swarm with the same member);
+- ``made-up``: 2,000 made-up members at closed loopback ports, rising incarnations;
+- ``hijack``: each honest member's id at the liar's own address, incarnation + 10^12;
+- ``deaths``: each honest member declared dead, at its incarnation and at + 10^12;
+- ``all``: the three at once.
+
+Measured per run: the honest peers' time to a held mean test accuracy (the
+harness's rule: 3 evaluations in a row), their exchanges per peer, the
+largest view any honest peer reported (its ``members`` field: the real
+members are N + 1), and the peak open file descriptors and resident memory
+of any honest peer (sampled from /proc while it trains). The ratio is each
+attack's time over the idle baseline's, medians over ``--seeds``.
+
+Open swarm only: in a secure swarm the liar would be an admitted member
+with its own key, and what it can send is the same (SECURITY.md); the
+secure rows are not built yet. CSV and summary.md under
+experiments/results/hostile/; the last line is JSON with the worst time
+ratio, the largest honest view, and the peak descriptors and RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.harness import (  # noqa: E402
+    Point,
+    Procs,
+    fmt,
+    fresh_dir,
+    gossip_series,
+    markdown_table,
+    poll_run,
+    publish,
+    python_m,
+    results_dir,
+    run_overrides,
+    start_coordinator,
+    time_to_target,
+    write_csv,
+)
+from gossiptrain.train.metrics import read_metrics  # noqa: E402
+
+
+def show(x: float | None, digits: int = 2) -> str:
+    """A number for the tables: "-" where a run had none (a missed target)."""
+    return "-" if x is None else fmt(x, digits)
+
+
+ATTACKS = {"idle": "", "made-up": "made-up", "hijack": "hijack", "deaths": "deaths", "all": "made-up,hijack,deaths"}
+
+
+def _proc_sample(pid: int) -> tuple[int, float]:
+    """(open descriptors, resident MB) of a process, (0, 0) once it is gone."""
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+        return fds, rss
+    except (OSError, AttributeError):
+        return 0, 0.0
+
+
+def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    fresh_dir(workdir)
+    n = args.peers
+    overrides = run_overrides(n, seed, max_seconds=args.timeout + 30)
+    peak = {"fds": 0, "rss_mb": 0.0}
+    with Procs(workdir) as procs:
+        join = start_coordinator(procs, overrides)
+        lies = ATTACKS[attack] or "none"
+        liar = procs.start("liar", python_m(
+            "experiments.lying_member", "--join", join, "--bind", "127.0.0.250:0", "--lies", lies,
+            "--seconds", args.timeout + 120,
+        ))
+        deadline = time.monotonic() + 120
+        while "lying" not in (workdir / "liar.log").read_text(errors="replace"):
+            if liar.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the liar did not start; see {workdir / 'liar.log'}")
+            time.sleep(0.1)
+        honest = [
+            procs.start(f"peer-{i}", python_m(
+                "gossiptrain", "peer", "--join", join, "--bind", f"127.0.0.{10 + i}:0", "--quiet", "--threads", 1,
+                "--shard", i, "--wait-for", n, "--metrics", workdir / f"peer-{i}.jsonl",
+            ))
+            for i in range(n)
+        ]
+
+        def read() -> list[Point]:
+            for p in honest:
+                fds, rss = _proc_sample(p.pid)
+                peak["fds"], peak["rss_mb"] = max(peak["fds"], fds), max(peak["rss_mb"], rss)
+            return gossip_series([read_metrics(workdir / f"peer-{i}.jsonl") for i in range(n)], 32)[0]
+
+        points = poll_run(procs, read, args.target, args.timeout)
+    per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(n)]
+    last = [next((r for r in reversed(recs) if r.get("event") in ("eval", "done")), {}) for recs in per_peer]
+    views = [r["members"] for recs in per_peer for r in recs if "members" in r]
+    return {
+        "attack": attack,
+        "seed": seed,
+        "time_to_target_s": time_to_target(points, args.target),
+        "final_acc": round(points[-1].acc, 4) if points else None,
+        "exchanges_per_peer": round(statistics.mean(r.get("exchanges", 0) for r in last), 1),
+        "gossip_refused_per_peer": round(statistics.mean(r.get("gossip_refused", 0) for r in last), 1),
+        "members_dead_max": max((r.get("members_dead", 0) for r in last), default=0),
+        "largest_view": max(views, default=0),
+        "peak_fds": peak["fds"],
+        "peak_rss_mb": round(peak["rss_mb"], 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=4, help="honest peers (default 4)")
+    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--target", type=float, default=0.97, help="held mean test accuracy (default 0.97)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds of training before a run gives up")
+    ap.add_argument("--quick", action="store_true", help="1 seed, idle and all only, 30 s: a smoke test")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.attacks, args.timeout, args.target = 1, ["idle", "all"], 30.0, 0.9
+    if "idle" not in args.attacks:
+        args.attacks = ["idle", *args.attacks]
+    out = results_dir("hostile", args.out, args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in range(args.seeds):
+        for attack in args.attacks:
+            row = run_attack(attack, seed, args, out / "runs" / f"{attack}-{seed}")
+            print(f"seed {seed} {attack:8s} time {show(row['time_to_target_s'])} s, view {row['largest_view']}, "
+                  f"fds {row['peak_fds']}, refused {row['gossip_refused_per_peer']}", flush=True)
+            rows.append(row)
+    write_csv(out / "hostile.csv", rows)
+
+    def median(attack: str, key: str) -> float | None:
+        values = [r[key] for r in rows if r["attack"] == attack and r[key] is not None]
+        return statistics.median(values) if values else None
+
+    base = median("idle", "time_to_target_s")
+    table, ratios = [], []
+    for attack in args.attacks:
+        t = median(attack, "time_to_target_s")
+        missed = sum(1 for r in rows if r["attack"] == attack and r["time_to_target_s"] is None)
+        ratio = t / base if t is not None and base else None
+        if attack != "idle":
+            ratios.append(ratio if ratio is not None and not missed else float("inf"))
+        table.append([
+            attack, show(t), show(ratio), f"{missed}/{args.seeds}", show(median(attack, "exchanges_per_peer"), 1),
+            max(r["largest_view"] for r in rows if r["attack"] == attack),
+            max(r["peak_fds"] for r in rows if r["attack"] == attack),
+            show(max(r["peak_rss_mb"] for r in rows if r["attack"] == attack), 0),
+            max(r["members_dead_max"] for r in rows if r["attack"] == attack),
+        ])
+    lines = [
+        "# One lying member beside an honest swarm",
+        "",
+        f"{args.peers} honest peers (digits, iid, `--wait-for {args.peers}`) and one member that never trains; target "
+        f"{args.target} held, medians of {args.seeds} seeds; real members: {args.peers + 1}. "
+        f"Command: `python experiments/hostile.py{' --quick' if args.quick else ''} --seeds {args.seeds}`.",
+        "",
+        *markdown_table(
+            ["attack", "time to target (s)", "over idle", "missed", "exchanges/peer", "largest view", "peak fds",
+             "peak RSS MB", "honest deaths seen"],
+            table,
+        ),
+        "",
+        "Open swarm only (see the script's docstring).",
+    ]
+    finite = [r for r in ratios if r is not None]
+    return publish(out, lines, {
+        "worst_time_ratio": round(max(finite), 3) if finite else None,
+        "largest_honest_view": max(r["largest_view"] for r in rows),
+        "real_members": args.peers + 1,
+        "peak_fds": max(r["peak_fds"] for r in rows),
+        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in rows), 1),
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main())
