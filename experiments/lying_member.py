@@ -9,7 +9,10 @@ with LIES a comma-separated choice of:
 
 It uses the project's own message format through a real ``Peer`` (it is a
 verified member: it answers probes), so what it sends is exactly what a
-modified peer could send. It prints ``lying`` once it has sent its first lies.
+modified peer could send. Exchange requests it refuses at once (a member
+that never trains has nothing to give; answering them from its initial
+model would drag its partners back, the same with or without lies). It
+prints ``lying`` once it has sent its first lies.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ def main(argv: list[str]) -> int:
     peer = Peer(lambda config, seed: load_workload(config.train.workload).build_model(seed), join=args.join, bind=args.bind)
     node = peer._node
     assert node is not None
+
+    def refuse(msg, frames):  # type: ignore[no-untyped-def]
+        if msg.kind in (kinds.XREQ, kinds.XPUSH) and type(msg.body.get("xid")) is int:
+            node.send(msg.addr, kinds.XNAK, {"xid": msg.body["xid"]})
+
+    for kind in kinds.EXCHANGE:
+        node.handlers[kind] = refuse
     made_up = [Member(f"fake{i:05d}", f"tcp://127.0.0.1:{1 + i % 1000}", 0, 1) for i in range(args.made_up)]
     end = time.monotonic() + args.seconds
     rounds = 0

@@ -198,3 +198,15 @@ def test_lying_gossip_never_makes_an_unverified_member_a_partner(events: list, s
                 assert {m.id for m in a.entries if m.state == ALIVE} <= {"a", *honest}
             if isinstance(a, Send) and a.kind not in (PING, ACK):
                 assert a.addr in {m.addr for m in honest.values()} | {"sim://a"}  # no reflection to named addresses
+
+
+def test_in_a_secure_swarm_an_id_is_taken_only_at_an_address_whose_key_derives_it() -> None:
+    def id_of(addr: str) -> str:  # stands in for key_id: here the "key" is the address's last part
+        return "k" + addr.rsplit("/", 1)[-1]
+
+    node = Membership(Member("ka", "sim://a", 0, 1), CONFIG, random.Random(0), id_of=id_of)
+    admit(node, [Member("kb", "sim://b", 0, 1)], now=0.0)
+    assert node.is_alive("kb")
+    actions = node.handle(Digest([Member("kc", "sim://b", 0, 1), Member("kb", "sim://b", 0, 9, DEAD)], "kx"), now=0.1)
+    assert not any(isinstance(a, Send) and a.kind == PING for a in actions)  # "kc" at b's address: not even probed
+    assert node.stats.forged_ids_refused == 1 and node.is_alive("kb")

@@ -30,12 +30,14 @@ import zmq.auth
 from gossiptrain.cli.main import main
 from gossiptrain.config import Limits, RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, JoinError
-from gossiptrain.net.addressing import split_curve_address
+from gossiptrain.net import kinds
+from gossiptrain.net.addressing import key_id, key_id_of, split_curve_address
 from gossiptrain.net.keys import read_keypair, read_public_key
 from gossiptrain.net.transport.tcp import ReceivedFrames, TcpTransport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.service import Status
@@ -182,6 +184,33 @@ def test_allowed_members_join_and_exchange_over_curve(ring: Keyring, coordinator
         for p in (alice, bob):
             assert p.stats()["handshake_failures"] == 0 and p.stats()["bad_messages"] == 0
     assert coord.coordinator.stats.joins_answered == 2
+
+
+def test_a_secure_members_id_is_its_keys_and_nobody_speaks_for_another(ring: Keyring, coordinators: Any) -> None:
+    """Ids are derived from keys, CURVE proves each connection's key: alice can neither send as carol nor move her."""
+    ring.make("carol")
+    coord = coordinators(fast_config(**EXTERNAL), security=ring.security("coordinator"))
+    names = ("alice", "bob", "carol")
+    peers = [Peer(model(), join_of(coord), bind=f"{next_host()}:0", security=ring.security(n)) for n in names]
+    try:
+        alice, bob, carol = peers
+        for name, p in zip(names, peers):
+            assert p.id == key_id(p.address) == key_id_of(read_public_key(ring.keys / f"{name}.key", "test"))
+        wait_for(lambda: all(p.members == 3 for p in peers), 30, "the three to see each other")
+
+        def forge(sender: str, addr: str, kind: str, entries: list[Member]) -> None:
+            msg = Message(kind, sender, addr, alice.fingerprint, 0, {"members": [m.to_wire() for m in entries]})
+            alice._loop.call_soon(alice._transport.send, bob.address, encode(msg, Limits()))  # from alice's process
+
+        me_carol = Member(carol.id, carol.address, carol.shard, 1)
+        forge(carol.id, carol.address, kinds.LEAVE, [Member(carol.id, carol.address, carol.shard, 2**40, LEFT)])
+        forge(alice.id, alice.address, kinds.GOSSIP, [Member(carol.id, alice.address, carol.shard, 2**40)])
+        wait_for(lambda: bob.stats()["forged_senders"] >= 1 and bob.stats()["forged_ids_refused"] >= 1, 30,
+                 "bob to refuse both forgeries", state=lambda: str(bob.stats()))
+        assert bob.members == 3 and bob._node.membership.get(carol.id).addr == me_carol.addr
+    finally:
+        for p in peers:
+            p.close()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ authenticate the answer; people read addresses without the key
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import socket
 
@@ -99,6 +100,34 @@ def split_curve_address(address: str) -> tuple[str, bytes | None]:
     if not _CURVE_HEX.fullmatch(key):
         raise ValueError(f"the key after {CURVE_QUERY!r} must be 64 lowercase hex digits")
     return url, z85.encode(bytes.fromhex(key))
+
+
+_KEY_ID = re.compile(r"k[0-9a-f]{20}")
+
+
+def key_id_of(public_key: bytes) -> str:
+    """The member id a CURVE public key (32 raw bytes, or Z85 as in key files) entitles its holder to.
+
+    In a secure swarm a member's id is derived from its key, as libp2p's
+    peer ids are: ``k`` and 20 hex digits of its BLAKE2b hash. Nobody can
+    then claim another's id, since an address carries the key it derives
+    from and only the key's holder completes a handshake there.
+    """
+    raw = z85.decode(public_key) if len(public_key) == 40 else public_key
+    return "k" + hashlib.blake2b(raw, digest_size=10).hexdigest()
+
+
+def key_id(address: str) -> str | None:
+    """The member id a secure member's address entitles it to (``key_id_of`` its key); None without a key."""
+    _, sep, key = address.partition(CURVE_QUERY)
+    if not sep or not _CURVE_HEX.fullmatch(key):
+        return None
+    return key_id_of(bytes.fromhex(key))
+
+
+def is_key_id(member_id: str) -> bool:
+    """Whether ``member_id`` has the form of a key-derived id (what a secure swarm's members are called)."""
+    return _KEY_ID.fullmatch(member_id) is not None
 
 
 def plain_address(address: str) -> str:

@@ -245,8 +245,11 @@ class AveragingStats:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "staleness"}
-        out["staleness_mean"] = mean_staleness(self.staleness)
-        out["staleness_hist"] = staleness_buckets(self.staleness)
+        # A copy first: another thread (the network side answering requests) may add a bucket meanwhile, and
+        # iterating the live Counter then raised "dictionary changed size" in a peer's metrics line.
+        staleness = Counter(dict(self.staleness))
+        out["staleness_mean"] = mean_staleness(staleness)
+        out["staleness_hist"] = staleness_buckets(staleness)
         return out
 
 

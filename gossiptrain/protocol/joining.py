@@ -116,13 +116,16 @@ def answer_join(
     pick_shard: Callable[[int], int],
     coordinator: str,
     rng: random.Random,
+    member_id: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Decide on a join: ("welcome", body) or ("refuse", {"reason": ...}). Pure: no I/O.
 
     A newcomer that brings a configuration is compared only on the fields it
     set (those that differ from the defaults): everything else it takes from
     the swarm, so passing one run flag never means repeating the swarm's
-    whole configuration.
+    whole configuration. ``member_id``: the newcomer's id where it is not
+    ours to choose (a secure swarm derives it from the newcomer's key);
+    otherwise a fresh random one.
     """
     if request.config is not None and request.config.fingerprint() != config.fingerprint():
         diffs = set_fields_that_differ(request.config, config)
@@ -138,7 +141,7 @@ def answer_join(
         return REFUSE, {"reason": f"shard {request.shard} does not exist: the swarm has {shards} shards (0-{shards - 1})"}
     shard = request.shard if request.shard >= 0 else pick_shard(shards)
     return WELCOME, {
-        "id": new_member_id(rng),
+        "id": member_id or new_member_id(rng),
         "shard": shard,
         "config": config.to_dict(),
         "fingerprint": config.fingerprint(),

@@ -47,7 +47,7 @@ import random
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
@@ -260,6 +260,7 @@ class HealthStats:
     verdicts_refused: int = 0  # suspicions and deaths told by strangers, or past one member's share of a period
     verdicts_doubted: int = 0  # a death told of a member that answers our own probes: taken as a suspicion
     hearsay_refused: int = 0  # tombstones of members we never knew, past the bound we keep
+    forged_ids_refused: int = 0  # secure swarm: an id claimed at an address whose key does not derive it
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -269,7 +270,13 @@ class Membership:
     """The membership view of one member. Feed it events; carry out the actions it returns."""
 
     def __init__(
-        self, me: Member, config: MembershipConfig, rng: random.Random, candidates: int = 128, nonces: random.Random | None = None
+        self,
+        me: Member,
+        config: MembershipConfig,
+        rng: random.Random,
+        candidates: int = 128,
+        nonces: random.Random | None = None,
+        id_of: Callable[[str], str | None] | None = None,
     ) -> None:
         """``candidates``: members heard of but not verified yet that we hold at once (``limits.candidates``).
 
@@ -277,12 +284,16 @@ class Membership:
         came from whoever got the probe: a real peer passes an OS-seeded
         generator (a ``--seed`` must not make them guessable); by default
         ``rng`` (the simulator's runs repeat exactly).
+
+        ``id_of`` (a secure swarm): the member id an address entitles its
+        holder to; a claim of any other id at that address is refused.
         """
         self.me = me
         self.config = config
         self.stats = HealthStats()
         self._rng = rng
         self._nonces = nonces or rng
+        self._id_of = id_of
         self._records: dict[str, _Record] = {}
         forget_after = config.tombstone_rounds * config.heartbeat_interval
         self.candidates = Candidates(candidates, max(1, candidates // 4), quarantine_for=forget_after)
@@ -312,7 +323,7 @@ class Membership:
     def trust_stats(self) -> dict[str, int]:
         """What gossip we did not believe (counters), and how many candidates wait now."""
         s, c = self.stats, self.candidates.stats
-        refused = s.redirects_refused + s.jumps_refused + s.verdicts_refused + s.hearsay_refused
+        refused = s.redirects_refused + s.jumps_refused + s.verdicts_refused + s.hearsay_refused + s.forged_ids_refused
         return {
             **c.to_dict(),
             **{k: v for k, v in s.to_dict().items() if k.endswith(("_refused", "_doubted"))},
@@ -635,6 +646,9 @@ class Membership:
         answered our own probe lately is only a suspicion (it refutes it).
         """
         for e in entries:
+            if self._id_of is not None and self._id_of(e.addr) != e.id:
+                self.stats.forged_ids_refused += 1  # a secure swarm's ids are their keys': nobody claims another's
+                continue
             if e.id == self.me.id:
                 self._refute(e)
                 continue

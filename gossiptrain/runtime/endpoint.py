@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.addressing import is_key_id, key_id, key_id_of
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.service import Service
@@ -37,6 +38,7 @@ class EndpointStats:
     wrong_run: int = 0  # another run's fingerprint
     unexpected: int = 0  # a kind this endpoint does not take
     undeliverable: int = 0  # messages the transport could not queue
+    forged_senders: int = 0  # secure swarm: a member id or address its connection's key does not entitle it to
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -112,10 +114,26 @@ class Endpoint(Service):
                 self.stats.bad_messages += 1
                 log.exception("error while handling a message; dropped it")
 
+    def _sender_proven(self, msg: Message, frames: Sequence[object]) -> bool:
+        """In a secure swarm, a message sent as a member must come from that member's key, and name its address.
+
+        A member's id is derived from its key (``key_id_of``), and CURVE proves
+        the key of each connection: so nobody sends as another member, nor
+        names an address of someone else's to be answered at. Senders that are
+        not members (the coordinator, tools) and open swarms are not checked.
+        """
+        key = self.transport.key_of(frames)
+        if key is None or not is_key_id(msg.sender):
+            return True
+        return key_id_of(key) == msg.sender and key_id(msg.addr) == msg.sender
+
     def dispatch(self, msg: Message, frames: Sequence[object] = ()) -> None:
         """Route one decoded message by its kind (ProtocolError from a handler: the message was bad)."""
         if msg.kind not in self.open_kinds and msg.fingerprint != self.fingerprint:
             self.stats.wrong_run += 1
+            return
+        if not self._sender_proven(msg, frames):
+            self.stats.forged_senders += 1
             return
         handler = self.handlers.get(msg.kind)
         if handler is None:

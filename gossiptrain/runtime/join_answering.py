@@ -14,7 +14,8 @@ import random
 from typing import Any, Callable, Sequence
 
 from gossiptrain.config import Limits, RunConfig
-from gossiptrain.net.kinds import WELCOME
+from gossiptrain.net.addressing import CURVE_QUERY, key_id
+from gossiptrain.net.kinds import REFUSE, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.admission import JoinLimiter, join_source
@@ -60,6 +61,11 @@ class JoinAnsweringEndpoint(Endpoint):
             self.stats.joins_throttled += 1  # type: ignore[attr-defined]
             return
         request = JoinRequest.from_body(msg.body)
+        member_id = key_id(msg.addr) if CURVE_QUERY in self.sender_address else None
+        if CURVE_QUERY in self.sender_address and member_id is None:
+            self.stats.joins_refused += 1  # type: ignore[attr-defined]
+            self.send(msg.addr, REFUSE, {"reason": "this swarm is secure: a member's address must carry its CURVE key"})
+            return
         sample, pick_shard = self._join_sample()
         kind, body = answer_join(
             request,
@@ -69,6 +75,7 @@ class JoinAnsweringEndpoint(Endpoint):
             pick_shard=pick_shard,
             coordinator=self._coordinator_address(),
             rng=self.rng,
+            member_id=member_id,  # secure: the id its key entitles it to (gossiptrain.net.addressing.key_id_of)
         )
         if kind == WELCOME:
             self.stats.joins_answered += 1  # type: ignore[attr-defined]

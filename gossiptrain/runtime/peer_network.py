@@ -34,6 +34,7 @@ import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
+from gossiptrain.net.addressing import CURVE_QUERY, key_id
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership, push_sum
@@ -114,7 +115,10 @@ class PeerNode(JoinAnsweringEndpoint):
         self.rng = rng
         self.spec = spec
         self.coordinator = coordinator
-        self.membership = Membership(me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces)
+        secure = CURVE_QUERY in me.addr  # a secure swarm's ids are derived from keys (gossiptrain.net.addressing)
+        self.membership = Membership(
+            me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces, id_of=key_id if secure else None
+        )
         self.topology = topologies.parse(config.gossip.topology)
         self._fallback = topologies.get("complete")
         # self.step: the trainer's step, stamped on outgoing messages (written by the trainer thread)

@@ -179,6 +179,10 @@ class Transport(Service, abc.ABC):
         """The network source (an IP) a received message came from, where the backend can tell; else None."""
         return None
 
+    def key_of(self, frames: Sequence[object]) -> bytes | None:
+        """The public key the sender of a received message proved (a secure backend); else None."""
+        return None
+
     def connect_failure(self, address: str) -> str | None:
         """Why connecting to ``address`` failed for good (a refused key, say), where the backend can tell."""
         return None

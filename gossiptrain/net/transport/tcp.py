@@ -68,11 +68,12 @@ _Message = tuple[list[bytes | memoryview], int]  # frames, total bytes
 class ReceivedFrames(list):  # type: ignore[type-arg]
     """The frames of one received message, and the IP its connection came from (ZeroMQ's Peer-Address)."""
 
-    __slots__ = ("source",)
+    __slots__ = ("source", "key")
 
-    def __init__(self, frames: list[memoryview], source: str | None) -> None:
+    def __init__(self, frames: list[memoryview], source: str | None, key: bytes | None = None) -> None:
         super().__init__(frames)
         self.source = source
+        self.key = key  # the sender's CURVE public key (Z85), as the handshake proved it; None when not secure
 
 
 @dataclass(eq=False)
@@ -155,6 +156,10 @@ class TcpTransport(Transport):
     def source_of(self, frames: Sequence[object]) -> str | None:
         """The IP the connection a received message came on was from (ZeroMQ's Peer-Address)."""
         return frames.source if isinstance(frames, ReceivedFrames) else None
+
+    def key_of(self, frames: Sequence[object]) -> bytes | None:
+        """The CURVE public key (Z85) the connection a received message came on proved; None when not secure."""
+        return frames.key if isinstance(frames, ReceivedFrames) else None
 
     def accepts_key(self, public_key: bytes | None) -> bool:
         """Whether a handshake from ``public_key`` passes our allow-list (always, when not secure)."""
@@ -430,7 +435,13 @@ class TcpTransport(Transport):
                 source: str | None = frames[0].get("Peer-Address")
             except zmq.ZMQError:  # no connection metadata (cannot happen over tcp://; never fatal)
                 source = None
-            self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source))
+            key: bytes | None = None
+            if self.curve is not None:
+                try:
+                    key = frames[0].get("User-Id").encode("ascii")  # pyzmq's ZAP handler: the client's Z85 key
+                except (zmq.ZMQError, UnicodeEncodeError):
+                    key = None
+            self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source, key))
             stats.messages_received += 1
             stats.bytes_received += total
 
