@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from experiments import harness  # noqa: E402
 from experiments.harness import (  # noqa: E402
     Point,
     Procs,
@@ -51,7 +52,6 @@ from experiments.harness import (  # noqa: E402
     poll_run,
     publish,
     python_m,
-    results_dir,
     run_overrides,
     start_coordinator,
     time_to_target,
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.attacks, args.timeout, args.target = 1, ["idle", "all"], 30.0, 0.9
     if "idle" not in args.attacks:
         args.attacks = ["idle", *args.attacks]
-    out = results_dir("hostile", args.out, args.quick)
+    out = harness.results_dir("hostile", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in range(args.seeds):
