@@ -34,6 +34,14 @@ cannot resurrect the member, not even at a member that never knew it; a
 member wrongly declared dead (a healed partition, a paused process) hears
 its verdict and refutes it with a higher incarnation.
 
+Nothing is taken on trust (SECURITY.md, "Lying members"): a member heard
+of is a candidate until it answers a nonce probe at the address claimed
+(``gossiptrain.protocol.candidates``); gossip never moves a live member nor
+raises its incarnation far; suspicions and deaths come only from live
+members, a bounded number per period, and a death told of a member that
+answered our own probe lately is only a suspicion. In a secure swarm an id
+must be the one its address's key derives (``id_of``).
+
 The machine never touches a socket or a clock: ``handle(event, now)`` returns
 actions for its driver (the asyncio peer node, or the simulator) to carry
 out, and ``next_timer()`` says when it next wants a ``Tick``.
