@@ -775,8 +775,8 @@ class Membership:
 
     def _probe_candidates(self, now: float, actions: list[Action]) -> None:
         """Probe candidates not probed yet (placeholders wait for their start), ``candidate_probes`` a period."""
-        if self.me.state != ALIVE or not len(self.candidates):
-            return
+        if self.me.state != ALIVE or self._candidate_budget <= 0 or not len(self.candidates):
+            return  # called after every message: a flood past this period's budget costs no walk of the table
         for c in self.candidates:
             if self._candidate_budget <= 0:
                 return
