@@ -234,6 +234,9 @@ class GossipConfig:
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
     momentum_mode: str = "auto"  # SGD momentum across averaging: quasi-global (follows the swarm), local (the optimizer's own), auto
     drift_gain: float = -1.0  # replay merges this many times more, smoothed (gossiptrain.protocol.drift); 0: off; -1: auto
+    # Adam's square-root scaling rule for the swarm's n-fold batch (gossiptrain.protocol.lr_scaling): auto (adaptive
+    # optimizers step at sqrt(members) x lr, SGD as set), sqrt (any optimizer), none
+    lr_scaling: str = "auto"
     compression: str = "auto"  # what exchanges send: auto (none, fp16 or int8 as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
     robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
     robust_clip: float = 3.0
@@ -308,6 +311,11 @@ class GossipConfig:
         _require(
             self.drift_gain == -1 or 0 <= self.drift_gain <= MAX_DRIFT_GAIN, f"{s}.drift_gain",
             f"is {self.drift_gain:g}; use 0 (off) up to {MAX_DRIFT_GAIN:g}, or -1 (auto: 4)",
+        )
+        _require(
+            self.lr_scaling in ("auto", "none", "sqrt"),  # gossiptrain.protocol.lr_scaling.MODES
+            f"{s}.lr_scaling",
+            f"is {self.lr_scaling!r}; choose from auto, none, sqrt",
         )
         _require(self.momentum_mode in MOMENTA, f"{s}.momentum_mode", f"is {self.momentum_mode!r}; choose from {', '.join(MOMENTA)}")
         codec = self.compression.strip().partition(":")[0]

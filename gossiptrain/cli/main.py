@@ -33,6 +33,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
     "--momentum-mode": ("gossip.momentum_mode", str, "auto (default: quasi-global with pairwise while the link keeps up, else local), local, quasi-global: how SGD momentum meets averaging"),
+    "--lr-scaling": ("gossip.lr_scaling", str, "auto (default: adaptive optimizers such as Adam step at sqrt(members) x lr, the rule for an n-fold batch; SGD as set), sqrt, none"),
     "--drift-gain": ("gossip.drift_gain", float, "replay merges this many times more, smoothed, against label-skew drift (0: off; -1: auto, 4)"),
     "--compression": ("gossip.compression", str, "auto (default: none, fp16 or int8, as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),
     "--max-steps-ahead": ("gossip.max_steps_ahead", int, "pairwise flow control: local steps past the last merge before waiting for the exchange in flight (0: automatic)"),

@@ -23,6 +23,7 @@ from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
 from gossiptrain.protocol.drift import DriftCorrection, drift_gain
 from gossiptrain.protocol.joining import Welcome
+from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
 from gossiptrain.protocol.membership import Member
 from gossiptrain.protocol.momentum import LINK_BOUND_SHARE, QuasiGlobalMomentum, wants_quasi_global
 from gossiptrain.protocol.state_transfer import TransferResult
@@ -71,6 +72,7 @@ class TrainingSide:
     averaging: Averaging
     safepoint: SafePoint
     snapshots: SnapshotHook
+    lr_scaling: SwarmLrScaling | None = None  # close() it when the peer leaves: its optimizer steps at the user's rate
 
 
 def training_side(
@@ -98,7 +100,10 @@ def training_side(
     if (gain := drift_gain(gossip)) > 0:
         safepoint.drift = DriftCorrection(averaging.params, gain)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
-    return TrainingSide(averaging, safepoint, snapshots)
+    scaling = None
+    if optimizer is not None and wants_scaling(gossip.lr_scaling, optimizer):
+        scaling = SwarmLrScaling(optimizer, lambda: len(node.view()))  # the live members, ourselves included
+    return TrainingSide(averaging, safepoint, snapshots, scaling)
 
 
 def install_transfer(

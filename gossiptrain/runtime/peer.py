@@ -37,6 +37,7 @@ from gossiptrain.protocol.admission import warn_open
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
+from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
@@ -79,7 +80,10 @@ class Peer:
     model restored from a checkpoint on purpose). ``optimizer`` (the
     optimizer, or a factory ``(config, model) -> optimizer`` for a model
     factory) lets that download bring the donor's optimizer state too, with
-    ``state.transfer_optimizer``, and lets this peer give its own.
+    ``state.transfer_optimizer``, and lets this peer give its own; an
+    adaptive one (Adam and its kin) then steps at sqrt(members) times its
+    rate while in the swarm, the scaling rule for the swarm's larger batch
+    (``gossip.lr_scaling``, see ``gossiptrain.protocol.lr_scaling``).
     When your loop ends (its budget spent, or ``finish_requested`` after a
     ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
     the others, and optionally the swarm's merged model (``gossiptrain.protocol.finish``).
@@ -124,6 +128,7 @@ class Peer:
         self._loop = LoopThread().start()
         self._transport: Transport | None = None
         self._node: PeerNode | None = None
+        self._lr_scaling: SwarmLrScaling | None = None
         try:
             self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
             if server_key is not None and not self._transport.accepts_key(server_key):
@@ -202,6 +207,7 @@ class Peer:
             offer=lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy),
         )
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
+        self._lr_scaling = side.lr_scaling
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     def _withdraw(self, welcome: Welcome) -> None:
@@ -427,6 +433,7 @@ class Peer:
             out.update(self._node.stats.to_dict())
             out.update(self._node.membership.trust_stats())
             out.update(self._node.state.stats())
+            out["lr_scale"] = self._lr_scaling.last_factor if self._lr_scaling is not None else 1.0
         if self._transport is not None:
             out.update(self._transport.stats.to_dict())
         return out
@@ -448,6 +455,8 @@ class Peer:
 
     def _teardown(self) -> None:
         self._closed = True
+        if self._lr_scaling is not None:  # the user's optimizer outlives the peer: back to the rate they set
+            self._lr_scaling.close()
         try:
             if self._node is not None:
                 self._loop.run(self._node.close("peer closed"), timeout=3)

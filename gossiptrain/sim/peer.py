@@ -26,6 +26,7 @@ from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 from gossiptrain.protocol.averaging import Averaging, ParamSpec
 from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.join_client import join_swarm
@@ -84,6 +85,7 @@ class SimPeer:
         self.trainer: LocalTrainer | None = None
         self.averaging: Averaging | None = None
         self.safepoint: SafePoint | None = None
+        self.lr_scaling: SwarmLrScaling | None = None  # the square-root rule on this incarnation's optimizer, if adaptive
         self.transport: SimTransport | None = None
         self.joined_at: float | None = None
         self.transfer: TransferResult | None = None  # how its state download went (None: there was none)
@@ -132,6 +134,7 @@ class SimPeer:
                     send=node.send_exchange, offer=node.state.offer_snapshot,
                 )
                 self.averaging = side.averaging
+                self.lr_scaling = side.lr_scaling
                 self.averaging.poison = self.spec.poison
                 safepoint, snapshots = side.safepoint, side.snapshots
                 self.safepoint = safepoint
@@ -215,4 +218,6 @@ class SimPeer:
             )
         if self.safepoint is not None:
             out["wait_share"] = self.safepoint.wait_share  # lately; quasi-global momentum's `auto` reads it
+            # The last optimizer step's multiplier of the rate (gossiptrain.protocol.lr_scaling); 1: not scaled
+            out["lr_scale"] = self.lr_scaling.last_factor if self.lr_scaling is not None else 1.0
         return out
