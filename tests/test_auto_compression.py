@@ -191,6 +191,28 @@ def test_the_sum_is_conserved_exactly_while_the_level_changes(algorithm: str) ->
     assert max(m.stats.compression_switches for m in machines) >= 2  # (with two pairwise peers one asks, one serves)
 
 
+@pytest.mark.parametrize(("asker", "server", "reply"), [(2, 0, 2), (0, 2, 2), (1, 0, 1), (0, 0, 0)])
+def test_a_reply_is_at_least_as_lossy_as_the_request_and_the_sum_is_kept(asker: int, server: int, reply: int) -> None:
+    gossip = GossipConfig(algorithm="pairwise", compression="auto", topology="complete")
+    params = [{"x": torch.linspace(-3, 3, 1000, dtype=torch.float64) * (i + 2)} for i in range(2)]
+    a, b = (make_averaging(params[i], gossip, random.Random(i), me=name) for i, name in enumerate("ab"))
+    a.codec.level, b.codec.level = asker, server
+    start = mass_of(a) + mass_of(b)
+    for m in (a, b):
+        m.handle(AtSafePoint(1, []), 0.0)  # ready: nothing merged yet, the model is the one to serve
+    (request,) = [x for x in a.handle(AtSafePoint(2, ["b"]), 0.0) if isinstance(x, SendExchange)]
+    assert AutoCodec.level_of(request.tensors) == asker
+    (answer,) = [x for x in b.handle(Received("a", request.kind, request.xid, request.tensors, 2, request.meta), 0.0)
+                 if isinstance(x, SendExchange)]
+    assert AutoCodec.level_of(answer.tensors) == reply
+    assert b.codec.level == server  # its own level is unchanged: only this reply followed the request
+    a.handle(Received("b", answer.kind, answer.xid, answer.tensors, 2, answer.meta), 0.0)
+    for m in (a, b):
+        m.handle(AtSafePoint(3, []), 0.0)  # the merges reach the models
+    assert a.stats.completed == 1 and b.stats.served == 1
+    assert torch.allclose(mass_of(a) + mass_of(b), start, rtol=0, atol=1e-9 * float(start.abs().max()))
+
+
 # -- in the simulator ------------------------------------------------------------------------
 
 

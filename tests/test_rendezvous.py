@@ -143,3 +143,14 @@ def test_nobody_is_released_before_the_count_is_ready_and_every_waiting_member_i
     assert all(t >= last_ready for t in released_at.values())  # safety: nobody before the last is ready
     assert max(released_at.values()) <= last_ready + 4 * (INTERVAL + 0.05 + 2 * delay)
 
+
+
+def test_the_go_reaches_a_member_counted_before_our_membership_verified_it() -> None:
+    # m2's ready set reached m0 before m2 was in m0's view (a candidate yet): counted, so it is told too.
+    m = members(3)
+    m["m0"].wait(3, 0.0, ["m0", "m1"])
+    m["m0"].arrive(0.0, ["m0", "m1"])
+    m["m0"].handle("m1", ("m1",), False, 0.0, ["m0", "m1"])
+    go = m["m0"].handle("m2", ("m2",), False, 0.01, ["m0", "m1"])
+    assert m["m0"].released
+    assert sorted(a.to for a in go if a.go) == ["m1", "m2"]

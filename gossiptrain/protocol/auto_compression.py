@@ -22,7 +22,10 @@ on a 100 Mbit link shared by peers with 1 MB models, int8 within a few
 exchanges. Each message is encoded at one level and receivers read the level
 off the wire (``compression.AutoCodec``), so both ends of an exchange still
 agree exactly on what was sent: pairwise and push-sum conserve the swarm's
-sum at every level, as with a fixed lossy codec.
+sum at every level, as with a fixed lossy codec. A pairwise reply is at least
+as lossy as its request (``PairwiseAveraging._encode_reply``): a peer that
+moved to int8 gets int8 both ways, so its trial measures its level, not its
+partners'.
 
 Slow exchanges need not be the link's fault: 4 peers on 2 cores answer each
 other late because they wait for the CPU, and the bytes are not what takes

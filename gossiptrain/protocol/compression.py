@@ -290,13 +290,16 @@ class AutoCodec:
         return self.codecs[self.level].encode(values)
 
     def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return self.codecs[self.level_of(wire)].decode(wire, like)
+
+    @staticmethod
+    def level_of(wire: Mapping[str, Tensor]) -> int:
+        """The level a message was encoded at, read off its tensors (unchecked: decode checks the rest)."""
         if any(isinstance(k, str) and k.endswith(SEP + "scale") for k in wire):
-            codec = self.codecs[2]
-        elif any(isinstance(t, Tensor) and t.dtype == torch.float16 for t in wire.values()):
-            codec = self.codecs[1]
-        else:
-            codec = self.codecs[0]
-        return codec.decode(wire, like)
+            return 2
+        if any(isinstance(t, Tensor) and t.dtype == torch.float16 for t in wire.values()):
+            return 1
+        return 0
 
     @staticmethod
     def element_bytes(level: int, dtype: torch.dtype) -> int:

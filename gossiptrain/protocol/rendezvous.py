@@ -146,7 +146,10 @@ class Rendezvous:
             if told:  # whoever told us told everyone
                 return []
             ids = self._set()
-            return [SendReady(m, ids, go=True) for m in alive if m != self.me]
+            # Every live member, and every member we counted: one whose arrival reached us before our
+            # membership verified it (a candidate yet, gossiptrain.protocol.candidates) would otherwise
+            # wait for its own next ask (starts 0.5 s apart on loopback, experiments/wan.py).
+            return [SendReady(m, ids, go=True) for m in sorted({*alive, *self.ready}) if m != self.me]
         return self._ask(now, alive) if announce else []
 
     def _ask(self, now: float, alive: Sequence[str]) -> list[SendReady]:
