@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import signal
 import subprocess
 import sys
@@ -490,3 +491,62 @@ def test_a_stopped_peer_resumes_from_its_checkpoint(procs: Procs, coordinator_fa
     for p in (resumed, other):
         assert p.wait(30) == 0, p.output()
     assert latest_good(ckdir).info.step == resumed.records("done")[0]["step"]
+
+
+# -- the averaging state ------------------------------------------------------------------------
+
+
+def test_the_averaging_state_round_trips_and_a_bad_one_is_refused_before_writing(tmp_path: Path) -> None:
+    model, opt = trained()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(model, opt, step=3, averaging={"push_sum_weight": 0.375})
+        ck.save(model, opt, step=4)
+        with pytest.raises(CheckpointError, match="averaging.push_sum_weight is nan"):
+            ck.save(model, opt, step=5, averaging={"push_sum_weight": float("nan")})
+    first, second = sorted((read_checkpoint(p) for p in list_checkpoints(tmp_path)), key=lambda c: c.info.seq)
+    assert first.info.averaging == {"push_sum_weight": 0.375}
+    assert second.info.averaging is None  # none given: a pairwise peer, or a checkpoint of an older gossiptrain
+    assert len(list_checkpoints(tmp_path)) == 2  # the refused save wrote nothing
+
+
+def test_a_resumed_push_sum_machine_keeps_its_weight_and_refuses_an_impossible_one() -> None:
+    from gossiptrain.config import GossipConfig
+    from gossiptrain.protocol.algorithms import make_averaging
+
+    def machine() -> Any:
+        params = {"w": torch.ones(4)}
+        return make_averaging(params, GossipConfig(algorithm="push-sum"), random.Random(0), me="a")
+
+    saved = machine()
+    saved.weight = 0.3125
+    resumed = machine()
+    resumed.restore_state(saved.checkpoint_state())
+    assert resumed.weight == 0.3125 and resumed.mass()[1] == 0.3125
+    fresh = machine()
+    fresh.restore_state({})  # a pairwise run's checkpoint: a newcomer's weight
+    assert fresh.weight == 1.0
+    with pytest.raises(CheckpointError, match="push-sum weight"):
+        fresh.restore_state({"push_sum_weight": 0.0})
+
+
+def test_a_push_sum_peer_resumes_with_the_weight_it_saved(procs: Procs, coordinator_factory: Any, tmp_path: Path) -> None:
+    swarm = fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120, "gossip.algorithm": "push-sum"})
+    coord = coordinator_factory(swarm)
+    join = coord.address.removeprefix("tcp://")
+    ckdir = tmp_path / "ck"
+    every = ("--checkpoint-dir", str(ckdir), "--checkpoint-every-steps", "40")
+    other = procs.peer(join, "--shard", "0", name="other")
+    saver = procs.peer(join, "--shard", "1", *every, name="saver")
+    procs.wait_for(lambda: saver.records("checkpoint") and saver.records("eval") and saver.records("eval")[-1]["exchanges"] > 0,
+                   90, "a checkpoint after push-sum exchanges")
+    saver.signal(signal.SIGTERM)
+    assert saver.wait(30) == 0, saver.output()
+    saved = latest_good(ckdir).info.averaging
+    assert saved is not None and 0 < saved["push_sum_weight"] < 2, saved  # two peers: the weights sum to 2
+    resumed = procs.peer(join, "--resume", str(ckdir), name="resumed")
+    procs.wait_for(lambda: resumed.records("start"), 60, "the resumed peer's start")
+    assert resumed.records("start")[0]["resumed_averaging"] == saved
+    for p in (resumed, other):
+        p.signal(signal.SIGTERM)
+    for p in (resumed, other):
+        assert p.wait(30) == 0, p.output()

@@ -84,3 +84,12 @@ def test_the_registry_is_bounded_and_the_members_it_knows_keep_their_places() ->
     coordinator, ids, _ = _flood(run, [(f"pfake{i}", f"sim://fake{i}:1") for i in range(500)])
     assert len(ids) == 50 and "phonest" in ids
     assert coordinator.stats.registry_full == 500 - 49
+
+
+def test_forged_reports_from_everywhere_make_the_coordinator_gossip_to_their_address_once() -> None:
+    """No rate limit to hide behind: 1,000 reports under 1,000 ids, all claiming the victim's address."""
+    run = RunConfig().with_overrides({"limits.report_burst": 100_000, "limits.report_rate_per_source": 1e6})
+    coordinator, ids, reflected = _flood(run, [(f"pfake{i}", "sim://victim:1") for i in range(1000)])
+    assert coordinator.stats.reports_throttled == 0 and coordinator.stats.reports >= 1000
+    assert reflected == 1  # the first forged report's introduction; every later one within the interval is skipped
+    assert coordinator.stats.introductions_skipped >= 999 - 1

@@ -47,6 +47,24 @@ def test_a_far_behind_honest_model_is_clipped_not_refused() -> None:
     assert factor is not None and 0 < factor < 1
 
 
+def test_with_our_own_norm_near_zero_the_swarms_norms_judge() -> None:
+    """A peer whose model is almost zero (fresh, or decayed) refused every honest model as "10x ours", for ever."""
+    clip = NormClip(3.0)
+    assert clip.factor(5.0, 5.0, 1e-3, sender="a") is None  # one offer cannot tell ours tiny from theirs scaled
+    assert clip.factor(5.0, 4.9, 1e-3, sender="b") is None
+    assert clip.factor(5.0, 5.1, 1e-3, sender="c") is not None  # three partners heard: their median judges
+    assert clip.factor(5.0, 5.0, 1e-3, sender="a") is not None
+    assert clip.factor(500.0, 500.0, 1e-3, sender="p") is None  # a poisoner among them is still refused
+    assert len(clip.models) == 2  # the honest ones judge from now on, as always
+
+
+def test_among_honest_offers_a_poisoners_first_model_is_refused_even_before_anything_was_accepted() -> None:
+    clip = NormClip(3.0)
+    for sender in "abc":  # offered while we could not judge (our norm near zero), then the poisoner
+        clip.offered[sender] = 5.0
+    assert clip.factor(500.0, 500.0, 1e-3, sender="p") is None  # the median over senders is an honest norm
+
+
 def test_a_poisoner_cannot_inflate_the_histories() -> None:
     clip = NormClip(3.0)
     for _ in range(WARMUP):

@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 import socket
+import time
 from typing import Callable
 
 import pytest
@@ -188,16 +189,19 @@ def test_sending_to_thousands_of_made_up_addresses_keeps_connections_and_descrip
         async with started(TcpTransport("tcp://127.0.0.2:0", Limits(max_connections=limit)), tcp_backend().make()) as (a, b):
             assert a.send(b.address, [b"first"]) and await receive(b) == [b"first"]  # connected
             before = _open_fds()
-            peak = 0
             for i, address in enumerate(fake):
                 a.send(address, [b"x"])
                 if i % 50 == 0:  # the partner: sent to more recently than any 64 made-up members
                     assert a.send(b.address, [str(i).encode()])
-                    await asyncio.sleep(0)
-                    peak = max(peak, _open_fds() - before)
                     assert a.open_connections <= limit
+                    # Per connection: a DEALER's mailbox, its TCP socket, a monitor while it dials. libzmq's reaper
+                    # thread frees a closed socket's descriptors a moment later (later still on a loaded machine:
+                    # 313 once, beside another test), so the bound is waited for, never a growing count.
+                    deadline = time.monotonic() + 10
+                    while _open_fds() - before > 4 * limit and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert _open_fds() - before <= 4 * limit, (i, _open_fds() - before)
             assert a.stats.connections_closed >= len(fake) - limit
-            assert peak <= 4 * limit  # per connection: a DEALER's mailbox, its TCP socket, a monitor while it dials
             assert [await receive(b) for _ in range(0, len(fake), 50)] == [[str(i).encode()] for i in range(0, len(fake), 50)]
 
     asyncio.run(main())

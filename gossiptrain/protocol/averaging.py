@@ -357,6 +357,13 @@ class Averaging:
     def handle(self, event: Event, now: float) -> list[Action]:
         raise NotImplementedError
 
+    def checkpoint_state(self) -> dict[str, float]:
+        """What a checkpoint must keep of this machine besides the model (push-sum: its weight); {}: nothing."""
+        return {}
+
+    def restore_state(self, state: Mapping[str, float]) -> None:
+        """Take back what ``checkpoint_state`` gave, before the first safe point (a resumed peer)."""
+
     def serve_as_is(self) -> None:
         """Before the first safe point: answer partners from the model as it is now (a peer at a rendezvous).
 
@@ -426,11 +433,11 @@ class Averaging:
             self.stats.stale_dropped += 1
         return weight
 
-    def _clip_factor(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> float | None:
+    def _clip_factor(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], sender: str = "") -> float | None:
         """Robust mode: the scale (0, 1] for moving by ``remote - own``, None to refuse it; 1 when robust is off."""
         if self.clip is None:
             return 1.0
-        factor = self.clip.factor(*norms(remote, own))
+        factor = self.clip.factor(*norms(remote, own), sender=sender)
         if factor is None:
             self.stats.rejected += 1
         elif factor < 1.0:
@@ -615,7 +622,7 @@ class PairwiseAveraging(Averaging):
         if encoded is None:
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         wire, sent = encoded
-        clip = self._clip_factor(remote, sent)
+        clip = self._clip_factor(remote, sent, msg.sender)
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
         a = 0.5 * weight * clip
@@ -682,7 +689,7 @@ class PairwiseAveraging(Averaging):
         if isinstance(remote, Rejected):
             return [remote]
         # The server already moved by this weight; robust mode may move us less (then the pair's sum changes).
-        clip = self._clip_factor(remote, inflight.snapshot)
+        clip = self._clip_factor(remote, inflight.snapshot, msg.sender)
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)")]
         a = float(msg.meta.get("a", 0.5)) * clip

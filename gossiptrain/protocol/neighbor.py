@@ -198,7 +198,7 @@ class NeighborAveraging(Averaging):
             factor = self._staleness_weight(held.msg)
             if factor is None:
                 continue
-            if self.clip is not None and self._clip_factor(held.tensors, self.params) is None:
+            if self.clip is not None and self._clip_factor(held.tensors, self.params, held.msg.sender) is None:
                 refused.append(Rejected(held.msg.sender, "model far beyond recent differences (robust)"))
                 continue
             d_them = int(held.msg.meta.get("deg", d_me))
@@ -287,7 +287,7 @@ class NeighborAveraging(Averaging):
                 if factor is None or diff is None:
                     continue
                 if self.clip is not None:
-                    clip = self._clip_factor(list(choco.inn[j].reference.values()), self.params)
+                    clip = self._clip_factor(list(choco.inn[j].reference.values()), self.params, j)
                     if clip is None:
                         refused.append(Rejected(j, "reference far beyond recent differences (robust)"))
                         choco.forget(j)

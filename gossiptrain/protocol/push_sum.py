@@ -35,8 +35,10 @@ from typing import Mapping
 import torch
 
 from gossiptrain.config import GossipConfig
+from gossiptrain.errors import CheckpointError
 from gossiptrain.net.kinds import XACK, XNAK, XPUSH
 from gossiptrain.protocol.averaging import (
+    META_RANGES,
     Action,
     AtSafePoint,
     Averaging,
@@ -68,6 +70,18 @@ class PushSum(Averaging):
         self._last_push_step = -(10**9)
         # xid -> (receiver, weight sent); the tensors come back with a refusal
         self._unacked: OrderedDict[int, tuple[str, float]] = OrderedDict()
+
+    def checkpoint_state(self) -> dict[str, float]:
+        return {"push_sum_weight": self.weight}
+
+    def restore_state(self, state: Mapping[str, float]) -> None:
+        """A resumed peer's weight: its model is z = x / w, so without w it would rejoin with another mass."""
+        w = state.get("push_sum_weight")
+        if w is None:
+            return  # a checkpoint of another algorithm (or of an older gossiptrain): start from 1, as a newcomer
+        if not (MIN_PUSH_WEIGHT <= w <= META_RANGES["w"][2]):
+            raise CheckpointError(f"a checkpoint's push-sum weight {w!r} is outside [{MIN_PUSH_WEIGHT}, {META_RANGES['w'][2]}]")
+        self.weight = float(w)
 
     def mass(self) -> tuple[list[torch.Tensor], float]:
         """Our part of the swarm's mass: (x = z * w, w); the invariant the tests check."""

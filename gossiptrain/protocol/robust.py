@@ -14,7 +14,15 @@ defences, both local to the receiver:
   from identical weights do not clip each other to nothing). Only norms
   that passed enter the histories, so a poisoner cannot ratchet them up.
   A far-behind honest peer (a newcomer) has an ordinary norm: its large
-  difference is clipped, not refused.
+  difference is clipped, not refused. Our own norm is no reference when
+  it is near zero (a model initialised to zeros, as logreg's is) and no
+  model was accepted yet: every honest model would be "10 times ours" and
+  refused, and, none accepted, the history would never fill. Then, once
+  ``SWARM_SENDERS`` partners have offered models, the swarm's norms judge:
+  the median over senders of the norm each last offered (one value per
+  sender, so one poisoner among honest partners cannot move it). With
+  fewer partners heard, a near-zero model of ours still refuses theirs:
+  one offer alone cannot tell "ours is tiny" from "theirs is scaled".
 - ``trimmed_mean``: when several neighbours are merged at once, each
   coordinate drops its largest and smallest values before averaging.
 """
@@ -22,7 +30,7 @@ defences, both local to the receiver:
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Sequence
 
 import torch
@@ -35,6 +43,9 @@ WARMUP = 4
 FLOOR = 0.1
 #: A model this many times larger than the norms we see is refused.
 OUTLIER = 10.0
+#: Senders whose offers must be known before their median norm may overrule our own (nothing accepted yet):
+#: with three, one poisoner is outvoted; with fewer, our own norm judges, near zero or not.
+SWARM_SENDERS = 3
 
 
 class NormClip:
@@ -46,10 +57,17 @@ class NormClip:
         self.models: deque[float] = deque(maxlen=HISTORY)
         self.clipped = 0
         self.refused = 0
+        self.offered: OrderedDict[str, float] = OrderedDict()  # sender -> the norm it last offered (HISTORY senders)
 
-    def factor(self, diff_norm: float, remote_norm: float, own_norm: float) -> float | None:
+    def factor(self, diff_norm: float, remote_norm: float, own_norm: float, sender: str = "") -> float | None:
         """Scale in (0, 1] for moving by a difference of ``diff_norm``, or None to refuse the model."""
+        self.offered[sender] = remote_norm
+        self.offered.move_to_end(sender)
+        while len(self.offered) > HISTORY:
+            self.offered.popitem(last=False)
         reference = max(own_norm, statistics.median(self.models)) if self.models else own_norm
+        if not self.models and remote_norm > OUTLIER * own_norm and len(self.offered) >= SWARM_SENDERS:
+            reference = max(own_norm, statistics.median(self.offered.values()))  # ours near zero: the swarm's judge
         if reference > 0 and remote_norm > OUTLIER * reference:
             self.refused += 1
             return None

@@ -9,9 +9,10 @@ from the next round of reports.
 Joins and reports are rate limited per source (``gossiptrain.protocol.admission.JoinLimiter``),
 so that one host flooding them costs a counter, not replies, connections
 or registry entries; the registry holds at most ``limits.registry_members``
-(members it knows keep their places). Since a report is answered with gossip
-to the address it claims, the rate limit also bounds what a forged report
-can make the coordinator send to someone else. Who may connect at all is the transport's business
+(members it knows keep their places). A report is answered with gossip
+to the address it claims, at most once per address every half report
+interval, so forged reports (from any number of sources) make the
+coordinator send an address no more than its honest member's reports do. Who may connect at all is the transport's business
 (CURVE with ``--secure``).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -49,6 +51,7 @@ class CoordinatorStats(EndpointStats):
     reports: int = 0
     reports_throttled: int = 0  # dropped unanswered: over the per-source report rate (limits.report_*)
     registry_full: int = 0  # joins and reports of members not recorded: the registry held limits.registry_members
+    introductions_skipped: int = 0  # reports not answered with gossip: their address had one within half an interval
 
 
 class Registry:
@@ -104,6 +107,7 @@ class Coordinator(JoinAnsweringEndpoint):
         m = config.membership
         self.registry = Registry(3 * m.report_interval + m.suspicion_timeout_max(1), config.limits.registry_members)
         self.report_limiter = JoinLimiter.for_reports(config.limits)
+        self._introduced: OrderedDict[str, float] = OrderedDict()  # address -> when we last gossiped to it (bounded)
         self._last_count = 0
         # Queries from tools (gossiptrain export/stop) and stop requests, relayed to the members we know.
         self.finish = FinishEndpoint(config, me="coordinator", members=self.members)
@@ -161,9 +165,21 @@ class Coordinator(JoinAnsweringEndpoint):
         otherwise know no one; peers that joined alone find each other here,
         at their next report.
         """
-        others = [m for m in self.registry.alive(self.clock.now()) if m.id != reporter.id]
+        now = self.clock.now()
+        others = [m for m in self.registry.alive(now) if m.id != reporter.id]
         if not others:
             return
+        # One introduction per address per half report interval, whoever claims it: an honest member
+        # reports once an interval, while reports forged in another's name (from any number of sources,
+        # under any number of ids) would otherwise make us gossip to that address once each.
+        last = self._introduced.get(reporter.addr)
+        if last is not None and now - last < self.config.membership.report_interval / 2:
+            self.stats.introductions_skipped += 1
+            return
+        self._introduced[reporter.addr] = now
+        self._introduced.move_to_end(reporter.addr)
+        while len(self._introduced) > self.config.limits.registry_members:
+            self._introduced.popitem(last=False)
         sample = self.rng.sample(others, min(self.config.membership.sample_size, len(others)))
         self.send(reporter.addr, GOSSIP, {"members": [m.to_wire() for m in sample]})
 

@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -275,6 +275,21 @@ class Peer:
         self._step = step
         if self._node is not None:
             self._node.step = step  # what our messages carry until the next safe point
+
+    def averaging_state(self) -> dict[str, float]:
+        """The averaging machine's state a checkpoint keeps beside the model (push-sum: its weight)."""
+        self._check_open()
+        with self._safepoint.locked():
+            return self._averaging.checkpoint_state()
+
+    def restore_averaging(self, state: Mapping[str, float] | None) -> None:
+        """Take a checkpoint's averaging state back (``resume_at``'s companion); only before the first ``step()``."""
+        if self._last_step_at is not None:
+            raise GossipError("restore_averaging() after the first step(): call it before")
+        self._check_open()
+        if state:
+            with self._safepoint.locked():
+                self._averaging.restore_state(state)
 
     @property
     def members(self) -> int:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 from gossiptrain.net import kinds
 from gossiptrain.protocol import averaging, push_sum
@@ -101,6 +102,10 @@ class SafePoint:
             self.after()
         if self.drift is not None:
             self.drift.after()
+
+    def locked(self) -> AbstractContextManager[Any]:
+        """The lock both sides take to call into the algorithm: ``with safepoint.locked(): ...`` (checkpoints)."""
+        return self._lock
 
     def serve_as_is(self) -> None:
         """Before training: answer partners from the model as it is now (``Averaging.serve_as_is``)."""

@@ -7,6 +7,10 @@ A checkpoint is three files in one directory sharing a name
     ckpt-000007-step-1234.optim.safetensors   the optimizer's per-parameter tensors (SGD momentum)
     ckpt-000007-step-1234.json                the rest, and the size and SHA-256 of both files above
 
+The rest includes the averaging algorithm's own state where it has one
+(``averaging``: named finite numbers, e.g. push-sum's weight), so that a
+resumed peer rejoins with the mass it had (``Averaging.checkpoint_state``).
+
 ``seq`` counts saves in the directory, so "newest" means "written last"
 whatever the step. Every file is written under a temporary name, flushed,
 fsynced and renamed over its final name, and the directory is fsynced; the
@@ -79,6 +83,7 @@ class CheckpointInfo:
     run: dict[str, Any] | None  # RunConfig.to_dict() of that run, to name differences
     files: dict[str, dict[str, Any]]  # "model"/"optimizer" -> {"file", "bytes", "sha256"}
     optimizer: dict[str, Any] | None  # class, param_groups (names, hyperparameters), state mapping
+    averaging: dict[str, float] | None = None  # the averaging algorithm's scalars (push-sum weight); None: none saved
 
     @property
     def name(self) -> str:
@@ -151,6 +156,7 @@ class Checkpointer:
         peer: str = "",
         shard: int = -1,
         run: Mapping[str, Any] | None = None,
+        averaging: Mapping[str, float] | None = None,
     ) -> CheckpointInfo:
         """Write one checkpoint atomically, then delete the ones beyond ``keep``; return its metadata.
 
@@ -172,6 +178,10 @@ class Checkpointer:
         }
         run_json = _jsonable(dict(run), "run") if run is not None else None
         try:
+            averaging_json = _averaging_state(averaging, "averaging") if averaging is not None else None
+        except TypeError as e:
+            raise CheckpointError(f"cannot save the averaging state: {e}") from None
+        try:
             files = {}
             for role, (suffix, data) in blobs.items():
                 write_atomic(self.directory, name + suffix, data)
@@ -190,6 +200,7 @@ class Checkpointer:
                 "run": run_json,
                 "files": files,
                 "optimizer": optim_meta,
+                "averaging": averaging_json,
             }
             path = self.directory / (name + _META)
             write_atomic(self.directory, path.name, encode_metadata(meta))
@@ -485,7 +496,20 @@ def _info_from(path: Path, meta: Mapping[str, Any]) -> CheckpointInfo:
         run=meta["run"] if isinstance(meta["run"], dict) else None,
         files={role: dict(field("files", dict)[role]) for role in ("model", "optimizer")},
         optimizer=optimizer,
+        averaging=_averaging_state(meta["averaging"], "averaging") if meta.get("averaging") is not None else None,
     )
+
+
+def _averaging_state(state: Mapping[str, Any], what: str) -> dict[str, float]:
+    """Named finite numbers (the averaging algorithm's state); TypeError naming what is not."""
+    if not isinstance(state, Mapping) or len(state) > 64:
+        raise TypeError(f"{what} must be a mapping of at most 64 names to numbers")
+    out = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TypeError(f"{what}.{key} is {value!r}, not a finite number")
+        out[key] = float(value)
+    return out
 
 
 def _read_verified(path: Path, nbytes: int, sha256: str) -> bytes:

@@ -198,10 +198,12 @@ def _resume(peer: Peer, trainer: LocalTrainer, resume: Checkpoint, resume_any_ru
     """Load a checkpoint into the trainer and the peer's step count; the fields the start record gets."""
     trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
     peer.resume_at(trainer.steps)
+    peer.restore_averaging(resume.info.averaging)  # push-sum: the weight it had, so it rejoins with its own mass
     if resume.info.shard != peer.shard:
         log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
     log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
-    return {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step}
+    return {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step,
+            "resumed_averaging": peer.averaging_state()}  # as the machine holds it now
 
 
 class _Report:
@@ -236,7 +238,7 @@ class _Report:
         try:
             info = self.checkpointer.save(
                 trainer.model, trainer.opt, step=peer.steps, samples_seen=trainer.samples_seen, fingerprint=peer.fingerprint,
-                peer=peer.id, shard=peer.shard, run=peer.config.to_dict(),
+                peer=peer.id, shard=peer.shard, run=peer.config.to_dict(), averaging=peer.averaging_state(),
             )
         except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
             self.failed += 1
