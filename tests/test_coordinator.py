@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
+
+import pytest
 
 from gossiptrain.config import RunConfig
+from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import GOSSIP, REPORT
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
 from gossiptrain.net.wire import Message, decode, encode
@@ -93,3 +97,87 @@ def test_forged_reports_from_everywhere_make_the_coordinator_gossip_to_their_add
     assert coordinator.stats.reports_throttled == 0 and coordinator.stats.reports >= 1000
     assert reflected == 1  # the first forged report's introduction; every later one within the interval is skipped
     assert coordinator.stats.introductions_skipped >= 999 - 1
+
+
+def test_a_member_reported_dead_is_not_handed_out_until_it_reports_again() -> None:
+    run = RunConfig()
+    limits, interval = run.limits, run.membership.report_interval
+
+    async def main() -> list[list[str]]:
+        network = SimNetwork(LinkProfile(latency=0.001, bandwidth=float("inf")))
+        with network.activate():
+            c_t = SimTransport("sim://coordinator", limits, network=network)
+            a_t, b_t, z_t = (SimTransport(f"sim://{n}:1", limits, network=network) for n in "abz")
+            coordinator = Coordinator(run, c_t, clock=LoopClock(), seed=1)
+            seen = []
+
+            def report(t: SimTransport, mid: str, dead: list[str]) -> None:
+                body = {"member": Member(mid, t.address, 0, 1).to_wire(), "spec": None, "dead": dead}
+                t.send(c_t.address, encode(Message(REPORT, mid, t.address, run.fingerprint(), 0, body), limits))
+
+            async with c_t, a_t, b_t, z_t, coordinator:
+                for t, mid in ((a_t, "pa"), (b_t, "pb"), (z_t, "pz")):
+                    report(t, mid, [])
+                await asyncio.sleep(0.01)
+                report(a_t, "pa", ["pz"])  # pz reported a moment ago: its own word is newer, it stays
+                await asyncio.sleep(0.01)
+                seen.append(sorted(m.id for m in coordinator.members()))
+                await asyncio.sleep(interval)  # pz falls silent (it crashed); a finds it dead
+                report(a_t, "pa", ["pz", "pa", "pnobody"])  # itself and unknown ids: ignored
+                await asyncio.sleep(0.01)
+                seen.append(sorted(m.id for m in coordinator.members()))
+                report(z_t, "pz", [])  # it was alive after all: its own report brings it back
+                await asyncio.sleep(0.01)
+                seen.append(sorted(m.id for m in coordinator.members()))
+                assert coordinator.stats.reported_dead == 1
+            return seen
+
+    assert run_virtual(main()) == [["pa", "pb", "pz"], ["pa", "pb"], ["pa", "pb", "pz"]]
+
+
+def test_a_report_with_malformed_deaths_is_refused() -> None:
+    run = RunConfig()
+    coordinator = Coordinator(run, SimTransport("sim://c", run.limits, network=SimNetwork()), clock=LoopClock(), seed=1)
+    with pytest.raises(ProtocolError, match="dead must be a list of member ids"):
+        coordinator._forget_dead(["ok", 7], "pa", 0.0)
+
+
+def test_peers_report_a_crashed_member_and_the_coordinator_stops_handing_it_out_before_it_would_expire() -> None:
+    from gossiptrain.runtime.peer_network import PeerNode
+
+    run = RunConfig()
+    m = run.membership
+    expiry = 3 * m.report_interval + m.suspicion_timeout_max(1)  # what the registry alone would take
+
+    async def main() -> tuple[float, float]:
+        network = SimNetwork(LinkProfile(latency=0.001))
+        loop = asyncio.get_running_loop()
+        with network.activate():
+            c_t = SimTransport("sim://coordinator", run.limits, network=network)
+            async with c_t, Coordinator(run, c_t, clock=LoopClock(), seed=1) as coordinator:
+                nodes, transports = [], []
+                for i in range(3):
+                    t = await SimTransport(f"sim://p{i}", run.limits, network=network).start()
+                    n = PeerNode(me=Member(f"p{i}", t.address, 0, 10 + i), config=run, transport=t, clock=LoopClock(),
+                                 rng=random.Random(i), spec=None, seeds=[x.me for x in nodes], coordinator=c_t.address)
+                    nodes.append(await n.start())
+                    transports.append(t)
+                while not (all(len(n.view()) == 3 for n in nodes) and len(coordinator.members()) == 3):
+                    await asyncio.sleep(0.05)
+                await nodes[2].close("killed")  # no leave: a crash
+                await transports[2].close("killed")
+                crashed = loop.time()
+                while "p2" in nodes[0].view():
+                    await asyncio.sleep(0.05)
+                declared = loop.time()
+                while "p2" in [x.id for x in coordinator.members()]:
+                    await asyncio.sleep(0.05)
+                gone = loop.time()
+                for n, t in zip(nodes[:2], transports[:2]):
+                    await n.close("test over")
+                    await t.close("test over")
+                return declared - crashed, gone - crashed
+
+    declared, gone = run_virtual(main())
+    assert gone <= declared + m.report_interval + 0.2  # at the next report after the verdict
+    assert gone < expiry  # ...not after the registry's expiry

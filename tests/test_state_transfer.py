@@ -266,6 +266,16 @@ def test_a_busy_donor_is_asked_again_after_a_pause_within_the_bounds() -> None:
     assert result is not None and not result.ok and "state.max_donors=3" in result.reason
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_refused_donor_is_replaced_at_once_not_after_a_timeout(seed: int) -> None:
+    cfg = config(donor_sessions=1, max_donors=3)
+    net = Net(fetcher(2000, cfg, seed), {"busy": state(2000, 1), "free": state(2000, 2)}, cfg)
+    net.donors["busy"].sessions[("other", 9)] = st._DonorSession(serial=0, last_used=0.0)  # serving someone else
+    net.tick(["new", "busy", "free"])  # one instant: whichever was asked first, the free one is downloading now
+    assert net.fetcher.result is not None and net.fetcher.result.ok, net.fetcher.result
+    assert net.fetcher.result.donors == ("free",)
+
+
 def test_a_download_nobody_answers_gives_up_within_its_time() -> None:
     cfg = config(max_seconds=3.0, max_donors=100)
     net = Net(fetcher(2000, cfg), {}, cfg)

@@ -71,6 +71,8 @@ _MAX_RELAYS = 64  # indirect probes we run for others at once; more are refused 
 # news never jumps far; a larger claim (a restart, a lie) is believed only from the member's own answer.
 _INCARNATION_GAP = 1 << 16
 _CANDIDATE_ATTEMPTS = 2  # probes a candidate gets before it is dropped as never answering
+#: Members a report to the coordinator names as found dead, at most (the coordinator reads no more).
+REPORTED_DEATHS = 16
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import ALIVE, Member, least_loaded_shard
+from gossiptrain.protocol.membership import ALIVE, REPORTED_DEATHS, Member, least_loaded_shard
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
@@ -52,6 +52,7 @@ class CoordinatorStats(EndpointStats):
     reports_throttled: int = 0  # dropped unanswered: over the per-source report rate (limits.report_*)
     registry_full: int = 0  # joins and reports of members not recorded: the registry held limits.registry_members
     introductions_skipped: int = 0  # reports not answered with gossip: their address had one within half an interval
+    reported_dead: int = 0  # registry entries dropped because a member reported them dead (see _forget_dead)
 
 
 class Registry:
@@ -72,6 +73,14 @@ class Registry:
             return False  # those we know keep their places: a flood of new ids cannot push them out
         if known is None or member.incarnation >= known[0].incarnation:
             self._seen[member.id] = (member, now)
+        return True
+
+    def seen_dead(self, member_id: str, now: float, fresh_for: float) -> bool:
+        """A member reported dead: forget it unless it was heard from itself within ``fresh_for`` seconds."""
+        known = self._seen.get(member_id)
+        if known is None or now - known[1] < fresh_for:
+            return False
+        del self._seen[member_id]
         return True
 
     def alive(self, now: float) -> list[Member]:
@@ -147,11 +156,34 @@ class Coordinator(JoinAnsweringEndpoint):
             raise ProtocolError("a report must be about its sender")
         self._learn_spec(msg.body.get("spec"))
         self.stats.reports += 1
-        if not self.registry.update(member, self.clock.now()):
+        now = self.clock.now()
+        if not self.registry.update(member, now):
             self.stats.registry_full += 1
             return
+        self._forget_dead(msg.body.get("dead"), member.id, now)
         self._note_count()
         self._introduce(member)
+
+    def _forget_dead(self, dead: object, reporter: str, now: float) -> None:
+        """Members a report says its sender found dead: not handed out again until they report themselves.
+
+        One that reported within half a report interval stays (its own word
+        is newer than the verdict, or the verdict is false); the rest leave
+        the registry at once instead of after its expiry (three report
+        intervals and a suspicion timeout), so a newcomer is not handed a
+        crashed member (a dead predecessor, say) to probe and look to as a
+        donor. A member that lies can only have others left out until their
+        next report; its reports are rate limited and at most
+        ``REPORTED_DEATHS`` names each are read.
+        """
+        if dead is None:
+            return
+        if not isinstance(dead, list) or not all(type(d) is str and 0 < len(d) <= 64 for d in dead):
+            raise ProtocolError("a report's dead must be a list of member ids")
+        for mid in dead[:REPORTED_DEATHS]:
+            if mid != reporter and self.registry.seen_dead(mid, now, self.config.membership.report_interval / 2):
+                self.stats.reported_dead += 1
+                log.info("%s is dead (reported by %s): not handed out until it reports again", mid, reporter)
 
     def _on_finish(self, msg: Message, frames: Sequence[object]) -> None:
         for a in self.finish.handle(finish_event(msg, self.transport.source_of(frames)), self.clock.now()):

@@ -23,6 +23,7 @@ state download, for peers that wait for a count before training.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
 import threading
@@ -41,6 +42,7 @@ from gossiptrain.protocol import averaging, finish, membership, push_sum
 from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import (
+    REPORTED_DEATHS,
     Ack,
     Digest,
     Leave,
@@ -133,6 +135,7 @@ class PeerNode(JoinAnsweringEndpoint):
         self._warned_fallback = False
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
         self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
+        self._reported_at = -math.inf  # when our last report to the coordinator left (its deaths are those since)
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
         self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock)
         # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
@@ -274,7 +277,21 @@ class PeerNode(JoinAnsweringEndpoint):
             await self.clock.sleep(self.config.membership.report_interval)
 
     def _report_body(self) -> dict[str, Any]:
-        return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None}
+        """Ourselves, the model's spec, and the members we found dead since the last report (still dead to us).
+
+        The coordinator then stops handing those to newcomers until they
+        report again themselves, rather than for as long as its registry
+        takes to expire them (``gossiptrain.runtime.coordinator``).
+        """
+        now = self.clock.now()
+        since, self._reported_at = self._reported_at, now
+        dead = []
+        for when, mid in reversed(self.deaths):
+            if when < since or len(dead) >= REPORTED_DEATHS:
+                break
+            if mid not in self._view and mid not in dead:
+                dead.append(mid)
+        return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None, "dead": dead}
 
     # -- handling --------------------------------------------------------------------------
 
