@@ -50,6 +50,12 @@ class Limits:
     # Outgoing connections kept open; past it the least recently used is closed (and dialled again if needed),
     # so gossip about many members (or made-up ones) cannot use up the process's file descriptors.
     max_connections: int = 256
+    # Incoming connections (gossiptrain.net.transport.incoming): per source (an IP, an IPv6 /64) and in all (less
+    # if the descriptor limit leaves less room); past them a new one is shut down at once. A host running many
+    # peers, or many behind one NAT, holds one connection per peer to us.
+    incoming_per_source: int = 256
+    max_incoming: int = 4096
+    handshake_seconds: float = 5.0  # a connection that has not completed the ZMTP handshake by then is closed
     averaging_queue: int = 8  # exchange messages waiting for the trainer
     chunk_bytes: int = 16 << 20  # a tensor over this is sent as several frames of at most this size (wire)
     # Joins are answered by the coordinator and by every peer; each source (an IP, an IPv6 /64)

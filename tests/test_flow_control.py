@@ -92,14 +92,20 @@ def test_a_crashed_partner_holds_no_one_longer_than_the_exchange_timeout(algorit
     run = logreg(**{"train.shards": 3, "gossip.max_steps_ahead": 1, "gossip.exchange_timeout_max": 1.0,
                     "gossip.topology": "complete", "gossip.algorithm": algorithm, "gossip.local_steps": 2,
                     "gossip.compression": "none"})  # (message sizes fixed: the crash lands with a request in flight)
-    config = SimConfig(peers=3, run=run, duration=6.0, step_time=0.01, seed=2, sample_every=1.0,
-                       link=LinkProfile(latency=0.002, bandwidth=2e4), churn_trace=(ChurnEvent(2.0, 1, "crash"),))
-    cluster = run_cluster(config)
-    survivors = [cluster.peers[0], cluster.peers[2]]  # slot 1 crashed at 2 s and stays down
-    if algorithm == "pairwise":  # a push to a closed address is refused at once; a request waits out its timeout
-        assert any(p.averaging.stats.timeouts > 0 for p in survivors)  # they did ask the crashed one
-    assert all(p.averaging.stats.longest_wait_s <= 1.0 + 0.01 for p in survivors)  # virtual seconds: one timeout
-    assert all(p.averaging.stats.waits > 0 for p in survivors)
+    # Only a request in flight when its partner crashes waits out a timeout (a later one to the closed address is
+    # refused at once), so the crash moves until it lands on one; every run must keep the bound either way.
+    timed_out = False
+    for crash_at in (2.0, 2.05, 2.1, 2.15, 2.2, 2.25, 2.3, 2.35):
+        config = SimConfig(peers=3, run=run, duration=6.0, step_time=0.01, seed=2, sample_every=1.0,
+                           link=LinkProfile(latency=0.002, bandwidth=2e4), churn_trace=(ChurnEvent(crash_at, 1, "crash"),))
+        cluster = run_cluster(config)
+        survivors = [cluster.peers[0], cluster.peers[2]]  # slot 1 crashed and stays down
+        assert all(p.averaging.stats.longest_wait_s <= 1.0 + 0.01 for p in survivors)  # virtual seconds: one timeout
+        assert all(p.averaging.stats.waits > 0 for p in survivors)
+        timed_out = any(p.averaging.stats.timeouts > 0 for p in survivors)  # they did ask the crashed one
+        if algorithm != "pairwise" or timed_out:  # a push to a closed address is refused at once: no timeout there
+            break
+    assert algorithm != "pairwise" or timed_out, "no crash landed on a request in flight"
 
 
 def test_no_waiting_for_a_partner_that_timed_out_lately() -> None:

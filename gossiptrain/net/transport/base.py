@@ -36,6 +36,7 @@ class TransportStats:
     oversize_dropped: int = 0  # over max_frames / max_frame_bytes / max_message_bytes (either side)
     handshake_failures: int = 0  # a connection that never became a valid peer (e.g. garbage bytes)
     connections_closed: int = 0  # outgoing connections closed as the least recently used (limits.max_connections)
+    incoming_refused: int = 0  # incoming connections shut down at once: over limits.incoming_per_source or max_incoming
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -39,6 +39,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import CURVE_QUERY, curve_address, split_curve_address
 from gossiptrain.net.keys import CurveKeys, load_curve
 from gossiptrain.net.transport.base import Transport
+from gossiptrain.net.transport.incoming import IncomingGuard, descriptor_budget, peer_of, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class TcpTransport(Transport):
         # Outgoing connections, least recently used first (at most limits.max_connections)
         self._destinations: OrderedDict[str, _Destination] = OrderedDict()
         self._monitors = itertools.count()
+        self.incoming = IncomingGuard(limits.incoming_per_source, limits.max_incoming)  # bounds set again at start
 
     def source_of(self, frames: Sequence[object]) -> str | None:
         """The IP the connection a received message came on was from (ZeroMQ's Peer-Address)."""
@@ -188,6 +190,7 @@ class TcpTransport(Transport):
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, self.limits.inbox_messages)
         router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + MAXMSGSIZE_SLACK)
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(self.limits.handshake_seconds * 1000))
         if self.curve is not None:
             self._start_curve_server(router, self.curve)
         try:
@@ -197,7 +200,12 @@ class TcpTransport(Transport):
         plain = _unmap_ipv4(router.getsockopt_string(zmq.LAST_ENDPOINT))
         self.port = urlsplit(plain).port or 0
         self.address = self.reachable_at(plain)
-        router.monitor(_MONITOR_ENDPOINT, _HANDSHAKE_FAILED)
+        self.incoming = IncomingGuard(
+            self.limits.incoming_per_source,
+            descriptor_budget(self.limits.max_incoming, self.limits.max_connections),
+            still_from=lambda fd, source: peer_of(fd, self.port) == source,
+        )
+        router.monitor(_MONITOR_ENDPOINT, _HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._monitor = self._ctx.socket(zmq.PAIR, socket_class=zmq.asyncio.Socket)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(_MONITOR_ENDPOINT)
@@ -449,9 +457,22 @@ class TcpTransport(Transport):
         assert self._monitor is not None
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if int(event["event"]) & _HANDSHAKE_FAILED:
+            kind, value = int(event["event"]), int(event["value"])
+            if kind & _HANDSHAKE_FAILED:
                 self.stats.handshake_failures += 1
-                log.debug("handshake failed on %s: event %s, errno %s", self.address, event["event"], event["value"])
+                log.debug("handshake failed on %s: event %s, errno %s", self.address, kind, value)
+            elif kind == zmq.EVENT_ACCEPTED:  # value: the new connection's descriptor
+                source = peer_of(value, self.port)
+                if source is not None and not self.incoming.accepted(value, source):
+                    shut_down(value)
+                    refused = self.stats.incoming_refused = self.incoming.stats.incoming_refused
+                    if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, ...: not one line per connection
+                        log.warning("shutting down incoming connections from %s: %d open from it, %d in all "
+                                    "(limits.incoming_per_source %d, max_incoming %d); %d refused so far",
+                                    source, self.incoming.count(source), len(self.incoming),
+                                    self.incoming.per_source, self.incoming.total, refused)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.incoming.disconnected(value)
 
 
 def _describe_handshake_failure(address: str, kind: int, value: int, secure: bool) -> str:
