@@ -10,7 +10,10 @@ it never trains and, every 0.5 s, sends every member it knows one attack:
 - ``made-up``: 2,000 made-up members at closed loopback ports, rising incarnations;
 - ``hijack``: each honest member's id at the liar's own address, incarnation + 10^12;
 - ``deaths``: each honest member declared dead, at its incarnation and at + 10^12;
-- ``all``: the three at once.
+- ``all``: the three at once;
+- ``conn-flood``: 1,000 idle TCP connections held open to each member and the coordinator;
+- ``join-flood``: 500 joins a round to the coordinator and each member, each from another claimed address;
+- ``report-flood``: 500 reports a round to the coordinator under made-up ids at honest members' addresses.
 
 Measured per run: the honest peers' time to a held mean test accuracy (the
 harness's rule: 3 evaluations in a row), their exchanges per peer, the
@@ -65,7 +68,10 @@ def show(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else fmt(x, digits)
 
 
-ATTACKS = {"idle": "", "made-up": "made-up", "hijack": "hijack", "deaths": "deaths", "all": "made-up,hijack,deaths"}
+ATTACKS = {
+    "idle": "", "made-up": "made-up", "hijack": "hijack", "deaths": "deaths", "all": "made-up,hijack,deaths",
+    "conn-flood": "conn-flood", "join-flood": "join-flood", "report-flood": "report-flood",
+}
 
 
 def _proc_sample(pid: int) -> tuple[int, float]:

@@ -5,7 +5,12 @@ with LIES a comma-separated choice of:
 
 - ``made-up``: N made-up members at closed loopback ports (``--made-up N``, default 2,000), rising incarnations;
 - ``hijack``: each member's id at the liar's own address, incarnation + 10^12;
-- ``deaths``: each member declared dead at its incarnation and at + 10^12.
+- ``deaths``: each member declared dead at its incarnation and at + 10^12;
+- ``conn-flood``: up to ``--connections N`` (default 1,000) idle TCP connections held open to each member
+  (and the coordinator), those the far end closes opened again every round;
+- ``join-flood``: 500 joins a round to the coordinator and to each member, each claiming another made-up address;
+- ``report-flood``: 500 reports a round to the coordinator under made-up ids, each claiming an honest member's
+  address (the coordinator would answer each with gossip there: reflection).
 
 It uses the project's own message format through a real ``Peer`` (it is a
 verified member: it answers probes), so what it sends is exactly what a
@@ -19,10 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import sys
 import time
 
 from gossiptrain.net import kinds
+from gossiptrain.net.addressing import plain_address
+from gossiptrain.net.wire import Message, encode
+from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import DEAD, Member
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.train.workload import load_workload
@@ -35,6 +44,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lies", default="made-up,hijack,deaths")
     ap.add_argument("--made-up", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--connections", type=int, default=1000)
     args = ap.parse_args(argv)
     lies = set(args.lies.split(","))
     peer = Peer(lambda config, seed: load_workload(config.train.workload).build_model(seed), join=args.join, bind=args.bind)
@@ -49,6 +59,9 @@ def main(argv: list[str]) -> int:
         node.handlers[kind] = refuse
     made_up = [Member(f"fake{i:05d}", f"tcp://127.0.0.1:{1 + i % 1000}", 0, 1) for i in range(args.made_up)]
     end = time.monotonic() + args.seconds
+    limits = peer.config.limits
+    held: dict[str, list[socket.socket]] = {}  # address -> the idle connections we hold to it
+    source = args.bind.rpartition(":")[0].strip("[]")
     rounds = 0
     while time.monotonic() < end:
         rounds += 1
@@ -64,11 +77,64 @@ def main(argv: list[str]) -> int:
         body = {"members": [m.to_wire() for m in (node.me, *out)]}
         for m in members:
             peer._loop.call_soon(node.send, m.addr, kinds.GOSSIP, body)
+        targets = [node.coordinator, *(m.addr for m in members)] if node.coordinator else [m.addr for m in members]
+        if "conn-flood" in lies:
+            for addr in targets:
+                _hold_connections(held.setdefault(addr, []), addr, args.connections, source)
+        if "join-flood" in lies:
+            for addr in targets:
+                for i in range(FLOOD):
+                    claimed = f"tcp://127.0.{rounds % 250}.{i % 250 + 1}:{1 + i}"
+                    frames = encode(Message(kinds.JOIN, "", claimed, "", 0, JoinRequest().to_body()), limits)
+                    peer._loop.call_soon(node.transport.send, addr, frames)
+        if "report-flood" in lies and node.coordinator and members:
+            for i in range(FLOOD):
+                fake = Member(f"frep{rounds:04d}{i:04d}", members[i % len(members)].addr, 0, 1)
+                body = {"member": fake.to_wire(), "spec": None}
+                frames = encode(Message(kinds.REPORT, fake.id, fake.addr, node.fingerprint, 0, body), limits)
+                peer._loop.call_soon(node.transport.send, node.coordinator, frames)
         if rounds == 1:
             print("lying", flush=True)
         time.sleep(0.5)
+    for socks in held.values():
+        for sock in socks:
+            sock.close()
     peer.close()
     return 0
+
+
+#: Joins or reports sent a round in a flood.
+FLOOD = 500
+
+
+def _hold_connections(socks: list[socket.socket], addr: str, count: int, source: str) -> None:
+    """Keep ``count`` idle TCP connections from ``source`` (our IP) open to ``addr``: drop those closed, dial more."""
+    alive = []
+    for sock in socks:
+        try:
+            if sock.recv(4096, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                sock.close()  # closed by the far end
+                continue
+        except BlockingIOError:
+            pass  # open and quiet
+        except OSError:
+            sock.close()
+            continue
+        alive.append(sock)
+    socks[:] = alive
+    host, _, port = plain_address(addr).removeprefix("tcp://").rpartition(":")
+    while len(socks) < count:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.bind((source, 0))  # from our own address, as an attacker on its own host (loopback: 127.0.0.x)
+            sock.connect((host.strip("[]"), int(port)))
+        except BlockingIOError:
+            pass
+        except OSError:
+            sock.close()
+            return  # out of descriptors or ports ourselves: hold what we have
+        socks.append(sock)
 
 
 if __name__ == "__main__":

@@ -210,3 +210,19 @@ def test_in_a_secure_swarm_an_id_is_taken_only_at_an_address_whose_key_derives_i
     actions = node.handle(Digest([Member("kc", "sim://b", 0, 1), Member("kb", "sim://b", 0, 9, DEAD)], "kx"), now=0.1)
     assert not any(isinstance(a, Send) and a.kind == PING for a in actions)  # "kc" at b's address: not even probed
     assert node.stats.forged_ids_refused == 1 and node.is_alive("kb")
+
+
+def test_a_flood_of_joins_claiming_made_up_addresses_fills_no_view() -> None:
+    """A member answering joins adds at most MAX_PLACEHOLDERS unstarted newcomers; the rest wait as candidates."""
+    from gossiptrain.protocol.membership import MAX_PLACEHOLDERS, Welcomed
+
+    c = Cluster(4, seed=3)
+    c.run(10.0)
+    answerer = c.nodes["m000"]
+    for i in range(300):
+        c.carry("m000", answerer.handle(Welcomed(Member(f"joiner{i:03d}", f"sim://nobody{i}:1", 0, 0)), c.now))
+        assert len(answerer.alive()) <= 4 + MAX_PLACEHOLDERS
+        assert len(answerer.candidates) <= LIMIT
+    c.run(CONFIG.newcomer_grace + 2.0)  # none of them ever starts
+    assert all(view == set(HONEST) for view in c.views().values())
+    assert answerer.stats.placeholders_deferred >= 300 - MAX_PLACEHOLDERS

@@ -73,6 +73,10 @@ _INCARNATION_GAP = 1 << 16
 _CANDIDATE_ATTEMPTS = 2  # probes a candidate gets before it is dropped as never answering
 #: Members a report to the coordinator names as found dead, at most (the coordinator reads no more).
 REPORTED_DEATHS = 16
+#: Placeholders of members we welcomed that have not started yet, at most (see ``Membership._welcome``).
+MAX_PLACEHOLDERS = 16
+#: The introducer our own welcomes' deferred newcomers are charged to in the candidate table.
+WELCOMED_INTRODUCER = "welcomed by us"
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,7 @@ class HealthStats:
     verdicts_doubted: int = 0  # a death told of a member that answers our own probes: taken as a suspicion
     hearsay_refused: int = 0  # tombstones of members we never knew, past the bound we keep
     forged_ids_refused: int = 0  # secure swarm: an id claimed at an address whose key does not derive it
+    placeholders_deferred: int = 0  # newcomers we welcomed past MAX_PLACEHOLDERS: candidates, not members, until they start
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -336,7 +341,7 @@ class Membership:
         refused = s.redirects_refused + s.jumps_refused + s.verdicts_refused + s.hearsay_refused + s.forged_ids_refused
         return {
             **c.to_dict(),
-            **{k: v for k, v in s.to_dict().items() if k.endswith(("_refused", "_doubted"))},
+            **{k: v for k, v in s.to_dict().items() if k.endswith(("_refused", "_doubted", "_deferred"))},
             "candidates": len(self.candidates),
             "gossip_refused": refused + c.candidates_refused + c.candidates_unanswered,
         }
@@ -758,8 +763,19 @@ class Membership:
         self.candidates.drop(e.id)
 
     def _welcome(self, m: Member, now: float, actions: list[Action]) -> None:
-        """Our own welcome's placeholder: a member (not probed, dropped if it never starts) without verification."""
+        """Our own welcome's placeholder: a member (not probed, dropped if it never starts) without verification.
+
+        At most ``MAX_PLACEHOLDERS`` at once: joins claiming made-up
+        addresses (one source may send 5 a second, ``limits.join_*``) would
+        otherwise fill our view with members that never start. Past the
+        bound a newcomer is a candidate like any other, verified when it
+        starts (a round trip later).
+        """
         if m.id in self._records:
+            return
+        if len(self._newcomers) >= MAX_PLACEHOLDERS:
+            self.stats.placeholders_deferred += 1
+            self.candidates.offer(m, WELCOMED_INTRODUCER, now)
             return
         self.candidates.drop(m.id)
         self._records[m.id] = _Record(m, now)

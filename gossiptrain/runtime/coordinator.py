@@ -62,18 +62,26 @@ class Registry:
         self.expire_after = expire_after
         self.capacity = capacity
         self._seen: dict[str, tuple[Member, float]] = {}
+        self._reported: set[str] = set()  # ids that reported themselves (not only joined through us)
 
-    def update(self, member: Member, now: float) -> bool:
-        """Record ``member`` as heard from now; False if it is new and the registry is full of live members."""
+    def update(self, member: Member, now: float, *, reported: bool = False) -> bool:
+        """Record ``member`` as heard from now (``reported``: by itself); False if new and the registry is full."""
         if member.state != ALIVE:
             self._seen.pop(member.id, None)
+            self._reported.discard(member.id)
             return True
         known = self._seen.get(member.id)
         if known is None and len(self._seen) >= self.capacity and self._expire(now) >= self.capacity:
             return False  # those we know keep their places: a flood of new ids cannot push them out
         if known is None or member.incarnation >= known[0].incarnation:
             self._seen[member.id] = (member, now)
+        if reported:
+            self._reported.add(member.id)
         return True
+
+    def reported(self, now: float) -> list[Member]:
+        """The live members that reported themselves: the ones worth handing to a newcomer."""
+        return [m for m in self.alive(now) if m.id in self._reported]
 
     def seen_dead(self, member_id: str, now: float, fresh_for: float) -> bool:
         """A member reported dead: forget it unless it was heard from itself within ``fresh_for`` seconds."""
@@ -81,6 +89,7 @@ class Registry:
         if known is None or now - known[1] < fresh_for:
             return False
         del self._seen[member_id]
+        self._reported.discard(member_id)
         return True
 
     def alive(self, now: float) -> list[Member]:
@@ -92,6 +101,7 @@ class Registry:
         for mid, (_, seen) in list(self._seen.items()):
             if now - seen > self.expire_after:
                 del self._seen[mid]
+                self._reported.discard(mid)
         return len(self._seen)
 
 
@@ -157,7 +167,7 @@ class Coordinator(JoinAnsweringEndpoint):
         self._learn_spec(msg.body.get("spec"))
         self.stats.reports += 1
         now = self.clock.now()
-        if not self.registry.update(member, now):
+        if not self.registry.update(member, now, reported=True):
             self.stats.registry_full += 1
             return
         self._forget_dead(msg.body.get("dead"), member.id, now)
@@ -222,8 +232,12 @@ class Coordinator(JoinAnsweringEndpoint):
     # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
 
     def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
-        alive = self.registry.alive(self.clock.now())
-        sample = self.rng.sample(alive, min(self.config.membership.sample_size, len(alive)))
+        """Members for a newcomer: those that reported themselves (a flood of joins from made-up addresses
+        does not crowd them out), else whoever joined; shards assigned over all of them."""
+        now = self.clock.now()
+        alive = self.registry.alive(now)
+        pool = self.registry.reported(now) or alive
+        sample = self.rng.sample(pool, min(self.config.membership.sample_size, len(pool)))
         return sample, lambda shards: least_loaded_shard((m.shard for m in alive), shards)
 
     def _coordinator_address(self) -> str:
