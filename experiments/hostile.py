@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=4, help="honest peers (default 4)")
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--target", type=float, default=0.97, help="held mean test accuracy (default 0.97)")
+    # 0.95, not the 0.97: at 0.97 the idle baseline itself took 17-52 s or missed (a plateau near it), so
+    # ratios over it measured noise.
+    ap.add_argument("--target", type=float, default=0.95, help="held mean test accuracy (default 0.95)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds of training before a run gives up")
     ap.add_argument("--quick", action="store_true", help="1 seed, idle and all only, 30 s: a smoke test")
     ap.add_argument("--out", type=Path, default=None)

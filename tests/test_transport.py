@@ -273,3 +273,21 @@ def test_connections_that_never_handshake_are_closed_after_handshake_seconds() -
                     s.close()
 
     asyncio.run(main())
+
+
+def test_the_incoming_guard_bounds_sources_and_heals_a_missed_disconnect() -> None:
+    from gossiptrain.net.transport.incoming import HEAL_EVERY, IncomingGuard
+
+    gone: set[int] = set()
+    guard = IncomingGuard(per_source=3, total=5, still_from=lambda fd, source: fd not in gone)
+    assert [guard.accepted(fd, "a") for fd in (1, 2, 3, 4)] == [True, True, True, False]
+    assert guard.accepted(3, "a")  # a number seen again replaces the connection counted under it
+    assert guard.count("a") == 3
+    gone.add(1)  # its disconnect event was missed: a later refusal (every HEAL_EVERY) checks and finds it gone
+    tries = 1
+    while not guard.accepted(100 + tries, "a"):
+        tries += 1
+    assert tries <= HEAL_EVERY + 1 and guard.count("a") == 3
+    assert [guard.accepted(fd, "b") for fd in (6, 7, 8)] == [True, True, False]  # 5 in all
+    guard.disconnected(6)
+    assert guard.accepted(8, "b") and len(guard) == 5
