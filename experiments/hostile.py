@@ -22,9 +22,10 @@ members are N + 1), and the peak open file descriptors and resident memory
 of any honest peer (sampled from /proc while it trains). The ratio is each
 attack's time over the idle baseline's, medians over ``--seeds``.
 
-Open swarm only: in a secure swarm the liar would be an admitted member
-with its own key, and what it can send is the same (SECURITY.md); the
-secure rows are not built yet. CSV and summary.md under
+Each in an open swarm and in a secure one (``--swarms``), where every
+process has its own CURVE key and the liar is an admitted member gone
+rogue (SECURITY.md): what it can send is the same, but ids are bound to
+keys and joins must carry one. CSV and summary.md under
 experiments/results/hostile/; the last line is JSON with the worst time
 ratio, the largest honest view, and the peak descriptors and RSS.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -85,17 +87,49 @@ def _proc_sample(pid: int) -> tuple[int, float]:
         return 0, 0.0
 
 
-def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def _keys(workdir: Path, names: list[str]) -> dict[str, list[str]]:
+    """A secure swarm's keys: a keypair per process, all public keys allowed; each one's --secure flags."""
+    from gossiptrain.cli.main import main as cli
+
+    keys, allow = workdir / "keys", workdir / "allow"
+    allow.mkdir(parents=True)
+    for name in names:
+        if cli(["keys", "new", str(keys), "--name", name]) != 0:
+            raise RuntimeError(f"gossiptrain keys new {keys} --name {name} failed")
+        shutil.copy(keys / f"{name}.key", allow)
+    return {name: ["--secure", "--key", str(keys / f"{name}.key_secret"), "--allow", str(allow)] for name in names}
+
+
+def _secure_coordinator(procs: Procs, overrides: dict[str, Any], flags: list[str], timeout: float = 60.0) -> str:
+    """As harness.start_coordinator, with --secure: HOST:PORT to join (its key comes from the allow list)."""
+    sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
+    procs.start("coordinator", python_m("gossiptrain", "coordinator", "--bind", "127.0.0.1:0", *flags, *sets))
+    log = procs.workdir / "coordinator.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"coordinator listening on tcp://([^\s?]+)", log.read_text(errors="replace") if log.exists() else "")
+        if found:
+            return found.group(1)
+        if problem := procs.failed():
+            raise RuntimeError(problem)
+        time.sleep(0.05)
+    raise RuntimeError(f"the coordinator did not start within {timeout} s; see {log}")
+
+
+def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path, swarm: str = "open") -> dict[str, Any]:
     fresh_dir(workdir)
     n = args.peers
     overrides = run_overrides(n, seed, max_seconds=args.timeout + 30)
     peak = {"fds": 0, "rss_mb": 0.0}
+    flags: dict[str, list[str]] = {}
+    if swarm == "secure":  # the liar is an admitted member with a key of its own
+        flags = _keys(workdir, ["coordinator", "liar", *(f"peer-{i}" for i in range(n))])
     with Procs(workdir) as procs:
-        join = start_coordinator(procs, overrides)
+        join = _secure_coordinator(procs, overrides, flags["coordinator"]) if flags else start_coordinator(procs, overrides)
         lies = ATTACKS[attack] or "none"
         liar = procs.start("liar", python_m(
             "experiments.lying_member", "--join", join, "--bind", "127.0.0.250:0", "--lies", lies,
-            "--seconds", args.timeout + 120,
+            "--seconds", args.timeout + 120, *(a for a in flags.get("liar", []) if a != "--secure"),
         ))
         deadline = time.monotonic() + 120
         while "lying" not in (workdir / "liar.log").read_text(errors="replace"):
@@ -105,7 +139,7 @@ def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path) 
         honest = [
             procs.start(f"peer-{i}", python_m(
                 "gossiptrain", "peer", "--join", join, "--bind", f"127.0.0.{10 + i}:0", "--quiet", "--threads", 1,
-                "--shard", i, "--wait-for", n, "--metrics", workdir / f"peer-{i}.jsonl",
+                "--shard", i, "--wait-for", n, "--metrics", workdir / f"peer-{i}.jsonl", *flags.get(f"peer-{i}", []),
             ))
             for i in range(n)
         ]
@@ -121,6 +155,7 @@ def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path) 
     last = [next((r for r in reversed(recs) if r.get("event") in ("eval", "done")), {}) for recs in per_peer]
     views = [r["members"] for recs in per_peer for r in recs if "members" in r]
     return {
+        "swarm": swarm,
         "attack": attack,
         "seed": seed,
         "time_to_target_s": time_to_target(points, args.target),
@@ -143,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # ratios over it measured noise.
     ap.add_argument("--target", type=float, default=0.95, help="held mean test accuracy (default 0.95)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds of training before a run gives up")
+    ap.add_argument("--swarms", nargs="+", default=["open", "secure"], choices=["open", "secure"])
     ap.add_argument("--quick", action="store_true", help="1 seed, idle and all only, 30 s: a smoke test")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -153,47 +189,51 @@ def main(argv: list[str] | None = None) -> int:
     out = harness.results_dir("hostile", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for seed in range(args.seeds):
-        for attack in args.attacks:
-            row = run_attack(attack, seed, args, out / "runs" / f"{attack}-{seed}")
-            print(f"seed {seed} {attack:8s} time {show(row['time_to_target_s'])} s, view {row['largest_view']}, "
-                  f"fds {row['peak_fds']}, refused {row['gossip_refused_per_peer']}", flush=True)
-            rows.append(row)
+    for swarm in args.swarms:
+        for seed in range(args.seeds):
+            for attack in args.attacks:
+                row = run_attack(attack, seed, args, out / "runs" / f"{swarm}-{attack}-{seed}", swarm)
+                print(f"{swarm} seed {seed} {attack:12s} time {show(row['time_to_target_s'])} s, view {row['largest_view']}, "
+                      f"fds {row['peak_fds']}, refused {row['gossip_refused_per_peer']}", flush=True)
+                rows.append(row)
     write_csv(out / "hostile.csv", rows)
 
-    def median(attack: str, key: str) -> float | None:
-        values = [r[key] for r in rows if r["attack"] == attack and r[key] is not None]
+    def of(swarm: str, attack: str) -> list[dict[str, Any]]:
+        return [r for r in rows if r["swarm"] == swarm and r["attack"] == attack]
+
+    def median(swarm: str, attack: str, key: str) -> float | None:
+        values = [r[key] for r in of(swarm, attack) if r[key] is not None]
         return statistics.median(values) if values else None
 
-    base = median("idle", "time_to_target_s")
     table, ratios = [], []
-    for attack in args.attacks:
-        t = median(attack, "time_to_target_s")
-        missed = sum(1 for r in rows if r["attack"] == attack and r["time_to_target_s"] is None)
-        ratio = t / base if t is not None and base else None
-        if attack != "idle":
-            ratios.append(ratio if ratio is not None and not missed else float("inf"))
-        table.append([
-            attack, show(t), show(ratio), f"{missed}/{args.seeds}", show(median(attack, "exchanges_per_peer"), 1),
-            max(r["largest_view"] for r in rows if r["attack"] == attack),
-            max(r["peak_fds"] for r in rows if r["attack"] == attack),
-            show(max(r["peak_rss_mb"] for r in rows if r["attack"] == attack), 0),
-            max(r["members_dead_max"] for r in rows if r["attack"] == attack),
-        ])
+    for swarm in args.swarms:
+        base = median(swarm, "idle", "time_to_target_s")
+        for attack in args.attacks:
+            t = median(swarm, attack, "time_to_target_s")
+            missed = sum(1 for r in of(swarm, attack) if r["time_to_target_s"] is None)
+            ratio = t / base if t is not None and base else None
+            if attack != "idle":
+                ratios.append(ratio if ratio is not None and not missed else float("inf"))
+            table.append([
+                swarm, attack, show(t), show(ratio), f"{missed}/{args.seeds}", show(median(swarm, attack, "exchanges_per_peer"), 1),
+                max(r["largest_view"] for r in of(swarm, attack)),
+                max(r["peak_fds"] for r in of(swarm, attack)),
+                show(max(r["peak_rss_mb"] for r in of(swarm, attack)), 0),
+                max(r["members_dead_max"] for r in of(swarm, attack)),
+            ])
     lines = [
         "# One lying member beside an honest swarm",
         "",
         f"{args.peers} honest peers (digits, iid, `--wait-for {args.peers}`) and one member that never trains; target "
-        f"{args.target} held, medians of {args.seeds} seeds; real members: {args.peers + 1}. "
+        f"{args.target} held, medians of {args.seeds} seeds; real members: {args.peers + 1}. In the secure swarm the "
+        "liar is an admitted member with a key of its own. "
         f"Command: `python experiments/hostile.py{' --quick' if args.quick else ''} --seeds {args.seeds}`.",
         "",
         *markdown_table(
-            ["attack", "time to target (s)", "over idle", "missed", "exchanges/peer", "largest view", "peak fds",
+            ["swarm", "attack", "time to target (s)", "over idle", "missed", "exchanges/peer", "largest view", "peak fds",
              "peak RSS MB", "honest deaths seen"],
             table,
         ),
-        "",
-        "Open swarm only (see the script's docstring).",
     ]
     finite = [r for r in ratios if r is not None]
     return publish(out, lines, {

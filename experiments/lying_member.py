@@ -1,7 +1,8 @@
 """A member that joins like any peer, never trains, and every 0.5 s gossips lies (experiments/hostile.py and its test; issue 17).
 
-Run as ``python -m experiments.lying_member --join HOST:PORT --bind HOST:0 --lies LIES --seconds S``,
-with LIES a comma-separated choice of:
+Run as ``python -m experiments.lying_member --join HOST:PORT --bind HOST:0 --lies LIES --seconds S``
+(in a secure swarm also ``--key NAME.key_secret --allow DIR``: an admitted member gone rogue), with
+LIES a comma-separated choice of:
 
 - ``made-up``: N made-up members at closed loopback ports (``--made-up N``, default 2,000), rising incarnations;
 - ``hijack``: each member's id at the liar's own address, incarnation + 10^12;
@@ -27,7 +28,9 @@ import dataclasses
 import socket
 import sys
 import time
+from pathlib import Path
 
+from gossiptrain.config import SecurityConfig
 from gossiptrain.net import kinds
 from gossiptrain.net.addressing import plain_address
 from gossiptrain.net.wire import Message, encode
@@ -45,9 +48,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--made-up", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--connections", type=int, default=1000)
+    ap.add_argument("--key", type=Path, help="secure swarm: our NAME.key_secret (an admitted member's)")
+    ap.add_argument("--allow", type=Path, help="secure swarm: the allowed public keys")
     args = ap.parse_args(argv)
     lies = set(args.lies.split(","))
-    peer = Peer(lambda config, seed: load_workload(config.train.workload).build_model(seed), join=args.join, bind=args.bind)
+    security = SecurityConfig(args.key, args.allow) if args.key is not None else None
+    peer = Peer(lambda config, seed: load_workload(config.train.workload).build_model(seed), join=args.join, bind=args.bind,
+                security=security)
     node = peer._node
     assert node is not None
 
