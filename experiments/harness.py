@@ -351,18 +351,20 @@ def retried(run: Callable[[], Any], what: str, retries: int = 1) -> tuple[Any, l
                 raise
 
 
-def start_coordinator(procs: Procs, overrides: dict[str, Any], timeout: float = 60.0) -> str:
+def start_coordinator(procs: Procs, overrides: dict[str, Any], timeout: float = 60.0, extra: Sequence[str] = ()) -> str:
     """`gossiptrain coordinator` on 127.0.0.1, a port the OS picks; returns HOST:PORT to join.
 
     A process of its own, not a thread here: it then runs the same code as the
     peers it starts with, even if the checkout changed since this script began.
+    ``extra``: more flags (``--secure --key ... --allow ...``: the address's key
+    is then not part of what is returned; joiners take it from their allow list).
     """
     sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
-    procs.start("coordinator", python_m("gossiptrain", "coordinator", "--bind", "127.0.0.1:0", *sets))
+    procs.start("coordinator", python_m("gossiptrain", "coordinator", "--bind", "127.0.0.1:0", *extra, *sets))
     log = procs.workdir / "coordinator.log"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = re.search(r"coordinator listening on tcp://(\S+)", log.read_text(errors="replace") if log.exists() else "")
+        found = re.search(r"coordinator listening on tcp://([^\s?]+)", log.read_text(errors="replace") if log.exists() else "")
         if found:
             return found.group(1)
         problem = procs.failed()

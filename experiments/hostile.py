@@ -100,22 +100,6 @@ def _keys(workdir: Path, names: list[str]) -> dict[str, list[str]]:
     return {name: ["--secure", "--key", str(keys / f"{name}.key_secret"), "--allow", str(allow)] for name in names}
 
 
-def _secure_coordinator(procs: Procs, overrides: dict[str, Any], flags: list[str], timeout: float = 60.0) -> str:
-    """As harness.start_coordinator, with --secure: HOST:PORT to join (its key comes from the allow list)."""
-    sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
-    procs.start("coordinator", python_m("gossiptrain", "coordinator", "--bind", "127.0.0.1:0", *flags, *sets))
-    log = procs.workdir / "coordinator.log"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = re.search(r"coordinator listening on tcp://([^\s?]+)", log.read_text(errors="replace") if log.exists() else "")
-        if found:
-            return found.group(1)
-        if problem := procs.failed():
-            raise RuntimeError(problem)
-        time.sleep(0.05)
-    raise RuntimeError(f"the coordinator did not start within {timeout} s; see {log}")
-
-
 def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path, swarm: str = "open") -> dict[str, Any]:
     fresh_dir(workdir)
     n = args.peers
@@ -125,7 +109,7 @@ def run_attack(attack: str, seed: int, args: argparse.Namespace, workdir: Path, 
     if swarm == "secure":  # the liar is an admitted member with a key of its own
         flags = _keys(workdir, ["coordinator", "liar", *(f"peer-{i}" for i in range(n))])
     with Procs(workdir) as procs:
-        join = _secure_coordinator(procs, overrides, flags["coordinator"]) if flags else start_coordinator(procs, overrides)
+        join = start_coordinator(procs, overrides, extra=flags.get("coordinator", ()))
         lies = ATTACKS[attack] or "none"
         liar = procs.start("liar", python_m(
             "experiments.lying_member", "--join", join, "--bind", "127.0.0.250:0", "--lies", lies,
