@@ -11,7 +11,9 @@ LIES a comma-separated choice of:
   (and the coordinator), those the far end closes opened again every round;
 - ``join-flood``: 500 joins a round to the coordinator and to each member, each claiming another made-up address;
 - ``report-flood``: 500 reports a round to the coordinator under made-up ids, each claiming an honest member's
-  address (the coordinator would answer each with gossip there: reflection).
+  address (the coordinator would answer each with gossip there: reflection);
+- ``poison``: it takes part in averaging (requests and answers exchanges, never trains) with every model it
+  sends scaled by ``--scale`` (default 100): valid tensors, a poisoned model (robust mode is the defence).
 
 It uses the project's own message format through a real ``Peer`` (it is a
 verified member: it answers probes), so what it sends is exactly what a
@@ -48,6 +50,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--made-up", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--connections", type=int, default=1000)
+    ap.add_argument("--scale", type=float, default=100.0)
     ap.add_argument("--key", type=Path, help="secure swarm: our NAME.key_secret (an admitted member's)")
     ap.add_argument("--allow", type=Path, help="secure swarm: the allowed public keys")
     args = ap.parse_args(argv)
@@ -62,8 +65,11 @@ def main(argv: list[str]) -> int:
         if msg.kind in (kinds.XREQ, kinds.XPUSH) and type(msg.body.get("xid")) is int:
             node.send(msg.addr, kinds.XNAK, {"xid": msg.body["xid"]})
 
-    for kind in kinds.EXCHANGE:
-        node.handlers[kind] = refuse
+    if "poison" in lies:
+        peer._averaging.poison = args.scale  # what it sends; its own model stays as averaging leaves it
+    else:
+        for kind in kinds.EXCHANGE:
+            node.handlers[kind] = refuse
     made_up = [Member(f"fake{i:05d}", f"tcp://127.0.0.1:{1 + i % 1000}", 0, 1) for i in range(args.made_up)]
     end = time.monotonic() + args.seconds
     limits = peer.config.limits
@@ -102,7 +108,13 @@ def main(argv: list[str]) -> int:
                 peer._loop.call_soon(node.transport.send, node.coordinator, frames)
         if rounds == 1:
             print("lying", flush=True)
-        time.sleep(0.5)
+        if "poison" in lies:  # safe points without training for half a second: it averages (and poisons) as a peer
+            until = time.monotonic() + 0.5
+            while time.monotonic() < until:
+                peer.step()
+                time.sleep(0.005)
+        else:
+            time.sleep(0.5)
     for socks in held.values():
         for sock in socks:
             sock.close()
