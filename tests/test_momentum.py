@@ -43,6 +43,30 @@ def test_the_buffer_is_the_running_average_of_the_models_change_merges_included(
     assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), m), atol=1e-6)
 
 
+def test_a_change_far_larger_than_recent_ones_enters_the_buffer_clipped_and_does_not_raise_the_limit() -> None:
+    from gossiptrain.protocol.momentum import CHANGE_CLIP, CHANGE_WARMUP
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU)
+    qg = QuasiGlobalMomentum(opt)
+    qg()
+    for _ in range(CHANGE_WARMUP):  # ordinary safe points: the model moves by lr * 1 per coordinate
+        with torch.no_grad():
+            p.sub_(LR)
+        qg()
+    before = opt.state[p]["momentum_buffer"].clone()
+    with torch.no_grad():
+        p.sub_(100 * LR)  # a merge 100 times the usual change
+    qg()
+    d = CHANGE_CLIP * 1.0  # entered at the limit: CHANGE_CLIP times the median change (1 per coordinate, per lr)
+    assert torch.allclose(opt.state[p]["momentum_buffer"], MU * before + (1 - MU) * d, atol=1e-6)
+    assert qg.clipped == 1
+    with torch.no_grad():
+        p.sub_(5 * LR)  # 5 times the usual: clipped again, since the outlier entered the history clipped
+    qg()
+    assert qg.clipped == 2
+
+
 def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_from_it() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=LR, momentum=MU)

@@ -40,10 +40,24 @@ against 1.04-1.32 s), but made pairwise diverge in the simulator on a
 gives pairwise quasi-global momentum only while its link keeps up: while
 its safe points waited less than ``LINK_BOUND_SHARE`` of the time lately
 (``SafePoint.wait_share``); past that the optimizer's own momentum runs.
+
+**Clipped changes.** Over a shared 100 Mbit/s link (experiments/wan.py,
+skewed digits-small) about one seed in three took 1-3.3 s to the target
+instead of 0.52 s: one peer's accuracy fell by 0.2-0.8 for an evaluation
+and the hold restarted. With the optimizer's own momentum there was no such
+dip (but 0.78 s typically), so the buffer carried something: a safe point
+whose change was far larger than usual. Each change now enters the buffer
+at most ``CHANGE_CLIP`` times the median norm of the last ``CHANGE_HISTORY``
+(clipped ones counted as clipped): seed 0, the most often slow, took 0.51-
+0.53 s in 5 of 6 runs and 1.04 s once (before: 0.51-3.34 s, slow in 6 of 10),
+and all 5 seeds twice over 0.52-0.78 s (medians 0.525 and 0.529).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from typing import Callable
 
 import torch
@@ -54,6 +68,11 @@ from gossiptrain.config import GossipConfig
 AUTO_QUASI_GLOBAL: tuple[str, ...] = ("pairwise",)
 #: Past this share of time spent waiting for the link (flow control), ``auto`` runs the optimizer's own momentum.
 LINK_BOUND_SHARE = 0.5
+#: A safe point's change enters the buffer at most this many times the median norm of recent ones (see _clip_scale).
+CHANGE_CLIP = 3.0
+#: Changes remembered for that median, and how many before it applies.
+CHANGE_HISTORY = 64
+CHANGE_WARMUP = 8
 
 
 def wants_quasi_global(config: GossipConfig) -> bool:
@@ -72,6 +91,8 @@ class QuasiGlobalMomentum:
         self.enabled = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups)
         self._prev: dict[torch.Tensor, torch.Tensor] = {}  # the parameters after the last safe point
         self._m: dict[torch.Tensor, torch.Tensor] = {}  # the quasi-global momentum
+        self._norms: deque[float] = deque(maxlen=CHANGE_HISTORY)  # recent step changes' norms (clipped ones as clipped)
+        self.clipped = 0
 
     def __call__(self) -> None:
         if not self.enabled:
@@ -80,6 +101,7 @@ class QuasiGlobalMomentum:
             self._follow()
             return
         with torch.no_grad():
+            scale = self._clip_scale()
             for group in self.optimizer.param_groups:
                 lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
                 if mu <= 0 or lr <= 0:
@@ -90,6 +112,8 @@ class QuasiGlobalMomentum:
                         self._prev[p] = p.detach().clone()
                         continue
                     d = prev.sub_(p).div_(lr)  # the step's change, per unit of lr (prev is reused below)
+                    if scale < 1.0:
+                        d.mul_(scale)
                     m = self._m.get(p)
                     if m is None:
                         m = self._m[p] = torch.zeros_like(p)
@@ -101,6 +125,33 @@ class QuasiGlobalMomentum:
                     else:
                         buf.copy_(m)
                     prev.copy_(p)
+
+    def _clip_scale(self) -> float:
+        """How much of this step's change enters the buffer: at most ``CHANGE_CLIP`` times the recent median norm.
+
+        A change is the local step plus the merges of a safe point; one far
+        larger than usual (a merge with a partner that drifted, several merges
+        applied at once after a pause) would otherwise sit in the buffer and
+        push the model on for tens of steps.
+        """
+        sq = 0.0
+        for group in self.optimizer.param_groups:
+            lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
+            if mu <= 0 or lr <= 0:
+                continue
+            for p in group["params"]:
+                prev = self._prev.get(p)
+                if prev is not None and prev.shape == p.shape:
+                    sq += float(torch.sub(prev, p).div_(lr).double().pow(2).sum())
+        norm = sq**0.5
+        if norm == 0.0:
+            return 1.0
+        limit = CHANGE_CLIP * statistics.median(self._norms) if len(self._norms) >= CHANGE_WARMUP else math.inf
+        self._norms.append(min(norm, limit))  # as entered: one outlier cannot raise the limit for the next
+        if norm <= limit:
+            return 1.0
+        self.clipped += 1
+        return limit / norm
 
     def _follow(self) -> None:
         """Inactive: the optimizer's own momentum runs; keep our state so that a later return starts from it."""
