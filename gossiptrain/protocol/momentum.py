@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -101,30 +101,47 @@ class QuasiGlobalMomentum:
             self._follow()
             return
         with torch.no_grad():
+            fresh = set()  # the first safe point, or a replaced parameter: a reference now, a change from the next
+            for p in self._params():
+                prev = self._prev.get(p)
+                if prev is None or prev.shape != p.shape:
+                    self._prev[p] = p.detach().clone()
+                    fresh.add(p)
             scale = self._clip_scale()
-            for group in self.optimizer.param_groups:
-                lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
-                if mu <= 0 or lr <= 0:
+            for p, prev, lr, mu in self._tracked():
+                if p in fresh:
                     continue
-                for p in group["params"]:
-                    prev = self._prev.get(p)
-                    if prev is None or prev.shape != p.shape:  # the first safe point, or a replaced parameter
-                        self._prev[p] = p.detach().clone()
-                        continue
-                    d = prev.sub_(p).div_(lr)  # the step's change, per unit of lr (prev is reused below)
-                    if scale < 1.0:
-                        d.mul_(scale)
-                    m = self._m.get(p)
-                    if m is None:
-                        m = self._m[p] = torch.zeros_like(p)
-                    m.mul_(mu).add_(d, alpha=1 - mu)
-                    state = self.optimizer.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        state["momentum_buffer"] = m.clone()
-                    else:
-                        buf.copy_(m)
-                    prev.copy_(p)
+                d = prev.sub_(p).div_(lr)  # the step's change, per unit of lr (prev is reused below)
+                if scale < 1.0:
+                    d.mul_(scale)
+                m = self._m.get(p)
+                if m is None:
+                    m = self._m[p] = torch.zeros_like(p)
+                m.mul_(mu).add_(d, alpha=1 - mu)
+                state = self.optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = m.clone()
+                else:
+                    buf.copy_(m)
+                prev.copy_(p)
+
+    def _params(self) -> Iterator[torch.Tensor]:
+        """The parameters of groups with momentum (and a rate): the ones this buffer is for."""
+        for group in self.optimizer.param_groups:
+            if float(group.get("momentum", 0.0)) > 0 and float(group["lr"]) > 0:
+                yield from group["params"]
+
+    def _tracked(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float, float]]:
+        """(parameter, its value after the last safe point, lr, momentum) for each parameter with a reference."""
+        for group in self.optimizer.param_groups:
+            lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
+            if mu <= 0 or lr <= 0:
+                continue
+            for p in group["params"]:
+                prev = self._prev.get(p)
+                if prev is not None and prev.shape == p.shape:
+                    yield p, prev, lr, mu
 
     def _clip_scale(self) -> float:
         """How much of this step's change enters the buffer: at most ``CHANGE_CLIP`` times the recent median norm.
@@ -134,15 +151,7 @@ class QuasiGlobalMomentum:
         applied at once after a pause) would otherwise sit in the buffer and
         push the model on for tens of steps.
         """
-        sq = 0.0
-        for group in self.optimizer.param_groups:
-            lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
-            if mu <= 0 or lr <= 0:
-                continue
-            for p in group["params"]:
-                prev = self._prev.get(p)
-                if prev is not None and prev.shape == p.shape:
-                    sq += float(torch.sub(prev, p).div_(lr).double().pow(2).sum())
+        sq = sum(float(torch.sub(prev, p).div_(lr).double().pow(2).sum()) for p, prev, lr, _ in self._tracked())
         norm = sq**0.5
         if norm == 0.0:
             return 1.0
