@@ -14,7 +14,7 @@ import os
 import re
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -291,3 +291,15 @@ def test_the_incoming_guard_bounds_sources_and_heals_a_missed_disconnect() -> No
     assert [guard.accepted(fd, "b") for fd in (6, 7, 8)] == [True, True, False]  # 5 in all
     guard.disconnected(6)
     assert guard.accepted(8, "b") and len(guard) == 5
+
+
+def test_a_small_descriptor_limit_still_leaves_a_swarms_worth_of_incoming_connections_and_says_so(caplog: Any) -> None:
+    import resource
+
+    from gossiptrain.net.transport.incoming import MIN_INCOMING, descriptor_budget
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert descriptor_budget(64, 16) == 64  # room to spare: the configured bound
+    with caplog.at_level("WARNING", logger="gossiptrain.net.transport.incoming"):
+        assert descriptor_budget(10**9, soft) == MIN_INCOMING  # 3 x soft outgoing: nothing left, the floor
+    assert "raise it (ulimit -n)" in caplog.text

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 256
 #: Refusals between two re-checks of the counts (each re-check reads every counted descriptor once).
 HEAL_EVERY = 64
+#: Incoming connections kept whatever the descriptor limit leaves (each member of a swarm this size may dial us).
+MIN_INCOMING = 256
 
 
 @dataclass
@@ -154,4 +156,12 @@ def descriptor_budget(max_incoming: int, max_connections: int) -> int:
     except (OSError, ValueError):  # not allowed (a container's limit), or no such limit here
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     room = soft - FD_RESERVE - 3 * max_connections
-    return max(16, min(max_incoming, room))
+    if room >= max_incoming:
+        return max_incoming
+    # A small limit (a hard RLIMIT_NOFILE of 1,024, say) would leave almost nothing: keep MIN_INCOMING anyway
+    # (a member of a swarm of that many is dialled by each) and say what to raise.
+    budget = max(min(max_incoming, MIN_INCOMING), room)
+    log.warning("the file descriptor limit (%d) leaves room for %d incoming connections beside %d outgoing ones "
+                "(limits.max_incoming %d); raise it (ulimit -n) for a larger swarm", soft, budget, max_connections,
+                max_incoming)
+    return budget
