@@ -23,6 +23,7 @@ import logging
 from collections import OrderedDict
 
 from gossiptrain.config import Limits
+from gossiptrain.net.sources import source_of_ip
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +92,10 @@ def join_source(ip: str | None, claimed_addr: str) -> str:
     if ip is None:
         return "addr " + claimed_addr[:MAX_CLAIMED_SOURCE]
     try:
-        address = ipaddress.ip_address(ip)
+        ipaddress.ip_address(ip)
     except ValueError:
         return "ip " + ip[:MAX_CLAIMED_SOURCE]
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
+    return source_of_ip(ip)  # the rule the transport's incoming bound uses too
 
 
 def warn_open(role: str, address: str) -> None:

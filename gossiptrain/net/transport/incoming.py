@@ -24,14 +24,14 @@ descriptors it counts are still connections from their sources
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import resource
 import socket
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable
+
+from gossiptrain.net.sources import source_of_ip
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +43,6 @@ HEAL_EVERY = 64
 MIN_INCOMING = 256
 
 
-@dataclass
-class IncomingStats:
-    incoming_refused: int = 0  # accepted connections shut down: over limits.incoming_per_source or max_incoming
-
-
-def source_of_ip(ip: str) -> str:
-    """What one source is: an IPv4 address, or an IPv6 /64 (one host has many addresses in it)."""
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
-
-
 class IncomingGuard:
     """Counts accepted connections per source; says which to keep."""
 
@@ -68,7 +50,7 @@ class IncomingGuard:
         self.per_source = per_source
         self.total = total
         self.still_from = still_from
-        self.stats = IncomingStats()
+        self.refused = 0  # accepted connections it said to shut down (the transport counts them as incoming_refused)
         self._source: dict[int, str] = {}  # descriptor -> source of the connection we counted under it
         self._count: Counter[str] = Counter()
         self._refused_since_heal = HEAL_EVERY  # the first refusal checks the counts first
@@ -86,7 +68,7 @@ class IncomingGuard:
             self._refused_since_heal = 0
             self._heal()
         if self._over(source):
-            self.stats.incoming_refused += 1
+            self.refused += 1
             self._refused_since_heal += 1
             return False
         self._source[fd] = source

@@ -465,7 +465,7 @@ class TcpTransport(Transport):
                 source = peer_of(value, self.port)
                 if source is not None and not self.incoming.accepted(value, source):
                     shut_down(value)
-                    refused = self.stats.incoming_refused = self.incoming.stats.incoming_refused
+                    refused = self.stats.incoming_refused = self.incoming.refused
                     if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, ...: not one line per connection
                         log.warning("shutting down incoming connections from %s: %d open from it, %d in all "
                                     "(limits.incoming_per_source %d, max_incoming %d); %d refused so far",
