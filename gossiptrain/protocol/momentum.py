@@ -101,17 +101,17 @@ class QuasiGlobalMomentum:
             self._follow()
             return
         with torch.no_grad():
-            fresh = set()  # the first safe point, or a replaced parameter: a reference now, a change from the next
-            for p in self._params():
+            changes = []  # (parameter, its change per unit of lr, in its reference's buffer, momentum)
+            for p, prev, lr, mu in self._tracked():
+                changes.append((p, prev.sub_(p).div_(lr), mu))
+            for p in self._params():  # the first safe point, or a replaced parameter: a reference, a change next time
                 prev = self._prev.get(p)
                 if prev is None or prev.shape != p.shape:
                     self._prev[p] = p.detach().clone()
-                    fresh.add(p)
-            scale = self._clip_scale()
-            for p, prev, lr, mu in self._tracked():
-                if p in fresh:
-                    continue
-                d = prev.sub_(p).div_(lr)  # the step's change, per unit of lr (prev is reused below)
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d, dtype=torch.float64)
+                                                               for _, d, _ in changes]))) if changes else 0.0
+            scale = self._clip_scale(norm)
+            for p, d, mu in changes:
                 if scale < 1.0:
                     d.mul_(scale)
                 m = self._m.get(p)
@@ -124,7 +124,7 @@ class QuasiGlobalMomentum:
                     state["momentum_buffer"] = m.clone()
                 else:
                     buf.copy_(m)
-                prev.copy_(p)
+                d.copy_(p)  # the reference for the next safe point
 
     def _params(self) -> Iterator[torch.Tensor]:
         """The parameters of groups with momentum (and a rate): the ones this buffer is for."""
@@ -143,16 +143,14 @@ class QuasiGlobalMomentum:
                 if prev is not None and prev.shape == p.shape:
                     yield p, prev, lr, mu
 
-    def _clip_scale(self) -> float:
-        """How much of this step's change enters the buffer: at most ``CHANGE_CLIP`` times the recent median norm.
+    def _clip_scale(self, norm: float) -> float:
+        """How much of this step's change (of ``norm``) enters the buffer: at most ``CHANGE_CLIP`` times the recent median.
 
         A change is the local step plus the merges of a safe point; one far
         larger than usual (a merge with a partner that drifted, several merges
         applied at once after a pause) would otherwise sit in the buffer and
         push the model on for tens of steps.
         """
-        sq = sum(float(torch.sub(prev, p).div_(lr).double().pow(2).sum()) for p, prev, lr, _ in self._tracked())
-        norm = sq**0.5
         if norm == 0.0:
             return 1.0
         limit = CHANGE_CLIP * statistics.median(self._norms) if len(self._norms) >= CHANGE_WARMUP else math.inf
