@@ -60,6 +60,8 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                    help="computation charged per exchange operation (snapshot or merge); default 0")
     p.add_argument("--step-jitter", type=float, default=0.0, metavar="CV",
                    help="spread of a step's time: coefficient of variation of a gamma distribution (default 0: all alike)")
+    p.add_argument("--step-sigma", type=float, default=0.0, metavar="SIGMA",
+                   help="heavy-tailed step times instead: lognormal with this sigma, mean 1 (e.g. 0.5)")
     p.add_argument("--eval-time", type=float, default=0.0, metavar="SECONDS",
                    help="computation charged per test-set evaluation, every train.eval_every_seconds; default 0")
     p.add_argument("--cores", type=float, default=0.0, help="cores the peers share (default 0: one each)")
@@ -77,6 +79,13 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
     p.add_argument("--rogue", metavar="PEERS[:SCALE]", default="",
                    help="peers (comma-separated indexes) that send valid parameters scaled by SCALE (default 100)")
+    p.add_argument("--system", choices=["gossip", "ddp", "ps-sync", "ps-async"], default="gossip",
+                   help="what to simulate on the same compute and links: the swarm (default), DDP with a ring "
+                        "all-reduce, or a parameter server, synchronous or asynchronous")
+    p.add_argument("--restart-cost", type=float, default=30.0, metavar="SECONDS",
+                   help="ddp, ps-sync: virtual seconds a crashed worker costs the job (timeout, restart, reload; default 30)")
+    p.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
+                   help="ddp, ps-sync: a restart resumes from a checkpoint this old at most (default 0: every step)")
     p.add_argument("--target", type=float, default=0.0, help="stop once the mean test accuracy reaches this")
     p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
     p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
@@ -110,6 +119,10 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         step_time=args.step_time,
         exchange_time=args.exchange_time,
         step_jitter=args.step_jitter,
+        step_sigma=args.step_sigma,
+        system=args.system,
+        restart_cost=args.restart_cost,
+        checkpoint_every=args.checkpoint_every,
         eval_time=args.eval_time,
         cores=args.cores,
         wait_for=args.wait_for,
@@ -166,7 +179,7 @@ class LiveLine:
         stale = sum(r.get("members_stale", 0) for r in rows) / len(rows) if rows else 0.0
         return (
             f"[{bar}] virtual {now:7.1f}/{self.duration:.0f} s | wall {elapsed:6.1f} s{eta} | "
-            f"live {len(rows)}/{self.peers} | view {live:.1f} live + {stale:.1f} stale{acc}"
+            f"live {sum(r.get('workers', 1) for r in rows)}/{self.peers} | view {live:.1f} live + {stale:.1f} stale{acc}"
         )
 
 
@@ -243,7 +256,9 @@ def format_summary(result: SimResult) -> str:
             f"{_num(s.get('mean_members_stale'), '.1f')} stale entries (crashed incarnations not yet declared dead, "
             f"ids whose join answer was lost)"
         )
-    if "mean_test_acc" in s and s["mean_test_acc"] is not None:
+    if s.get("system", "gossip") != "gossip":
+        lines.append(_synchronous_line(s))
+    elif "mean_test_acc" in s and s["mean_test_acc"] is not None:
         ttt = f", reached the target at {s['time_to_target']:.1f} s" if s.get("time_to_target") is not None else ""
         lines.append(
             f"mean test accuracy {_num(s['mean_test_acc'], '.4f')}, mean steps {_num(s['mean_step'], '.0f')}, "
@@ -254,6 +269,18 @@ def format_summary(result: SimResult) -> str:
     if staleness:
         lines.append(staleness)
     return "\n".join(lines)
+
+
+def _synchronous_line(s: dict[str, Any]) -> str:
+    """A synchronous baseline's summary: one model, so its accuracy, steps, pace and restarts."""
+    ttt = f", reached the target at {s['time_to_target']:.1f} s" if s.get("time_to_target") is not None else ""
+    pace = f", {s['steps_per_second']:.1f} steps/s" if s.get("steps_per_second") else ""
+    comm = f" ({100 * s['comm_share']:.0f}% communication)" if s.get("comm_share") is not None else ""
+    stale = f", mean staleness {s['staleness_mean']:.1f} updates" if s.get("staleness_mean") is not None else ""
+    return (
+        f"{s['system']}: test accuracy {_num(s.get('mean_test_acc'), '.4f')}, steps per worker "
+        f"{_num(s.get('mean_step'), '.0f')}{pace}{comm}{stale}, restarts {s.get('restarts', 0)}{ttt}"
+    )
 
 
 def _last_mean(result: SimResult, key: str) -> float | None:

@@ -43,6 +43,8 @@ from gossiptrain.train.workload import Workload, load_workload
 log = logging.getLogger(__name__)
 
 COORDINATOR = "sim://coordinator"
+#: What ``SimConfig.system`` may be: gossip (the runtime's peers) or a synchronous baseline (gossiptrain.sim.synchronous).
+SYSTEMS = ("gossip", "ddp", "ps-sync", "ps-async")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class SimConfig:
     exchange_time: float = 0.0  # virtual seconds of computation per exchange operation (0: free)
     cores: float = 0.0  # cores the peers share (0: one each); fewer cores than busy peers slow everyone
     step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed, mean 1; 0: every step alike)
+    step_sigma: float = 0.0  # heavy-tailed step times instead: lognormal with this sigma, mean 1 (gossiptrain.sim.compute)
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation, charged every train.eval_every_seconds (0: free)
     wait_for: int = 0  # as `peer --wait-for N`: a peer trains once N members (itself included) are ready
     join_spread: float = 1.0  # virtual seconds over which the initial peers start (evenly spaced)
@@ -74,6 +77,9 @@ class SimConfig:
     target_hold: int = 1  # ...and holds it for this many consecutive samples (one noisy crossing is not enough)
     rogue: tuple[int, ...] = ()  # peers (by index) that send valid parameters scaled by rogue_scale (poisoning)
     rogue_scale: float = 100.0
+    system: str = "gossip"  # or a synchronous baseline on the same compute and links: ddp, ps-sync, ps-async
+    restart_cost: float = 30.0  # synchronous baselines: virtual seconds a crash costs (timeout, restart, reload)
+    checkpoint_every: float = 0.0  # ...and they resume from a checkpoint this often (0: after every step)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -95,6 +101,14 @@ class SimConfig:
         need(self.cores >= 0, "cores", "must be >= 0 (0: one core per peer)")
         need(self.eval_time >= 0, "eval_time", "must be >= 0")
         need(0 <= self.step_jitter <= 10, "step_jitter", "is a coefficient of variation in [0, 10]")
+        need(0 <= self.step_sigma <= 5, "step_sigma", "is a lognormal sigma in [0, 5]")
+        need(not (self.step_jitter and self.step_sigma), "step_sigma", "and step_jitter are two noise shapes: set one")
+        need(self.system in SYSTEMS, "system", f"must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
+        need(self.restart_cost >= 0, "restart_cost", "must be >= 0")
+        need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: after every step)")
+        need(self.system == "gossip" or not self.membership_only, "system", "needs a model: not with membership_only")
+        need(self.system == "gossip" or not (self.rogue or self.partitions), "system",
+             "is a synchronous baseline: rogue peers and partitions are simulated for gossip only")
         need(0 <= self.wait_for <= self.peers, "wait_for", f"is a member count in [0, peers={self.peers}]")
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         need(self.target_hold >= 1, "target_hold", "must be >= 1")
@@ -201,6 +215,7 @@ class Cluster:
             poison=self.config.rogue_scale if slot in self.config.rogue else 1.0,
             eval_time=self.config.eval_time,
             step_jitter=self.config.step_jitter,
+            step_sigma=self.config.step_sigma,
             wait_for=self.config.wait_for,
         )
         peer = SimPeer(
@@ -390,9 +405,20 @@ class Cluster:
 def simulate(config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> SimResult:
     """Run one simulation to its end (``duration`` or the target accuracy) in virtual time.
 
+    ``config.system`` other than ``gossip`` runs a synchronous baseline
+    (``gossiptrain.sim.synchronous``) on the same compute and link model.
+
     Ctrl+C (a ``KeyboardInterrupt``) once the cluster is running raises
     ``SimInterrupted`` with the rows so far and a summary marked interrupted.
     """
+    if config.system != "gossip":
+        from gossiptrain.sim.synchronous import SynchronousJob
+
+        job = SynchronousJob(config, on_sample)
+        try:
+            return job.run()
+        except KeyboardInterrupt:
+            raise SimInterrupted(job.result(job.reached, interrupted=True)) from None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one simulated peer computes at a time; one thread keeps runs bit-identical
     try:

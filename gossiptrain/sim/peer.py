@@ -33,6 +33,7 @@ from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.runtime.state_endpoint import catch_up
+from gossiptrain.sim.compute import step_factor
 from gossiptrain.sim.vtime import LoopClock
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.workload import Workload
@@ -50,6 +51,7 @@ class SimPeerSpec:
     contention: float = 1.0  # peers per core: computation is slowed by this when cores are shared
     poison: float = 1.0  # a rogue peer sends valid parameters scaled by this (1: honest)
     step_jitter: float = 0.0  # coefficient of variation of a step's time (gamma distributed with mean 1)
+    step_sigma: float = 0.0  # or lognormal step times with this sigma (mean 1): gossiptrain.sim.compute
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation (a real peer evaluates on its training thread)
     wait_for: int = 0  # train only once this many members (itself included) are ready, as `peer --wait-for`
 
@@ -180,12 +182,8 @@ class SimPeer:
                 await asyncio.Event().wait()  # finished: stay reachable until the simulation ends
 
     def _jitter(self) -> float:
-        """A step's time relative to the mean: gamma with mean 1 and the spec's coefficient of variation."""
-        cv = self.spec.step_jitter
-        if cv <= 0:
-            return 1.0
-        shape = 1.0 / (cv * cv)
-        return self.jitter_rng.gammavariate(shape, 1.0 / shape)
+        """A step's time relative to the mean (1 without noise): the compute model synchronous workers share."""
+        return step_factor(self.jitter_rng, self.spec.step_jitter, self.spec.step_sigma)
 
     def _exchange_ops(self) -> int:
         """Exchange operations so far that cost computation: snapshots sent and merges applied."""
