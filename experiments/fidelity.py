@@ -401,6 +401,103 @@ def calibrate_load(args: argparse.Namespace, alone: Machine) -> Machine:
     return machine
 
 
+# -- DDP: the simulator's synchronous baseline against torch DDP over gloo ---------------
+
+
+def ddp_points(rows: list[dict[str, Any]]) -> list[harness.Point]:
+    """The simulated DDP job's samples as the points of rank 0's evaluations."""
+    return [harness.Point(r["time"], r["samples"], r["test_acc"]) for r in rows if "test_acc" in r]
+
+
+def ddp_measured(points: list[harness.Point], peers: int, batch: int, target: float, what: str) -> dict[str, Any]:
+    """Time to the held target and steps per second (every rank steps together), measured alike on both sides."""
+    ttt = harness.time_to_target(points, target, HOLD)
+    if ttt is None:
+        raise RuntimeError(f"{what} did not reach {target}")
+    return {"time_to_target": ttt, "steps_per_second": harness.throughput(points) / (batch * peers), "points": len(points)}
+
+
+def real_ddp(peers: int, slowdown: float, target: float, timeout: float, workdir: Path, seed: int) -> dict[str, Any]:
+    """torch DDP over gloo on loopback (experiments/baselines/ddp.py), the gossip runs' workload and straggler."""
+    run = harness.run_ddp(peers, seed, slowdown, target, timeout, workdir, eval_every=EVAL_EVERY, min_seconds=EXTRA)
+    batch = harness.run_config(peers, seed).train.batch_size
+    return ddp_measured(run.points, peers, batch, target, f"real DDP (seed {seed}, {workdir})")
+
+
+def sim_ddp(peers: int, slowdown: float, target: float, timeout: float, machine: Machine, link: LinkProfile, seed: int) -> dict[str, Any]:
+    """The simulated DDP job on the calibrated machine (the gossip calibration's cores) and all-reduce link."""
+    run = harness.run_config(peers, seed)
+    speeds = [1.0] * peers
+    speeds[harness.STRAGGLER] = slowdown
+    config = SimConfig(
+        peers=peers, run=run, duration=timeout, seed=seed, system="ddp", step_time=machine.step_time,
+        eval_time=machine.eval_time, cores=machine.cores, speeds=tuple(speeds), link=link, join_spread=0.0,
+        sample_every=EVAL_EVERY, target_accuracy=target, target_hold=HOLD + round(EXTRA / EVAL_EVERY),
+    )
+    result = simulate(config)
+    got = ddp_measured(ddp_points(result.rows), peers, run.train.batch_size, target, f"simulated DDP (seed {seed})")
+    return {**got, "wall_seconds": result.summary["wall_seconds"], "comm_share": result.summary["comm_share"]}
+
+
+def calibrate_ddp(args: argparse.Namespace, machine: Machine) -> LinkProfile:
+    """The all-reduce's effective loopback link, from one real DDP run (seed 1000, never reported).
+
+    gloo's all-reduce of the model's gradients among processes that share
+    the cores costs far more than loopback's bytes per second suggest (the
+    reduction itself is computation, contended like the steps). The
+    compute model is the gossip calibration's; what the real step period
+    has beyond it is the all-reduce, and the bandwidth that makes the ring's
+    closed form (gossiptrain.sim.collectives) take that long is the link's.
+    """
+    from gossiptrain.sim.collectives import ring_allreduce_seconds
+
+    real = real_ddp(args.peers, args.slowdown, args.target, args.timeout, args.out / "ddp-calibration", 1000)
+    sim = sim_ddp(args.peers, args.slowdown, args.target, args.timeout, machine, LOOPBACK, 1000)
+    model_bytes = 4 * sum(p.numel() for p in load_workload(harness.WORKLOAD).build_model(0).parameters())
+    sim_comm = ring_allreduce_seconds(args.peers, model_bytes, LOOPBACK)
+    comm = 1 / real["steps_per_second"] - (1 / sim["steps_per_second"] - sim_comm)  # the real period less the compute
+    latencies = 2 * (args.peers - 1) * LOOPBACK.latency
+    ring = 2 * (args.peers - 1) / args.peers * model_bytes
+    bandwidth = ring / (comm - latencies) if comm > latencies + ring / LOOPBACK.bandwidth else LOOPBACK.bandwidth
+    link = LinkProfile(latency=LOOPBACK.latency, bandwidth=bandwidth)
+    print(
+        f"DDP calibration (seed 1000): real {real['steps_per_second']:.2f} steps/s, simulated on loopback's link "
+        f"{sim['steps_per_second']:.2f} steps/s -> all-reduce {comm * 1e3:.1f} ms per step, effective bandwidth "
+        f"{bandwidth / 1e6:.0f} MB/s",
+        flush=True,
+    )
+    return link
+
+
+def ddp_rows(args: argparse.Namespace, machine: Machine) -> dict[str, Any]:
+    """Real and simulated DDP, several seeds each: median time to the target and steps per second, and the errors."""
+    link = calibrate_ddp(args, machine)
+    real = [real_ddp(args.peers, args.slowdown, args.target, args.timeout, args.out / f"ddp-{seed}", seed) for seed in range(args.ddp_seeds)]
+    sim = [sim_ddp(args.peers, args.slowdown, args.target, args.timeout, machine, link, seed) for seed in range(args.ddp_seeds)]
+
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    row = {
+        "system": "ddp", "peers": args.peers, "seeds": args.ddp_seeds,
+        "real_time": round(med(real, "time_to_target"), 3), "sim_time": round(med(sim, "time_to_target"), 3),
+        "real_steps_per_s": round(med(real, "steps_per_second"), 3), "sim_steps_per_s": round(med(sim, "steps_per_second"), 3),
+        "real_times": " ".join(f"{r['time_to_target']:.2f}" for r in real),
+        "sim_times": " ".join(f"{r['time_to_target']:.2f}" for r in sim),
+        "allreduce_bandwidth_mb_s": round(link.bandwidth / 1e6, 1),
+    }
+    row["time_error"] = round(abs(row["sim_time"] - row["real_time"]) / row["real_time"], 4)
+    row["steps_error"] = round(abs(row["sim_steps_per_s"] - row["real_steps_per_s"]) / row["real_steps_per_s"], 4)
+    print(
+        f"{'ddp':>12}: time to {args.target} real {row['real_time']:.2f} s, simulated {row['sim_time']:.2f} s "
+        f"(error {row['time_error']:.1%}); steps/s real {row['real_steps_per_s']:.2f}, simulated "
+        f"{row['sim_steps_per_s']:.2f} (error {row['steps_error']:.1%}); per seed real {row['real_times']}, "
+        f"simulated {row['sim_times']}",
+        flush=True,
+    )
+    return row
+
+
 # -- main --------------------------------------------------------------------------------
 
 
@@ -419,12 +516,14 @@ def main() -> None:
     parser.add_argument("--reuse-real", action="store_true",
                         help="take the real runs already under --out (when they reached the target) instead of running "
                              "them again: to try a change to the simulator against the same measurements")
+    parser.add_argument("--ddp-seeds", type=int, default=3, help="real and simulated DDP runs (0: no DDP rows)")
     parser.add_argument("--quick", action="store_true", help="4 peers, exponential, target 0.9, one seed: a smoke test")
     parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/fidelity; --quick: a scratch folder)")
     args = parser.parse_args()
     args.out = harness.results_dir("fidelity", args.out, args.quick)
     if args.quick:
         args.peers, args.topologies, args.target, args.seeds, args.sim_seeds = 4, ["exponential"], 0.9, 1, 1
+        args.ddp_seeds = 1
         args.calibration_rounds = 1  # a smoke test: one fit of cores and delay, not a converged one
     torch.set_num_threads(1)
     alone = calibrate_alone(run_config(args.peers, "exponential", args.timeout), args.cores)
@@ -488,8 +587,11 @@ def main() -> None:
             f"(median {row['sim_median_time']:.2f}))",
             flush=True,
         )
-    write_results(args.out, rows, args, machine)
+    ddp = ddp_rows(args, machine) if args.ddp_seeds > 0 else None
+    write_results(args.out, rows, args, machine, ddp)
     print(json.dumps({
+        "ddp_time_error": ddp["time_error"] if ddp else None,
+        "ddp_steps_error": ddp["steps_error"] if ddp else None,
         "time_error": max(r["time_error"] for r in rows),
         "exchanges_error": max(r["exchanges_error"] for r in rows),
         "peers": args.peers,
@@ -507,7 +609,9 @@ def main() -> None:
     }))
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, machine: Machine) -> None:
+def write_results(
+    out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, machine: Machine, ddp: dict[str, Any] | None = None,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -535,6 +639,19 @@ def write_results(out: Path, rows: list[dict[str, Any]], args: argparse.Namespac
         )
     lines += ["", "Each run's own time to the target (s):", ""]
     lines += [f"- {r['topology']}: real {r['real_times']}; simulated {r['sim_times']}" for r in rows]
+    if ddp is not None:
+        harness.write_csv(out / "ddp.csv", [ddp])
+        lines += [
+            "", f"## DDP ({ddp['seeds']} seeds each side)", "",
+            "torch DDP over gloo (experiments/baselines/ddp.py, the same straggler) against the simulator's DDP "
+            "(gossiptrain.sim.synchronous) on the compute model above and the all-reduce link fitted to one real "
+            f"run of seed 1000 ({ddp['allreduce_bandwidth_mb_s']:.0f} MB/s effective).", "",
+            "| real time (s) | simulated (s) | error | real steps/s | simulated | error |",
+            "| --- | --- | --- | --- | --- | --- |",
+            f"| {ddp['real_time']:.2f} | {ddp['sim_time']:.2f} | {ddp['time_error']:.1%} | {ddp['real_steps_per_s']:.2f} | "
+            f"{ddp['sim_steps_per_s']:.2f} | {ddp['steps_error']:.1%} |",
+            "", f"Each run's own time: real {ddp['real_times']}; simulated {ddp['sim_times']}",
+        ]
     lines += ["", "Regenerate: `python experiments/fidelity.py`"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 

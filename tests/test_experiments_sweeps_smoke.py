@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .swarm import run_quick_experiment
+from .swarm import ROOT, run_in_session, run_quick_experiment
 
 SCRIPT_TIMEOUT = 300  # seconds: generous, for a machine shared with other jobs (about 10 s of CPU each)
 
@@ -106,3 +107,24 @@ def test_flow_control_quick(tmp_path: Path) -> None:
     assert heads["slow"]["8"]["waited_s"] > 0 and heads["slow"]["none"]["waited_s"] == 0  # only the bound waits
     summary = (tmp_path / "summary.md").read_text()
     assert "Regenerate: `python experiments/flow_control.py`" in summary and (tmp_path / "runs.csv").exists()
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_scale_quick_and_resume(tmp_path: Path) -> None:
+    heads = run_script("scale", tmp_path)
+    for key in ("ddp_over_gossip_64_straggler", "ddp_over_gossip_64_lognormal", "ddp_over_gossip_256_100mbit", "largest_run"):
+        assert key in heads
+    assert heads["runs"] == 8  # 2 conditions x 4 systems, one seed
+    assert finite(heads["ddp_over_gossip_16_straggler_logreg"]) and heads["ddp_over_gossip_16_straggler_logreg"] > 0
+    assert heads["largest_run"]["peers"] == 16 and heads["largest_run"]["peak_rss_mb"] > 0
+    with open(tmp_path / "runs.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["system"] for r in rows} == {"gossip", "ddp", "ps-sync", "ps-async"}
+    assert all(0 < float(r["final_acc"]) <= 1 for r in rows)
+    assert "| 16 | straggler |" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "scale_logreg.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --resume runs nothing that runs.csv already holds, and keeps it.
+    cmd = [sys.executable, str(ROOT / "experiments" / "scale.py"), "--quick", "--resume", "--out", str(tmp_path)]
+    done = run_in_session(cmd, SCRIPT_TIMEOUT, "scale.py --quick --resume")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "0 runs to go (8 already" in done.stdout

@@ -22,7 +22,7 @@ from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim import ChurnEvent, SimConfig, simulate
-from gossiptrain.sim.collectives import SharedLink, ring_allreduce_seconds
+from gossiptrain.sim.collectives import SharedLink, allreduce_seconds, ring_allreduce_seconds
 from gossiptrain.sim.compute import step_factor
 from gossiptrain.sim.synchronous import SynchronousJob
 
@@ -53,6 +53,12 @@ def test_ring_allreduce_matches_the_closed_form() -> None:
     # The ring runs at its slowest link: the bandwidth of one, the latency of another.
     mixed = ring_allreduce_seconds(8, 4e6, [link, slow, LinkProfile(latency=0.0001, bandwidth=1e9)])
     assert mixed == pytest.approx(2 * 7 / 8 * 4e6 / 1.25e7 + 2 * 7 * 0.03)
+    # Halving-doubling: the same bytes in 2 log2(n) phases; "best" is the faster of the two.
+    assert allreduce_seconds("halving-doubling", 1024, 264, link) == pytest.approx(2 * 1023 / 1024 * 264 / 1e8 + 20 * 0.001)
+    assert allreduce_seconds("best", 1024, 264, link) == allreduce_seconds("halving-doubling", 1024, 264, link)
+    assert allreduce_seconds("best", 3, 1e9, link) == ring_allreduce_seconds(3, 1e9, link)  # 4 phases either way
+    with pytest.raises(ValueError, match="tree"):
+        allreduce_seconds("tree", 4, 1.0, link)
 
 
 @settings(max_examples=50, deadline=None)

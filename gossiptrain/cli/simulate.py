@@ -86,6 +86,8 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                    help="ddp, ps-sync: virtual seconds a crashed worker costs the job (timeout, restart, reload; default 30)")
     p.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
                    help="ddp, ps-sync: a restart resumes from a checkpoint this old at most (default 0: every step)")
+    p.add_argument("--allreduce", choices=["ring", "halving-doubling", "best"], default="ring",
+                   help="ddp: the all-reduce's algorithm (default ring; best: the faster for the model's size)")
     p.add_argument("--target", type=float, default=0.0, help="stop once the mean test accuracy reaches this")
     p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
     p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
@@ -123,6 +125,7 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         system=args.system,
         restart_cost=args.restart_cost,
         checkpoint_every=args.checkpoint_every,
+        allreduce=args.allreduce,
         eval_time=args.eval_time,
         cores=args.cores,
         wait_for=args.wait_for,

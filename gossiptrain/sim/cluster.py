@@ -34,6 +34,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork
 from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.sim.collectives import ALLREDUCE
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_schedule
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
 from gossiptrain.sim.vtime import LoopClock, run_virtual
@@ -80,6 +81,7 @@ class SimConfig:
     system: str = "gossip"  # or a synchronous baseline on the same compute and links: ddp, ps-sync, ps-async
     restart_cost: float = 30.0  # synchronous baselines: virtual seconds a crash costs (timeout, restart, reload)
     checkpoint_every: float = 0.0  # ...and they resume from a checkpoint this often (0: after every step)
+    allreduce: str = "ring"  # ddp: ring, halving-doubling or best (gossiptrain.sim.collectives)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -105,6 +107,7 @@ class SimConfig:
         need(not (self.step_jitter and self.step_sigma), "step_sigma", "and step_jitter are two noise shapes: set one")
         need(self.system in SYSTEMS, "system", f"must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
         need(self.restart_cost >= 0, "restart_cost", "must be >= 0")
+        need(self.allreduce in ALLREDUCE, "allreduce", f"must be one of {', '.join(ALLREDUCE)}, got {self.allreduce!r}")
         need(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: after every step)")
         need(self.system == "gossip" or not self.membership_only, "system", "needs a model: not with membership_only")
         need(self.system == "gossip" or not (self.rogue or self.partitions), "system",

@@ -14,7 +14,8 @@ message: a synchronous step's communication has a closed form.
   the one model all workers share; the gradients are averaged (divided by
   n and summed, as DDP's reducer does) and one optimizer step is taken. The
   step ends when the slowest worker's gradient is ready plus a ring
-  all-reduce of the gradients. (Real DDP overlaps the all-reduce with the
+  all-reduce of the gradients (``allreduce``: ring by default, or recursive
+  halving-doubling, or the faster of the two). (Real DDP overlaps the all-reduce with the
   backward pass bucket by bucket; this charges it after, which is exact
   when compute is short against the link and pessimistic by at most the
   backward pass otherwise.) Rank 0 evaluates every
@@ -55,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from gossiptrain.errors import ConfigError
-from gossiptrain.sim.collectives import SharedLink, ring_allreduce_seconds
+from gossiptrain.sim.collectives import SharedLink, allreduce_seconds
 from gossiptrain.sim.compute import step_factor
 from gossiptrain.sim.faults import CRASH, JOIN, churn_schedule
 from gossiptrain.train.local_trainer import budget_spent, load_shard, make_optimizer
@@ -211,7 +212,7 @@ class SynchronousJob:
         while now < c.duration and not self._stopped and not budget_spent(c.run.train, int(self.state.steps), now):
             if c.system == "ddp":
                 compute = max(self.compute_seconds(w) for w in range(self.n))
-                comm = ring_allreduce_seconds(self.n, self.nbytes, c.link)
+                comm = allreduce_seconds(c.allreduce, self.n, self.nbytes, c.link)
                 end = now + compute + comm
                 sent = 2 * (self.n - 1) / self.n * self.nbytes if self.n > 1 else 0.0
             else:
