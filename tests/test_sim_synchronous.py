@@ -23,7 +23,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim import ChurnEvent, SimConfig, simulate
 from gossiptrain.sim.collectives import SharedLink, allreduce_seconds, ring_allreduce_seconds
-from gossiptrain.sim.compute import step_factor
+from gossiptrain.sim.compute import shared_finish_times, step_factor
 from gossiptrain.sim.synchronous import SynchronousJob
 
 FREE = LinkProfile(latency=0.0, bandwidth=math.inf)
@@ -96,6 +96,39 @@ def test_a_straggler_makes_every_synchronous_step_as_slow_as_itself() -> None:
             expected = 4 * job.nbytes / 1e7 + 0.001 + 0.04 + job.nbytes / 1e7 + 0.001
         assert len(job.step_seconds) == 10
         assert job.step_seconds == pytest.approx([expected] * 10), system
+
+
+def test_shared_cores_are_shared_among_whoever_computes() -> None:
+    # 4 jobs of 1 s on 2 cores: each at half speed, all done at 2 s.
+    assert shared_finish_times([0, 0, 0, 0], [1, 1, 1, 1], 2) == pytest.approx([2, 2, 2, 2])
+    # One job starts late, when the others are done: alone, at full speed (one core).
+    assert shared_finish_times([0, 0, 0, 3], [1, 1, 1, 1], 2) == pytest.approx([1.5, 1.5, 1.5, 4])
+    # Arriving midway: 3 jobs share at 2/3 of a core each from 0.5 s on, then the last runs alone.
+    assert shared_finish_times([0, 0, 0.5], [1, 1, 1], 2) == pytest.approx([1.25, 1.25, 1.75])
+    assert shared_finish_times([0, 1], [1, 1], 0) == [1, 2]  # a core each
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.floats(0, 2)), min_size=1, max_size=12), st.floats(0.5, 8))
+def test_shared_cores_conserve_work(jobs: list[tuple[float, float]], cores: float) -> None:
+    starts, works = [s for s, _ in jobs], [w for _, w in jobs]
+    finish = shared_finish_times(starts, works, cores)
+    for s, w, f in zip(starts, works, finish):
+        assert f >= s + w - 1e-9  # never faster than a core of its own
+    busy_span = max(finish) - min(starts)
+    assert busy_span >= sum(works) / max(cores, 1e-9) - 1e-9 or busy_span >= max(works) - 1e-9
+
+
+def test_on_shared_cores_a_ddp_straggler_idles_and_frees_the_cores() -> None:
+    # 8 workers on 2 cores, no straggler: 8 steps of work over 2 cores, 4 step times a step.
+    alike = SynchronousJob(config("ddp", 8, steps=5, cores=2.0))
+    alike.run()
+    assert alike.step_seconds == pytest.approx([0.04] * 5)
+    # A 4x straggler idles 3x its last compute, then computes while the others wait: slower, not 4x.
+    job = SynchronousJob(config("ddp", 8, steps=6, cores=2.0, speeds=(4.0,) + (1.0,) * 7))
+    job.run()
+    assert job.step_seconds[0] == pytest.approx(0.04)  # nothing to idle for yet
+    assert all(0.04 < t < 4 * 0.04 for t in job.step_seconds[1:])
 
 
 def test_the_server_takes_ddps_update_and_one_async_worker_takes_sgds() -> None:

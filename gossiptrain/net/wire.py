@@ -46,8 +46,8 @@ KINDS = kinds.ALL  # re-exported: every kind, from gossiptrain.net.kinds
 MAX_BODY_DEPTH = 8  # containers nested in a body, counting the body itself
 
 _HEADER_KEYS = frozenset({"v", "kind", "sender", "addr", "fp", "step", "body", "tensors"})
-_INT_MIN = -(1 << 63)  # msgpack's integer range
 _UINT_MAX = (1 << 64) - 1
+_SCALARS = frozenset({type(None), bool, int, float, str})  # what a body may hold besides lists and maps
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,11 @@ def encode(msg: Message, limits: Limits) -> list[bytes | memoryview]:
         "body": body,
         "tensors": table,
     }
-    _check_header(header_obj, limits, lengths=True)
     try:
-        header = msgpack.packb(header_obj, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:  # a check above is missing a case
+        # strict_types: a tuple (or a subclass of a msgpack type) is refused rather than sent as what receivers
+        # would decode as something else (a list): what a sender puts in a body is what its receivers read.
+        header = msgpack.packb(header_obj, use_bin_type=True, strict_types=True)
+    except (TypeError, ValueError, OverflowError) as e:  # a type msgpack has no encoding for, an int out of range
         raise ProtocolError(f"cannot encode header: {e}") from e
     if len(header) > limits.max_header_bytes:
         raise ProtocolError(
@@ -126,6 +127,15 @@ def encode(msg: Message, limits: Limits) -> list[bytes | memoryview]:
         raise ProtocolError(
             f"message has {len(header) + total} bytes, over limits.max_message_bytes={limits.max_message_bytes}"
         )
+    # What receivers will check, checked on the same bytes by the same code (decode's): a sender learns
+    # what they would refuse, at the cost of one C-speed unpacking rather than a walk of the body in Python.
+    try:
+        _check_header(_unpack(memoryview(header), limits), limits)
+    except ProtocolError as e:
+        raise ProtocolError(
+            f"receivers would refuse this message (limits.max_str_len={limits.max_str_len}, "
+            f"limits.max_container_len={limits.max_container_len}): {e}"
+        ) from None
     return [header, *(chunk for t in msg.tensors.values() for chunk in _tensor_frames(t, limits.chunk_bytes))]
 
 
@@ -163,7 +173,7 @@ def decode(frames: Sequence[Buffer], limits: Limits) -> Message:
         raise ProtocolError(f"message has {total} bytes, over limits.max_message_bytes={limits.max_message_bytes}")
 
     header = _unpack(views[0], limits)
-    _check_header(header, limits, lengths=False)  # msgpack already enforced the lengths
+    _check_header(header, limits)  # msgpack already enforced the lengths and the types
     table = header["tensors"]
     if len(table) > count - 1:
         raise ProtocolError(f"header lists {len(table)} tensors but {count - 1} tensor frames arrived")
@@ -204,11 +214,11 @@ def _check_limits_fit(limits: Limits) -> None:
         )
 
 
-def _check_header(h: Any, limits: Limits, *, lengths: bool) -> None:
-    """Raise ProtocolError unless ``h`` is a header object as this protocol version defines it.
+def _check_header(h: Any, limits: Limits) -> None:
+    """Raise ProtocolError unless ``h``, as ``_unpack`` decoded it, is a header as this protocol version defines it.
 
-    ``lengths`` re-checks string and container lengths; decode skips it
-    because its msgpack unpacker was bounded by the same limits.
+    ``_unpack`` has already bounded string and container lengths and ints
+    to msgpack's range: what is checked here is the schema.
     """
     if not isinstance(h, dict):
         raise ProtocolError(f"header must be a map, got {type(h).__name__}")
@@ -224,75 +234,63 @@ def _check_header(h: Any, limits: Limits, *, lengths: bool) -> None:
     for key in ("sender", "addr", "fp"):
         if not isinstance(h[key], str):
             raise ProtocolError(f"{key} must be a str, got {type(h[key]).__name__}")
-        if lengths:
-            _check_str(h[key], key, limits)
     step = h["step"]
     if not _is_int(step) or not 0 <= step <= _UINT_MAX:
         raise ProtocolError(f"step must be an int in [0, 2**64), got {_show(step)}")
     if not isinstance(h["body"], dict):
         raise ProtocolError(f"body must be a map, got {type(h['body']).__name__}")
-    _check_value(h["body"], 1, limits, lengths)
+    _check_body(h["body"], 1)
     table = h["tensors"]
     if not isinstance(table, list):
         raise ProtocolError(f"tensors must be a list, got {type(table).__name__}")
-    if lengths:
-        _check_len(table, "tensors", limits)
     names: set[str] = set()
     for entry in table:
-        name = _check_entry(entry, limits, lengths)
+        name = _check_entry(entry, limits)
         if name in names:
             raise ProtocolError(f"tensor {_show(name)} listed twice")
         names.add(name)
 
 
-def _check_value(x: Any, depth: int, limits: Limits, lengths: bool) -> None:
-    """A body value: None, bool, int, float, str, or list/dict of those, nested at most MAX_BODY_DEPTH."""
-    if x is None or isinstance(x, (bool, float)):
-        return
-    if isinstance(x, int):
-        if not _INT_MIN <= x <= _UINT_MAX:
-            raise ProtocolError(f"body int {x} is outside msgpack's range")
-        return
-    if isinstance(x, str):
-        if lengths:
-            _check_str(x, "body string", limits)
-        return
-    if not isinstance(x, (list, dict)):
-        raise ProtocolError(f"body values of type {type(x).__name__} are not allowed")
+def _check_body(x: list[Any] | dict[Any, Any], depth: int) -> None:
+    """A decoded body's values: scalars msgpack may give (None, bool, int, float, str), in lists and str-keyed maps
+    nested at most MAX_BODY_DEPTH deep (the body itself is depth 1).
+
+    ``_unpack`` has bounded every length and int; what it lets through and
+    the schema refuses is empty bytes or ext values (its bounds are 0, not
+    absent) and bytes keys. Scalars are checked inline: member lists hold
+    thousands of them, and this walk is most of a header's checking cost.
+    """
     if depth > MAX_BODY_DEPTH:
         raise ProtocolError(f"body nests deeper than {MAX_BODY_DEPTH}")
-    if lengths:
-        _check_len(x, "body container", limits)
-    if isinstance(x, dict):
-        for key, value in x.items():
-            if not isinstance(key, str):
+    if type(x) is dict:
+        for key in x:
+            if type(key) is not str:
                 raise ProtocolError(f"body keys must be str, got {type(key).__name__}")
-            if lengths:
-                _check_str(key, "body key", limits)
-            _check_value(value, depth + 1, limits, lengths)
+        values: Any = x.values()
     else:
-        for value in x:
-            # Scalars inline: member lists hold thousands of them, and a call each is most of the cost.
-            kind = type(value)
-            if kind is str:
-                if lengths:
-                    _check_str(value, "body string", limits)
-            elif kind is int:
-                if not _INT_MIN <= value <= _UINT_MAX:
-                    raise ProtocolError(f"body int {value} is outside msgpack's range")
-            elif not (value is None or kind is bool or kind is float):
-                _check_value(value, depth + 1, limits, lengths)
+        values = x
+    for value in values:
+        kind = type(value)
+        if kind is list and depth < MAX_BODY_DEPTH:
+            for item in value:  # one level inline: a member list is a list of flat lists, a call each was the cost
+                inner = type(item)
+                if inner is list or inner is dict:
+                    _check_body(item, depth + 2)
+                elif inner not in _SCALARS:
+                    raise ProtocolError(f"body values of type {inner.__name__} are not allowed")
+        elif kind is list or kind is dict:
+            _check_body(value, depth + 1)
+        elif kind not in _SCALARS:
+            raise ProtocolError(f"body values of type {kind.__name__} are not allowed")
 
 
-def _check_entry(entry: Any, limits: Limits, lengths: bool) -> str:
+def _check_entry(entry: Any, limits: Limits) -> str:
     """One tensor table entry [name, dtype, shape, nbytes], consistent with itself; returns the name."""
     if not isinstance(entry, list) or len(entry) != 4:
         raise ProtocolError("a tensor entry must be [name, dtype, shape, nbytes]")
     name, dtype_name, shape, nbytes = entry
     if not isinstance(name, str) or len(name) > MAX_NAME_LEN:
         raise ProtocolError(f"tensor names must be str of at most {MAX_NAME_LEN} characters")
-    if lengths:
-        _check_str(name, "tensor name", limits)
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {_show(name)} has dtype {_show(dtype_name)}; allowed: {sorted(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
@@ -305,24 +303,6 @@ def _check_entry(entry: Any, limits: Limits, lengths: bool) -> str:
     if math.prod(shape) * DTYPES[dtype_name].itemsize != nbytes:
         raise ProtocolError(f"tensor {_show(name)}: shape {shape} of {dtype_name} is not {nbytes} bytes")
     return name
-
-
-def _check_str(s: str, what: str, limits: Limits) -> None:
-    # msgpack bounds strings by their UTF-8 length, so this does too (ASCII: one byte a character).
-    if s.isascii():
-        n = len(s)
-    else:
-        try:
-            n = len(s.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise ProtocolError(f"{what} is not encodable as UTF-8") from None
-    if n > limits.max_str_len:
-        raise ProtocolError(f"{what} has {n} UTF-8 bytes, over limits.max_str_len={limits.max_str_len}")
-
-
-def _check_len(x: list[Any] | dict[Any, Any], what: str, limits: Limits) -> None:
-    if len(x) > limits.max_container_len:
-        raise ProtocolError(f"{what} has {len(x)} items, over limits.max_container_len={limits.max_container_len}")
 
 
 def _is_int(x: Any) -> bool:

@@ -464,6 +464,10 @@ def _expect(key: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         raise ProtocolError(f"wire part {_show(key)} is {t.dtype} {list(t.shape)}, want {dtype} {list(shape)}")
 
 
+#: Up to this many elements ``all_finite`` sums in float64 instead of taking extremes (see there).
+SMALL_SUM = 1 << 16
+
+
 def all_finite(t: Tensor) -> bool:
     """No NaN or infinity in ``t``, exactly, in one reduction.
 
@@ -474,6 +478,11 @@ def all_finite(t: Tensor) -> bool:
     """
     if not t.is_floating_point() or t.numel() == 0:
         return True  # integers and booleans are always finite
+    if t.numel() <= SMALL_SUM and t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # One reduction and one read: a float64 sum of up to SMALL_SUM values each below 3.4e38 cannot
+        # overflow, and NaN or infinity anywhere makes it non-finite. About 4x faster on small tensors,
+        # slower than aminmax on large ones (it converts as it sums).
+        return math.isfinite(t.sum(dtype=torch.float64).item())
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 

@@ -310,6 +310,9 @@ class Membership:
         self._nonces = nonces or rng
         self._id_of = id_of
         self._records: dict[str, _Record] = {}
+        self._by_addr: dict[str, dict[str, None]] = {}  # address -> ids seen there (ordered: runs repeat); see _at_addr
+        self._version = 0  # one more at every change of _records (see _index), for alive()'s cache
+        self._alive_cache: tuple[int, Member, list[Member]] | None = None
         forget_after = config.tombstone_rounds * config.heartbeat_interval
         self.candidates = Candidates(candidates, max(1, candidates // 4), quarantine_for=forget_after)
         self._candidate_budget = config.candidate_probes  # candidate probes left this period
@@ -347,11 +350,18 @@ class Membership:
         }
 
     def alive(self) -> list[Member]:
-        """Live members including ourselves (suspects too: not dead yet), sorted by id (the order topologies index)."""
-        out = [r.member for r in self._records.values() if r.member.state in (ALIVE, SUSPECT)]
-        if self.me.state == ALIVE:
-            out.append(self.me)
-        return sorted(out, key=lambda m: m.id)
+        """Live members including ourselves (suspects too: not dead yet), sorted by id (the order topologies index).
+
+        Kept sorted between changes: with n members every one of the n^2
+        membership events of a swarm's start asks for it (a node's view is
+        rebuilt at each), and sorting each time made that n^3 log n.
+        """
+        if self._alive_cache is None or self._alive_cache[0] != self._version or self._alive_cache[1] is not self.me:
+            out = [r.member for r in self._records.values() if r.member.state in (ALIVE, SUSPECT)]
+            if self.me.state == ALIVE:
+                out.append(self.me)
+            self._alive_cache = (self._version, self.me, sorted(out, key=lambda m: m.id))
+        return list(self._alive_cache[2])
 
     def get(self, member_id: str) -> Member | None:
         if member_id == self.me.id:
@@ -484,8 +494,10 @@ class Membership:
                 peer = self._rng.choice(others)
                 actions.append(Send(peer.addr, SYNC, self._digest(peer.id)))
         # Only members we knew ourselves: a tombstone we were told of names an address someone else chose.
-        dead = [r.member for r in self._records.values() if r.member.state == DEAD and r.member.id not in self._hearsay]
-        if dead and self._rounds % self.config.probe_dead_every == 0:
+        dead = [] if self._rounds % self.config.probe_dead_every else [
+            r.member for r in self._records.values() if r.member.state == DEAD and r.member.id not in self._hearsay
+        ]
+        if dead:
             # A member we think dead may be alive behind a healed partition: our view (with its
             # own tombstone, so that it refutes) lets both sides find each other again.
             gone = self._rng.choice(dead)
@@ -625,16 +637,36 @@ class Membership:
             for mid, rec in list(self._records.items()):
                 if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
                     del self._records[mid]
+                    self._version += 1
+                    self._by_addr.get(rec.member.addr, {}).pop(mid, None)
+                    if not self._by_addr.get(rec.member.addr, True):
+                        del self._by_addr[rec.member.addr]
                     self._hearsay.discard(mid)
                     self._last_ack.pop(mid, None)
             for mid, t in list(self._hinted.items()):
                 if now - t > self.config.heartbeat_interval:
                     del self._hinted[mid]
 
+    def _index(self, member: Member) -> None:
+        """Called wherever a record is added or its member changes: notes where ``member`` is, for ``_at_addr``
+        (every record's current address is always in the index), and that ``alive()`` must be computed again."""
+        self._by_addr.setdefault(member.addr, {})[member.id] = None
+        self._version += 1
+
+    def _at_addr(self, addr: str) -> list[_Record]:
+        """The records whose member is at ``addr`` now (the index may hold ids that moved or were forgotten)."""
+        out = []
+        for mid in self._by_addr.get(addr, ()):
+            rec = self._records.get(mid)
+            if rec is not None and rec.member.addr == addr:
+                out.append(rec)
+        return out
+
     def _set(self, rec: _Record, member: Member, now: float) -> None:
         """Record a new claim about a member, keeping the suspect index in step."""
         if member.state != SUSPECT or member.incarnation != rec.member.incarnation or rec.member.state != SUSPECT:
             rec.suspectors = set()
+        self._index(member)
         rec.member = member
         rec.changed_at = now
         self._started = None
@@ -682,6 +714,7 @@ class Membership:
                         self._merge_suspicion(e, rec, now, actions)
             elif rec.member.state in (DEAD, LEFT):
                 if e.state == LEFT and rec.member.state == DEAD and e.incarnation >= rec.member.incarnation:
+                    self._index(e)
                     rec.member = e  # it had left, not died: remember it so
             elif e.incarnation >= rec.member.incarnation:
                 if e.state == LEFT and sender == e.id:
@@ -722,6 +755,7 @@ class Membership:
             self.stats.suspicions += 1
             actions.append(Suspected(e))
         elif e.by and e.by not in rec.suspectors and len(rec.suspectors) <= self.config.suspicion_confirmations:
+            self._index(e)
             rec.member = e  # an independent confirmation: pass it on, and the timer shrinks
         else:
             return
@@ -759,6 +793,7 @@ class Membership:
             self.stats.hearsay_refused += 1
             return
         self._records[e.id] = _Record(e, now)
+        self._index(e)
         self._hearsay.add(e.id)
         self.candidates.drop(e.id)
 
@@ -779,6 +814,7 @@ class Membership:
             return
         self.candidates.drop(m.id)
         self._records[m.id] = _Record(m, now)
+        self._index(m)
         self._started = None
         if m.incarnation == 0:
             self._newcomers.add(m.id)
@@ -826,14 +862,15 @@ class Membership:
         m = m if m.incarnation >= c.claim.incarnation else c.claim
         self._last_ack[m.id] = now
         self._hearsay.discard(m.id)
-        for r in list(self._records.values()):
-            if r.member.id != m.id and r.member.addr == m.addr and r.member.state in (ALIVE, SUSPECT):
+        for r in self._at_addr(m.addr):
+            if r.member.id != m.id and r.member.state in (ALIVE, SUSPECT):
                 # One address, one live member: the process there now answers as m (a restart under a new id).
                 self._set(r, dataclasses.replace(r.member, state=DEAD, by=""), now)
                 actions.append(MemberDown(r.member, "dead"))
         rec = self._records.get(m.id)
         if rec is None:
             self._records[m.id] = _Record(m, now)
+            self._index(m)
             self._started = None
             self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), m.id)
             actions.append(MemberUp(m))
@@ -849,8 +886,18 @@ class Membership:
         self._broadcast(m)
         if c.wants_view:
             actions.append(Send(m.addr, GOSSIP, self._digest(m.id)))  # the full view its sync asked for
-        if sum(1 for r in self._records.values() if r.member.state == ALIVE) == 1:
+        if self._alive_count_is_one():
             actions.append(Send(m.addr, SYNC, self._digest(m.id)))  # our first member: swap views with it at once
+
+    def _alive_count_is_one(self) -> bool:
+        """Exactly one record alive (stops at the second: a large view costs no more than a small one)."""
+        alive = 0
+        for r in self._records.values():
+            if r.member.state == ALIVE:
+                alive += 1
+                if alive > 1:
+                    return False
+        return alive == 1
 
     def _send_view(self, sender: str, actions: list[Action]) -> None:
         """A sync asked for our full view: to a verified member at once, to a candidate once it is verified."""

@@ -12,11 +12,17 @@ mild, light-tailed), and lognormal with the log's standard deviation
 (``step_sigma``: heavy-tailed, as steps slowed by data loading, garbage
 collection or a noisy neighbour are). Lognormal with mean 1 has
 ``mu = -sigma**2 / 2``.
+
+On shared cores (a simulated machine that several workers share, as this
+2-core one does), ``shared_finish_times`` says when lockstep workers'
+computations finish, sharing the cores among those computing at once.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Sequence
 
 
 def step_factor(rng: random.Random, jitter: float = 0.0, sigma: float = 0.0) -> float:
@@ -28,3 +34,51 @@ def step_factor(rng: random.Random, jitter: float = 0.0, sigma: float = 0.0) -> 
         return rng.gammavariate(shape, 1.0 / shape)
     return 1.0
 
+
+
+def shared_finish_times(starts: Sequence[float], works: Sequence[float], cores: float) -> list[float]:
+    """When each job finishes: job i becomes ready at ``starts[i]`` and needs ``works[i]`` seconds of one core.
+
+    Processor sharing, as an OS scheduler shares cores among busy
+    processes: while k jobs are running each advances at min(1, cores / k).
+    ``cores`` 0 means a core per job (every job runs at full speed). Exact:
+    the rates change only when a job starts or finishes, and between those
+    events each running job's remaining work falls linearly.
+    """
+    n = len(starts)
+    if cores <= 0:
+        return [s + w for s, w in zip(starts, works)]
+    left = [float(w) for w in works]
+    finish = [math.inf] * n
+    pending = sorted(range(n), key=lambda i: starts[i])
+    running: list[int] = []
+    now = starts[pending[0]] if pending else 0.0
+    nxt = 0
+    while nxt < n or running:
+        while nxt < n and starts[pending[nxt]] <= now:
+            i = pending[nxt]
+            nxt += 1
+            if left[i] <= 0:
+                finish[i] = max(now, starts[i])
+            else:
+                running.append(i)
+        if not running:
+            if nxt >= n:
+                break
+            now = starts[pending[nxt]]
+            continue
+        rate = min(1.0, cores / len(running))
+        done_in = min(left[i] for i in running) / rate
+        arrive_in = starts[pending[nxt]] - now if nxt < n else math.inf
+        dt = min(done_in, arrive_in)
+        now += dt
+        for i in running:
+            left[i] -= dt * rate
+        still = []
+        for i in running:
+            if left[i] <= 1e-15:
+                finish[i] = now
+            else:
+                still.append(i)
+        running = still
+    return finish

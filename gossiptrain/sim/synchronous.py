@@ -18,8 +18,11 @@ message: a synchronous step's communication has a closed form.
   halving-doubling, or the faster of the two). (Real DDP overlaps the all-reduce with the
   backward pass bucket by bucket; this charges it after, which is exact
   when compute is short against the link and pessimistic by at most the
-  backward pass otherwise.) Rank 0 evaluates every
-  ``train.eval_every_seconds`` and the others wait (``eval_time``).
+  backward pass otherwise.) On shared cores (``cores``) the compute phase
+  lasts at least all the workers' computation over the cores, while a
+  straggler's extra time is idling (``lockstep_compute_seconds``). Rank 0
+  evaluates every ``train.eval_every_seconds`` and the others wait
+  (``eval_time``).
 - ``ps-sync``: each round the server sends the parameters to every worker
   (queued on its link), each computes a gradient and sends it back (queued
   again); the server averages them and steps: DDP's update, a star's cost.
@@ -57,7 +60,7 @@ import torch
 
 from gossiptrain.errors import ConfigError
 from gossiptrain.sim.collectives import SharedLink, allreduce_seconds
-from gossiptrain.sim.compute import step_factor
+from gossiptrain.sim.compute import shared_finish_times, step_factor
 from gossiptrain.sim.faults import CRASH, JOIN, churn_schedule
 from gossiptrain.train.local_trainer import budget_spent, load_shard, make_optimizer
 from gossiptrain.train.workload import Workload, batches, load_workload
@@ -127,6 +130,7 @@ class SynchronousJob:
         self._streak: list[float] = []
         self._evaluated: tuple[int, dict[str, Any]] | None = None  # (updates, metrics): evaluate each model once
         self._updates = 0
+        self._idle = [0.0] * self.n  # shared cores: what each (straggling) worker idles before its next step
         self._stopped = False
         self.reached = 0.0  # virtual time the run got to (where it stopped, if interrupted)
         self._wall_start = time.perf_counter()
@@ -137,6 +141,27 @@ class SynchronousJob:
         """Virtual seconds of one step of ``worker``: the gossip peers' compute model."""
         c = self.config
         return self.step_time * self.speeds[worker] * self.contention * step_factor(self.noise, c.step_jitter, c.step_sigma)
+
+    def lockstep_compute_seconds(self) -> float:
+        """The compute phase of one DDP step: from the last all-reduce until the slowest gradient is ready.
+
+        Each worker computes ``step_time`` (times its noise) of work. On
+        machines of their own a straggler's work takes ``speed`` times
+        longer. On shared cores (``cores``: the real baseline on this
+        machine) a straggler is emulated as experiments/baselines does it:
+        it idles ``speed - 1`` times its previous step's compute before the
+        next one, and the cores are shared among whoever computes at the
+        time (``shared_finish_times``), so its idling frees them for the
+        others. Checked against gloo here: experiments/fidelity.py --only-ddp.
+        """
+        c = self.config
+        factors = [step_factor(self.noise, c.step_jitter, c.step_sigma) for _ in range(self.n)]
+        if c.cores <= 0:
+            return max(self.step_time * s * f for s, f in zip(self.speeds, factors))
+        works = [self.step_time * f for f in factors]
+        finish = shared_finish_times(self._idle, works, c.cores)
+        self._idle = [(s - 1) * (end - start) for s, start, end in zip(self.speeds, self._idle, finish)]
+        return max(finish)
 
     def accumulate_gradient(self, worker: int) -> int:
         """Add the gradient of ``worker``'s next batch, at the model as it is, to ``.grad``; returns the batch size."""
@@ -211,7 +236,7 @@ class SynchronousJob:
         star_in, star_out = SharedLink(c.link), SharedLink(c.link)
         while now < c.duration and not self._stopped and not budget_spent(c.run.train, int(self.state.steps), now):
             if c.system == "ddp":
-                compute = max(self.compute_seconds(w) for w in range(self.n))
+                compute = self.lockstep_compute_seconds()
                 comm = allreduce_seconds(c.allreduce, self.n, self.nbytes, c.link)
                 end = now + compute + comm
                 sent = 2 * (self.n - 1) / self.n * self.nbytes if self.n > 1 else 0.0
@@ -242,8 +267,8 @@ class SynchronousJob:
             self.comm_seconds += comm
             self.sample_until(end - 1e-12)  # samples before the step ended see the model before it
             now = end
-            if c.eval_time > 0 and now >= next_eval:  # rank 0 evaluates; the others wait at the next all-reduce
-                now += c.eval_time * self.contention
+            if c.eval_time > 0 and now >= next_eval:  # rank 0 evaluates while the others wait (idle) at the next all-reduce
+                now += c.eval_time
                 next_eval = now + c.run.train.eval_every_seconds
             if c.checkpoint_every <= 0 or now - checkpoint_at >= c.checkpoint_every:
                 checkpoint, checkpoint_at = self._checkpoint(), now
