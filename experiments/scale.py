@@ -31,7 +31,7 @@ dominates), `ps-sync`, `ps-async`.
 
 Runs go two at a time in fresh processes (a run is single-threaded and in
 virtual time, so running two at once changes no result; a fresh process
-per run measures its own peak memory). Every finished run is appended to
+per run measures its own peak memory; `--quick` reuses its processes). Every finished run is appended to
 runs.csv at once, and `--resume` skips the runs already there: a long
 sweep survives an interruption and can be extended later.
 
@@ -207,13 +207,18 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         writer.writerow(row)
 
 
-def run_grid(specs: list[Spec], csv_path: Path, jobs: int) -> None:
-    """Run ``specs`` ``jobs`` at a time, each in a fresh process, appending each row as it finishes."""
+def run_grid(specs: list[Spec], csv_path: Path, jobs: int, fresh: bool = True) -> None:
+    """Run ``specs`` ``jobs`` at a time, appending each row as it finishes.
+
+    ``fresh``: each run in a process of its own (its peak memory is its
+    own); otherwise the processes are reused (quicker: torch is imported
+    once per process; the peak memory reported is the process's so far).
+    """
     if not specs:
         return
     total, done, began = len(specs), 0, time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1 if fresh else None) as pool:
         pending: dict[Future[dict[str, Any]], Spec] = {pool.submit(run_one, s): s for s in specs}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -353,7 +358,7 @@ def main() -> int:
     have = {key_of(r) for r in read_rows(csv_path)}
     specs = [s for s in grid(args) if s.key() not in have]
     print(f"{len(specs)} runs to go ({len(have)} already in {csv_path})", flush=True)
-    run_grid(specs, csv_path, args.jobs)
+    run_grid(specs, csv_path, args.jobs, fresh=not args.quick)
     rows = read_rows(csv_path)
     m = medians(rows)
     plot(out, rows, m)

@@ -378,3 +378,24 @@ def test_an_id_claimed_at_an_address_that_answers_as_another_member_is_never_tak
     assert not any("ghost" in view for view in cluster.views().values()), cluster.views()
     assert not cluster.deaths()
     assert all(cluster.nodes[m].candidates.stats.candidates_unanswered == 1 for m in ("m000", "m002"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), crashes=st.lists(st.integers(0, 11), max_size=4), loss=st.sampled_from([0.0, 0.05]))
+def test_the_kept_sorted_view_is_the_alive_members(seed: int, crashes: list[int], loss: float) -> None:
+    """alive_ids() (kept sorted as members come and go) always equals the ids of alive(), through joins,
+    crashes, suspicions, deaths and restarts."""
+    c = Cluster(12, seed, loss=loss)
+    for step, victim in enumerate([*crashes, None, None]):
+        c.run(1.5)
+        for node in c.nodes.values():
+            assert node.alive_ids() == tuple(m.id for m in node.alive())
+        if victim is not None:
+            mid = f"m{victim:03d}"
+            if mid in c.crashed:
+                c.add(mid, incarnation=step + 2)  # back, as a new incarnation
+            else:
+                c.crash(mid)
+    c.run(20)  # long enough for suspicions to become deaths
+    for node in c.nodes.values():
+        assert node.alive_ids() == tuple(m.id for m in node.alive())

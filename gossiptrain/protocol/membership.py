@@ -49,6 +49,7 @@ out, and ``next_timer()`` says when it next wants a ``Tick``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
@@ -313,6 +314,9 @@ class Membership:
         self._by_addr: dict[str, dict[str, None]] = {}  # address -> ids seen there (ordered: runs repeat); see _at_addr
         self._version = 0  # one more at every change of _records (see _index), for alive()'s cache
         self._alive_cache: tuple[int, Member, list[Member]] | None = None
+        self._live_version = 0  # one more whenever a record becomes live or stops being live (for alive_ids)
+        self._live_sorted: list[str] = []  # the ids of the live records (alive or suspect), sorted
+        self._alive_ids_cache: tuple[tuple[int, str | None], tuple[str, ...]] | None = None
         forget_after = config.tombstone_rounds * config.heartbeat_interval
         self.candidates = Candidates(candidates, max(1, candidates // 4), quarantine_for=forget_after)
         self._candidate_budget = config.candidate_probes  # candidate probes left this period
@@ -362,6 +366,23 @@ class Membership:
                 out.append(self.me)
             self._alive_cache = (self._version, self.me, sorted(out, key=lambda m: m.id))
         return list(self._alive_cache[2])
+
+    def alive_ids(self) -> tuple[str, ...]:
+        """The ids of ``alive()``, sorted: recomputed only when who is live changes, not at every refreshed claim.
+
+        A node's view is this; with n members it is asked for at each of the
+        n^2 membership events of a swarm's start. The ids of live records are
+        kept sorted as they change (``_index``), so an answer is a copy, not a
+        scan and a sort.
+        """
+        key = (self._live_version, self.me.id if self.me.state == ALIVE else None)
+        if self._alive_ids_cache is None or self._alive_ids_cache[0] != key:
+            ids = self._live_sorted
+            if key[1] is not None:
+                ids = ids.copy()
+                _insert_sorted(ids, key[1])
+            self._alive_ids_cache = (key, tuple(ids))
+        return self._alive_ids_cache[1]
 
     def get(self, member_id: str) -> Member | None:
         if member_id == self.me.id:
@@ -637,7 +658,7 @@ class Membership:
             for mid, rec in list(self._records.items()):
                 if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
                     del self._records[mid]
-                    self._version += 1
+                    self._version += 1  # (a dead or left record: who is live is unchanged)
                     self._by_addr.get(rec.member.addr, {}).pop(mid, None)
                     if not self._by_addr.get(rec.member.addr, True):
                         del self._by_addr[rec.member.addr]
@@ -647,11 +668,19 @@ class Membership:
                 if now - t > self.config.heartbeat_interval:
                     del self._hinted[mid]
 
-    def _index(self, member: Member) -> None:
-        """Called wherever a record is added or its member changes: notes where ``member`` is, for ``_at_addr``
-        (every record's current address is always in the index), and that ``alive()`` must be computed again."""
+    def _index(self, member: Member, old: Member | None = None) -> None:
+        """Called wherever a record is added (``old`` None) or its member changes from ``old``: notes where
+        ``member`` is, for ``_at_addr`` (every record's current address is always in the index), and that
+        ``alive()`` (and, if liveness changed, ``alive_ids()``) must be computed again."""
         self._by_addr.setdefault(member.addr, {})[member.id] = None
         self._version += 1
+        live = member.state in (ALIVE, SUSPECT)
+        if live != (old is not None and old.state in (ALIVE, SUSPECT)):
+            self._live_version += 1
+            if live:
+                _insert_sorted(self._live_sorted, member.id)
+            else:
+                _remove_sorted(self._live_sorted, member.id)
 
     def _at_addr(self, addr: str) -> list[_Record]:
         """The records whose member is at ``addr`` now (the index may hold ids that moved or were forgotten)."""
@@ -666,7 +695,7 @@ class Membership:
         """Record a new claim about a member, keeping the suspect index in step."""
         if member.state != SUSPECT or member.incarnation != rec.member.incarnation or rec.member.state != SUSPECT:
             rec.suspectors = set()
-        self._index(member)
+        self._index(member, rec.member)
         rec.member = member
         rec.changed_at = now
         self._started = None
@@ -714,7 +743,7 @@ class Membership:
                         self._merge_suspicion(e, rec, now, actions)
             elif rec.member.state in (DEAD, LEFT):
                 if e.state == LEFT and rec.member.state == DEAD and e.incarnation >= rec.member.incarnation:
-                    self._index(e)
+                    self._index(e, rec.member)
                     rec.member = e  # it had left, not died: remember it so
             elif e.incarnation >= rec.member.incarnation:
                 if e.state == LEFT and sender == e.id:
@@ -755,7 +784,7 @@ class Membership:
             self.stats.suspicions += 1
             actions.append(Suspected(e))
         elif e.by and e.by not in rec.suspectors and len(rec.suspectors) <= self.config.suspicion_confirmations:
-            self._index(e)
+            self._index(e, rec.member)
             rec.member = e  # an independent confirmation: pass it on, and the timer shrinks
         else:
             return
@@ -1001,3 +1030,17 @@ def least_loaded_shard(held: Iterable[int], shards: int) -> int:
         if 0 <= s < shards:
             load[s] += 1
     return min(range(shards), key=lambda s: (load[s], s))
+
+
+def _insert_sorted(ids: list[str], mid: str) -> None:
+    """Insert ``mid`` into the sorted ``ids`` unless it is there."""
+    i = bisect.bisect_left(ids, mid)
+    if i == len(ids) or ids[i] != mid:
+        ids.insert(i, mid)
+
+
+def _remove_sorted(ids: list[str], mid: str) -> None:
+    """Remove ``mid`` from the sorted ``ids`` if it is there."""
+    i = bisect.bisect_left(ids, mid)
+    if i < len(ids) and ids[i] == mid:
+        del ids[i]

@@ -403,7 +403,7 @@ class PeerNode(JoinAnsweringEndpoint):
                 if self._now is not None:
                     self._now(averaging.MemberGone(a.member.id))
         if changed:
-            self._view = tuple(m.id for m in self.membership.alive())
+            self._view = self.membership.alive_ids()
             self._send_ready(self.rendezvous.tick(self.clock.now(), self._view))  # a member we counted may be gone
             self._send_ready(self.rendezvous.met(met))
 

@@ -190,9 +190,10 @@ def _batch_stream(
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(n, generator=generator)  # (n,)
+        # One gather per epoch, then each batch is a slice of it: the same batches as gathering each one.
+        epoch_inputs, epoch_targets = inputs[order], targets[order]  # (n, ...), (n,)
         for start in range(0, n - size + 1, size):
-            chosen = order[start : start + size]  # (size,)
-            yield inputs[chosen], targets[chosen]
+            yield epoch_inputs[start : start + size], epoch_targets[start : start + size]
 
 
 def _import(name: str, module_name: str) -> Any:
