@@ -399,3 +399,16 @@ def test_the_kept_sorted_view_is_the_alive_members(seed: int, crashes: list[int]
     c.run(20)  # long enough for suspicions to become deaths
     for node in c.nodes.values():
         assert node.alive_ids() == tuple(m.id for m in node.alive())
+
+
+def test_a_remembered_entry_never_lets_a_lookalike_through() -> None:
+    """Valid entries are remembered by their fields; values equal to them but of another type are still refused."""
+    good = ["p00001", "tcp://127.0.0.2:4000", 1, 1, "alive", ""]
+    assert Member.from_wire(list(good)) == Member.from_wire(list(good))
+    for bad in (
+        ["p00001", "tcp://127.0.0.2:4000", True, 1, "alive", ""],
+        ["p00001", "tcp://127.0.0.2:4000", 1, 1.0, "alive", ""],
+        ["p00001", "tcp://127.0.0.2:4000", 1, True, "alive", ""],
+    ):
+        with pytest.raises(ProtocolError):
+            Member.from_wire(bad)

@@ -80,6 +80,13 @@ MAX_PLACEHOLDERS = 16
 WELCOMED_INTRODUCER = "welcomed by us"
 
 
+#: The field types of a well-formed member entry (id, addr, shard, incarnation, state, by).
+_ENTRY_TYPES = [str, str, int, int, str, str]
+#: Entries already validated, by their exact fields (Member.from_wire); cleared when full.
+_VALIDATED: dict[tuple[Any, ...], "Member"] = {}
+_VALIDATED_MAX = 1 << 16
+
+
 @dataclass(frozen=True)
 class Member:
     """One member as gossiped: identity, where to reach it, its shard and what is claimed about it."""
@@ -96,7 +103,28 @@ class Member:
 
     @classmethod
     def from_wire(cls, raw: Any) -> "Member":
-        """Validate one gossiped entry; anything malformed is a ProtocolError."""
+        """Validate one gossiped entry; anything malformed is a ProtocolError.
+
+        The same entries arrive again and again (each member's is gossiped
+        by all), so a valid one is remembered by its exact fields and
+        returned (members are immutable) without checking it again: only
+        when every field has exactly the type a valid entry has, so that
+        no value that merely compares equal (True for 1, 1.0 for 1) can
+        pass for a checked one.
+        """
+        if type(raw) is list and len(raw) == 6 and [type(v) for v in raw] == _ENTRY_TYPES:
+            key = tuple(raw)
+            known = _VALIDATED.get(key)
+            if known is None:
+                known = cls._checked(raw)
+                if len(_VALIDATED) >= _VALIDATED_MAX:
+                    _VALIDATED.clear()
+                _VALIDATED[key] = known
+            return known
+        return cls._checked(raw)
+
+    @classmethod
+    def _checked(cls, raw: Any) -> "Member":
         if not isinstance(raw, list) or len(raw) != 6:
             raise ProtocolError("member entry must be a list of 6 fields")
         mid, addr, shard, inc, state, by = raw
