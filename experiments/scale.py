@@ -31,8 +31,9 @@ dominates), `ps-sync`, `ps-async`.
 
 Runs go two at a time in fresh processes (a run is single-threaded and in
 virtual time, so running two at once changes no result; a fresh process
-per run measures its own peak memory; `--quick` reuses its processes). Every finished run is appended to
-runs.csv at once, and `--resume` skips the runs already there: a long
+per run measures its own peak memory; `--quick` reuses its processes).
+Every finished run is written to runs.csv at once, and `--resume` skips
+the runs already there (`--refresh` runs the selected ones again): a long
 sweep survives an interruption and can be extended later.
 
 Output in experiments/results/scale/ (`--quick`: a scratch folder):
@@ -153,6 +154,7 @@ def run_one(spec: Spec) -> dict[str, Any]:
     return {
         "workload": spec.workload, "peers": spec.peers, "condition": spec.condition, "system": spec.system,
         "seed": spec.seed, "time_to_target_s": s.get("time_to_target"), "duration_s": spec.duration,
+        "swarm_time_to_target_s": s.get("swarm_time_to_target", ""),
         "final_acc": _round(s.get("mean_test_acc"), 4), "steps_per_peer": _round(s.get("mean_step"), 1),
         "restarts": s.get("restarts", ""), "crashes": s.get("crashes"),
         "wall_s": round(time.perf_counter() - began, 1),
@@ -189,6 +191,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     for r in rows:
         r["peers"], r["seed"] = int(r["peers"]), int(r["seed"])
         r["time_to_target_s"] = float(r["time_to_target_s"]) if r["time_to_target_s"] not in ("", "None") else None
+        swarm = r.get("swarm_time_to_target_s")
+        r["swarm_time_to_target_s"] = float(swarm) if swarm not in (None, "", "None") else None
         for k in ("wall_s", "peak_rss_mb", "duration_s"):
             r[k] = float(r[k]) if r.get(k) not in (None, "") else math.nan
     return rows
@@ -198,17 +202,15 @@ def key_of(row: dict[str, Any]) -> tuple[str, int, str, str, int]:
     return (row["workload"], row["peers"], row["condition"], row["system"], row["seed"])
 
 
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+def save_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """runs.csv from all rows so far: rewritten whole, so that rows of older runs lacking a newer column stay aligned."""
+    tmp = path.with_suffix(".csv.tmp")
+    harness.write_csv(tmp, rows)
+    tmp.replace(path)  # a sweep interrupted mid-write keeps the previous file
 
 
-def run_grid(specs: list[Spec], csv_path: Path, jobs: int, fresh: bool = True) -> None:
-    """Run ``specs`` ``jobs`` at a time, appending each row as it finishes.
+def run_grid(specs: list[Spec], csv_path: Path, rows: list[dict[str, Any]], jobs: int, fresh: bool = True) -> None:
+    """Run ``specs`` ``jobs`` at a time, adding each row to ``rows`` and runs.csv as it finishes.
 
     ``fresh``: each run in a process of its own (its peak memory is its
     own); otherwise the processes are reused (quicker: torch is imported
@@ -225,7 +227,8 @@ def run_grid(specs: list[Spec], csv_path: Path, jobs: int, fresh: bool = True) -
             for f in finished:
                 spec = pending.pop(f)
                 row = f.result()
-                append_row(csv_path, row)
+                rows.append(row)
+                save_rows(csv_path, rows)
                 done += 1
                 elapsed = time.perf_counter() - began
                 ttt = harness.fmt_seconds(row["time_to_target_s"] if row["time_to_target_s"] is not None else math.inf)
@@ -246,6 +249,9 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, str], tuple
     by: dict[tuple[str, int, str, str], list[float | None]] = {}
     for r in rows:
         by.setdefault((r["workload"], r["peers"], r["condition"], r["system"]), []).append(r["time_to_target_s"])
+        if r["system"] == "gossip" and r.get("swarm_time_to_target_s") is not None:
+            # The peers' averaged model (what the final consensus hands out), where the run recorded it.
+            by.setdefault((r["workload"], r["peers"], r["condition"], "gossip-avg"), []).append(r["swarm_time_to_target_s"])
     out = {k: (harness.spread(v)[0], len(v)) for k, v in by.items()}
     for (w, p, c, s), value in list(out.items()):
         if s.startswith("gossip:"):
@@ -271,10 +277,12 @@ def summary_lines(rows: list[dict[str, Any]], m: dict[tuple[str, int, str, str],
         "Regenerate: `python experiments/scale.py` (`--resume` continues a sweep). Each machine is simulated on its "
         f"own (`gossiptrain.sim`), steps of {STEP_TIME * 1000:.0f} ms; base: 1 Gbit/s, 1 ms links, iid shards. Time to "
         f"the held target (mean test accuracy {TARGETS}) in virtual seconds, medians of the seeds "
-        "(n = seeds); DDP / gossip above 1: gossip is faster.",
+        "(n = seeds); DDP / gossip above 1: gossip is faster. gossip: the mean of the peers' own models' "
+        "accuracies (the stop condition); gossip-avg: the peers' averaged model, what the final consensus "
+        "hands out (where a run recorded it).",
         "",
     ]
-    systems = ["gossip", "gossip-best", "ddp", "ddp-hd", "ps-sync", "ps-async"]
+    systems = ["gossip", "gossip-avg", "gossip-best", "ddp", "ddp-hd", "ps-sync", "ps-async"]
     for workload in sorted({r["workload"] for r in rows}):
         lines += [f"## {workload}", ""]
         table = []
@@ -343,6 +351,8 @@ def main() -> int:
     ap.add_argument("--gossip-duration", type=float, default=GOSSIP_DURATION)
     ap.add_argument("--sync-duration", type=float, default=SYNC_DURATION)
     ap.add_argument("--resume", action="store_true", help="keep runs.csv and skip the runs it already holds")
+    ap.add_argument("--refresh", action="store_true",
+                    help="with --resume: run the selected runs again, replacing their rows in runs.csv")
     ap.add_argument("--quick", action="store_true", help="16 peers, logreg, none and straggler, 1 seed (smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/scale)")
     args = ap.parse_args()
@@ -355,11 +365,16 @@ def main() -> int:
     csv_path = out / "runs.csv"
     if not args.resume and csv_path.exists():
         csv_path.unlink()
-    have = {key_of(r) for r in read_rows(csv_path)}
-    specs = [s for s in grid(args) if s.key() not in have]
-    print(f"{len(specs)} runs to go ({len(have)} already in {csv_path})", flush=True)
-    run_grid(specs, csv_path, args.jobs, fresh=not args.quick)
+    selected = grid(args)
     rows = read_rows(csv_path)
+    if args.refresh:
+        again = {s.key() for s in selected}
+        rows = [r for r in rows if key_of(r) not in again]
+    have = {key_of(r) for r in rows}
+    specs = [s for s in selected if s.key() not in have]
+    print(f"{len(specs)} runs to go ({len(have)} already in {csv_path})", flush=True)
+    run_grid(specs, csv_path, rows, args.jobs, fresh=not args.quick)
+    rows = read_rows(csv_path) if csv_path.exists() else rows
     m = medians(rows)
     plot(out, rows, m)
     largest = largest_run(rows)

@@ -20,12 +20,20 @@ from .swarm import skewed_sim_final
 LR, MU = 0.1, 0.9
 
 
+@pytest.fixture
+def no_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The update from the first safe point on (the unit checks below), without the warm start."""
+    import gossiptrain.protocol.momentum as momentum
+
+    monkeypatch.setattr(momentum, "WARMUP_SAFE_POINTS", 0)
+
+
 def sgd_step(p: torch.Tensor, opt: torch.optim.Optimizer, grad: float) -> None:
     p.grad = torch.full_like(p, grad)
     opt.step()
 
 
-def test_the_buffer_is_the_running_average_of_the_models_change_merges_included() -> None:
+def test_the_buffer_is_the_running_average_of_the_models_change_merges_included(no_warmup: None) -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=LR, momentum=MU)
     qg = QuasiGlobalMomentum(opt)
@@ -43,7 +51,7 @@ def test_the_buffer_is_the_running_average_of_the_models_change_merges_included(
     assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), m), atol=1e-6)
 
 
-def test_a_change_far_larger_than_recent_ones_enters_the_buffer_clipped_and_does_not_raise_the_limit() -> None:
+def test_a_change_far_larger_than_recent_ones_enters_the_buffer_clipped_and_does_not_raise_the_limit(no_warmup: None) -> None:
     from gossiptrain.protocol.momentum import CHANGE_CLIP, CHANGE_WARMUP
 
     p = torch.nn.Parameter(torch.zeros(4))
@@ -67,7 +75,7 @@ def test_a_change_far_larger_than_recent_ones_enters_the_buffer_clipped_and_does
     assert qg.clipped == 2
 
 
-def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_from_it() -> None:
+def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_from_it(no_warmup: None) -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=LR, momentum=MU)
     active = [True]
@@ -87,6 +95,29 @@ def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_fro
     qg()  # back: the average goes on from the buffer, with this step's change only (not the merge before)
     expected = MU * own + (1 - MU) * (MU * own)
     assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), expected), atol=1e-6)
+
+
+def test_the_first_safe_points_run_the_optimizers_own_momentum_then_the_buffer_starts_from_it() -> None:
+    from gossiptrain.protocol.momentum import WARMUP_SAFE_POINTS
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU)
+    qg = QuasiGlobalMomentum(opt)
+    own = 0.0
+    for _ in range(WARMUP_SAFE_POINTS):
+        sgd_step(p, opt, 1.0)  # torch's heavy ball: buf <- mu buf + g
+        with torch.no_grad():
+            p.add_(0.01)  # a merge, left out of the buffer while warming up
+        qg()
+        own = MU * own + 1.0
+        assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), own), atol=1e-5)
+    sgd_step(p, opt, 1.0)  # steps by g + mu * own
+    with torch.no_grad():
+        p.add_(0.5)
+    qg()  # the average now, from the warm buffer: this step's change and the merge's
+    d = (1.0 + MU * own) - 0.5 / LR
+    expected = MU * own + (1 - MU) * d
+    assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), expected), atol=1e-4)
 
 
 def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:

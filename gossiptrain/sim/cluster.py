@@ -198,6 +198,8 @@ class Cluster:
         self.rows: list[dict[str, Any]] = []
         self.crashes = 0
         self.time_to_target: float | None = None
+        self.swarm_time_to_target: float | None = None  # the same, for the peers' averaged model (see _sample)
+        self._swarm_model: torch.nn.Module | None = None
         self.reached = 0.0  # virtual time the run got to (its end, or where it was interrupted)
         self._wall_start: float | None = None
 
@@ -289,6 +291,7 @@ class Cluster:
             if model is not None:
                 flat[slot] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (P,)
         center = torch.stack(list(flat.values())).mean(0) if flat else None  # (P,)
+        swarm_acc = self._swarm_accuracy(center) if center is not None else None
         for slot, peer in sorted(live.items()):
             row: dict[str, Any] = {"time": round(now, 6), "peer": slot, "id": peer.node.me.id if peer.node else ""}
             row["generation"] = peer.spec.generation
@@ -306,12 +309,23 @@ class Cluster:
                 row.update(result.extras())
                 assert center is not None
                 row["consensus_distance"] = float(torch.linalg.vector_norm(flat[slot] - center))
+                row["swarm_acc"] = swarm_acc  # the peers' averaged model, what a final consensus hands out
             rows.append(row)
         return rows
+
+    def _swarm_accuracy(self, center: torch.Tensor) -> float:
+        """Test accuracy of the live peers' averaged model (center: all parameters, flat)."""
+        assert self.workload is not None and self.base_model is not None
+        if self._swarm_model is None:
+            self._swarm_model = copy.deepcopy(self.base_model)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(center, self._swarm_model.parameters())
+        return self.workload.evaluate(self._swarm_model).accuracy
 
     async def _sampler(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         streak: list[float] = []  # sample times of the current run of samples at or above the target
+        swarm_streak: list[float] = []  # ...of the averaged model
         while True:
             await asyncio.sleep(self.config.sample_every)
             now = self.reached = loop.time()
@@ -321,6 +335,11 @@ class Cluster:
                 self.on_sample(now, rows)
             accs = [r["test_acc"] for r in rows if "test_acc" in r and not r.get("rogue")]
             target = self.config.target_accuracy
+            swarm = [r["swarm_acc"] for r in rows if r.get("swarm_acc") is not None][:1]
+            if target and self.swarm_time_to_target is None:
+                swarm_streak = swarm_streak + [now] if swarm and swarm[0] >= target else []
+                if len(swarm_streak) >= self.config.target_hold:
+                    self.swarm_time_to_target = swarm_streak[0]
             if target and accs and sum(accs) / len(accs) >= target:
                 streak.append(now)
                 if len(streak) >= self.config.target_hold:
@@ -401,6 +420,8 @@ class Cluster:
                 exchanges_per_peer=mean("exchanges"),
                 bytes_sent_per_peer=mean("bytes_sent"),
                 time_to_target=self.time_to_target,
+                swarm_time_to_target=self.swarm_time_to_target,
+                mean_swarm_acc=mean("swarm_acc"),
             )
         return summary
 
