@@ -8,8 +8,12 @@ closed-form all-reduce. The servers must take DDP's update (sync) and SGD's
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from gossiptrain.sim.compute import shared_finish_times, step_factor
 from gossiptrain.sim.synchronous import SynchronousJob
 
 FREE = LinkProfile(latency=0.0, bandwidth=math.inf)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(system: str, peers: int = 2, *, steps: int = 0, **kw: object) -> SimConfig:
@@ -211,7 +216,18 @@ def test_simulated_ddp_equals_a_real_gloo_run(tmp_path: Path) -> None:
 
     steps, overrides = 12, {"train.workload": "digits-small", "train.partition": "classes-per-peer", "train.partition_classes": 5}
     saved = tmp_path / "ddp.safetensors"
-    harness.run_ddp(2, 0, 1.0, None, 150, tmp_path / "ddp", max_steps=steps, save=saved, eval_every=0, overrides=overrides)
+    # In a process of its own: the rendezvous store it hosts, and its sockets, stay out of this test process
+    # (another test here counts this process's descriptors).
+    script = (
+        "import json, sys; from pathlib import Path; from experiments import harness; "
+        "harness.run_ddp(2, 0, 1.0, None, 150, Path(sys.argv[1]), max_steps=int(sys.argv[2]), save=Path(sys.argv[3]), "
+        "eval_every=0, overrides=json.loads(sys.argv[4]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ddp"), str(steps), str(saved), json.dumps(overrides)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     real = load_file(str(saved))
     run = harness.run_config(2, 0, max_steps=steps).with_overrides(overrides)
     job = SynchronousJob(SimConfig(peers=2, run=run, duration=60.0, step_time=0.01, system="ddp", join_spread=0.0))
