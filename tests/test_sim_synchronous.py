@@ -179,6 +179,17 @@ def test_a_rare_checkpoint_loses_the_steps_since() -> None:
     assert job.restarts == 1 and job.lost_steps > 0
 
 
+def test_an_async_straggler_holds_nobody_else_on_the_servers_link() -> None:
+    """One worker 10x slower: the other three's gradients go on arriving at their own pace (about 3/4 of the
+    updates of 4 equal workers), not queued behind the straggler's next one."""
+    link = LinkProfile(latency=0.001, bandwidth=1e6)
+    alike = SynchronousJob(config("ps-async", 4, duration=2.0, sample_every=0.5, link=link))
+    alike.run()
+    slowed = SynchronousJob(config("ps-async", 4, duration=2.0, sample_every=0.5, link=link, speeds=(10.0, 1.0, 1.0, 1.0)))
+    slowed.run()
+    assert slowed._updates >= 0.9 * (3 / 4 + 1 / 40) * alike._updates
+
+
 def test_async_workers_crash_alone() -> None:
     base = config("ps-async", 3, duration=3.0, sample_every=0.5)
     job = SynchronousJob(replace(base, churn_trace=(ChurnEvent(0.5, 1, "crash"), ChurnEvent(2.0, 1, "join"))))

@@ -283,7 +283,8 @@ class SynchronousJob:
         generation = [0] * self.n
         up = [True] * self.n
         steps = [0] * self.n
-        queue: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, worker, generation)
+        queue: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, worker, generation); kinds:
+        # "ready" (a gradient computed, to queue on the server's link), "gradient" (it arrived), crash, join
         order = 0
 
         def push(t: float, kind: str, worker: int) -> None:
@@ -302,7 +303,7 @@ class SynchronousJob:
             grad = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
             pending[worker] = (self._updates, samples, grad)
             self.optimizer.zero_grad(set_to_none=True)
-            push(to_server.send(got + self.compute_seconds(worker), self.nbytes), "gradient", worker)
+            push(got + self.compute_seconds(worker), "ready", worker)  # queued on the server's link when ready, in order
 
         for w in range(self.n):
             dispatch(0.0, w)
@@ -324,6 +325,10 @@ class SynchronousJob:
             elif kind == JOIN and not up[worker]:
                 up[worker] = True
                 dispatch(now, worker)
+            elif kind == "ready" and gen == generation[worker]:
+                # Transfers join the server's queue as they become ready: a straggler's later gradient must not
+                # hold the faster ones behind it.
+                push(to_server.send(now, self.nbytes), "gradient", worker)
             elif kind == "gradient" and gen == generation[worker]:
                 sent_at, samples, grad = pending.pop(worker)
                 self.state.samples += samples
