@@ -438,7 +438,8 @@ def sim_ddp(peers: int, slowdown: float, target: float, timeout: float, machine:
     )
     result = simulate(config)
     got = ddp_measured(ddp_points(result.rows), peers, run.train.batch_size, target, f"simulated DDP (seed {seed})")
-    return {**got, "wall_seconds": result.summary["wall_seconds"], "comm_share": result.summary["comm_share"]}
+    return {**got, "wall_seconds": result.summary["wall_seconds"], "comm_share": result.summary["comm_share"],
+            "model_bytes": result.summary["model_bytes"]}
 
 
 def calibrate_ddp(args: argparse.Namespace, machine: Machine) -> LinkProfile:
@@ -457,7 +458,7 @@ def calibrate_ddp(args: argparse.Namespace, machine: Machine) -> LinkProfile:
 
     real = real_ddp(args.peers, 1.0, args.target, args.timeout, args.out / "ddp-calibration", 1000)
     sim = sim_ddp(args.peers, 1.0, args.target, args.timeout, machine, LOOPBACK, 1000)
-    model_bytes = 4 * sum(p.numel() for p in load_workload(harness.WORKLOAD).build_model(0).parameters())
+    model_bytes = sim["model_bytes"]  # what the simulated job all-reduces each step
     sim_comm = ring_allreduce_seconds(args.peers, model_bytes, LOOPBACK)
     comm = 1 / real["steps_per_second"] - (1 / sim["steps_per_second"] - sim_comm)  # the real period less the compute
     latencies = 2 * (args.peers - 1) * LOOPBACK.latency

@@ -120,8 +120,11 @@ def test_shared_cores_conserve_work(jobs: list[tuple[float, float]], cores: floa
     finish = shared_finish_times(starts, works, cores)
     for s, w, f in zip(starts, works, finish):
         assert f >= s + w - 1e-9  # never faster than a core of its own
-    busy_span = max(finish) - min(starts)
-    assert busy_span >= sum(works) / max(cores, 1e-9) - 1e-9 or busy_span >= max(works) - 1e-9
+    # The cores do at most `cores` seconds of work per second, and while any job is left they do at least
+    # min(1, cores): the last job ends no sooner than all the work over the cores, and no later than the
+    # last start plus all the work at that slowest rate.
+    assert max(finish) - min(starts) >= sum(works) / cores - 1e-9
+    assert max(finish) <= max(starts) + sum(works) / min(1.0, cores) + 1e-9
 
 
 def test_on_shared_cores_a_ddp_straggler_idles_and_frees_the_cores() -> None:

@@ -35,7 +35,7 @@ from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork
 from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.sim.collectives import ALLREDUCE
-from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_schedule
+from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_events
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
 from gossiptrain.sim.vtime import LoopClock, run_virtual
 from gossiptrain.train.local_trainer import LocalTrainer
@@ -200,6 +200,7 @@ class Cluster:
         self.time_to_target: float | None = None
         self.swarm_time_to_target: float | None = None  # the same, for the peers' averaged model (see _sample)
         self._swarm_model: torch.nn.Module | None = None
+        self.swarm_acc: float | None = None  # the averaged model's accuracy at the last sample
         self.reached = 0.0  # virtual time the run got to (its end, or where it was interrupted)
         self._wall_start: float | None = None
 
@@ -253,10 +254,7 @@ class Cluster:
     # -- schedules -------------------------------------------------------------------------
 
     async def _churn(self) -> None:
-        events = sorted(
-            [*self.config.churn_trace, *churn_schedule(self.config, random.Random(self.rng.getrandbits(32)))],
-            key=lambda e: (e.time, e.peer),
-        )
+        events = churn_events(self.config, random.Random(self.rng.getrandbits(32)))
         loop = asyncio.get_running_loop()
         for event in events:
             await asyncio.sleep(max(0.0, event.time - loop.time()))
@@ -291,7 +289,7 @@ class Cluster:
             if model is not None:
                 flat[slot] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (P,)
         center = torch.stack(list(flat.values())).mean(0) if flat else None  # (P,)
-        swarm_acc = self._swarm_accuracy(center) if center is not None else None
+        swarm_acc = self.swarm_acc = self._swarm_accuracy(center) if center is not None else None
         for slot, peer in sorted(live.items()):
             row: dict[str, Any] = {"time": round(now, 6), "peer": slot, "id": peer.node.me.id if peer.node else ""}
             row["generation"] = peer.spec.generation
@@ -335,9 +333,8 @@ class Cluster:
                 self.on_sample(now, rows)
             accs = [r["test_acc"] for r in rows if "test_acc" in r and not r.get("rogue")]
             target = self.config.target_accuracy
-            swarm = [r["swarm_acc"] for r in rows if r.get("swarm_acc") is not None][:1]
             if target and self.swarm_time_to_target is None:
-                swarm_streak = swarm_streak + [now] if swarm and swarm[0] >= target else []
+                swarm_streak = swarm_streak + [now] if self.swarm_acc is not None and self.swarm_acc >= target else []
                 if len(swarm_streak) >= self.config.target_hold:
                     self.swarm_time_to_target = swarm_streak[0]
             if target and accs and sum(accs) / len(accs) >= target:

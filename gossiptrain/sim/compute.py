@@ -35,7 +35,6 @@ def step_factor(rng: random.Random, jitter: float = 0.0, sigma: float = 0.0) -> 
     return 1.0
 
 
-
 def shared_finish_times(starts: Sequence[float], works: Sequence[float], cores: float) -> list[float]:
     """When each job finishes: job i becomes ready at ``starts[i]`` and needs ``works[i]`` seconds of one core.
 

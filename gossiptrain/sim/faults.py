@@ -85,6 +85,11 @@ def churn_schedule(config: "SimConfig", rng: random.Random) -> list[ChurnEvent]:
             events.append(ChurnEvent(down_until[slot], slot, JOIN))
 
 
+def churn_events(config: "SimConfig", rng: random.Random) -> list[ChurnEvent]:
+    """Every crash and join of a run in time order: the explicit trace and the Poisson schedule drawn from ``rng``."""
+    return sorted([*config.churn_trace, *churn_schedule(config, rng)], key=lambda e: (e.time, e.peer))
+
+
 def load_trace(path: str | Path) -> tuple[ChurnEvent, ...]:
     """A churn trace: CSV lines 'time,peer,event' (event: crash or join); '#' starts a comment."""
     events = []

@@ -61,7 +61,7 @@ import torch
 from gossiptrain.errors import ConfigError
 from gossiptrain.sim.collectives import SharedLink, allreduce_seconds
 from gossiptrain.sim.compute import shared_finish_times, step_factor
-from gossiptrain.sim.faults import CRASH, JOIN, churn_schedule
+from gossiptrain.sim.faults import CRASH, JOIN, churn_events
 from gossiptrain.train.local_trainer import budget_spent, load_shard, make_optimizer
 from gossiptrain.train.workload import Workload, batches, load_workload
 
@@ -72,7 +72,7 @@ SYNCHRONOUS = ("ddp", "ps-sync", "ps-async")
 
 
 @dataclass
-class _Sample:
+class _Counters:
     """The job's state the sampler reads: counters only; the model is evaluated when sampled."""
 
     steps: float = 0.0  # gradients computed per worker (mean)
@@ -113,12 +113,9 @@ class SynchronousJob:
         self.contention = config.contention()
         self.rng = random.Random(config.seed)
         self.noise = random.Random(config.seed ^ 0x5EED)  # step-time draws, apart from the churn schedule's
-        self.events = sorted(
-            [*config.churn_trace, *churn_schedule(config, random.Random(self.rng.getrandbits(32)))],
-            key=lambda e: (e.time, e.peer),
-        )
+        self.events = churn_events(config, random.Random(self.rng.getrandbits(32)))
         self.rows: list[dict[str, Any]] = []
-        self.state = _Sample()
+        self.state = _Counters()
         self.time_to_target: float | None = None
         self.restarts = 0
         self.crashes = 0
