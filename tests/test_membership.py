@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import PING
+from gossiptrain.net.kinds import ACK, PING
 from gossiptrain.protocol.membership import (
     ALIVE,
     DEAD,
@@ -412,3 +412,98 @@ def test_a_remembered_entry_never_lets_a_lookalike_through() -> None:
     ):
         with pytest.raises(ProtocolError):
             Member.from_wire(bad)
+
+
+def _deliver(to: Membership, send: Send, sender: Membership, now: float) -> list:
+    """Hand ``send`` from ``sender`` to ``to`` as the network side would (kinds PING and ACK only)."""
+    if send.kind == PING:
+        return to.handle(Ping(sender.me.id, sender.me.addr, send.seq, send.entries), now)
+    return to.handle(Ack(sender.me.id, send.seq, send.entries, challenge=send.challenge), now)
+
+
+def test_a_candidate_that_probes_us_is_verified_by_echoing_the_challenge_on_our_ack() -> None:
+    a = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    b = Membership(Member("b", "sim://b", 0, 1), CONFIG, random.Random(1))
+    [ping] = [x for x in a.handle(Digest((b.me,)), 0.0) if isinstance(x, Send)]  # b heard of: a probes it
+    assert ping.kind == PING and ping.addr == "sim://b"
+    [ack] = [x for x in _deliver(b, ping, a, 0.01) if isinstance(x, Send)]
+    assert ack.challenge and ack.addr == "sim://a"  # a is b's candidate now: the ack to its address asks for proof
+    assert "a" in b.candidates and not b.is_alive("a")
+    [echo] = [x for x in _deliver(a, ack, b, 0.02) if isinstance(x, Send) and x.kind == ACK]
+    assert a.is_alive("b") and echo.seq == ack.challenge and echo.addr == "sim://b" and not echo.challenge
+    ups = [x for x in _deliver(b, echo, a, 0.03) if isinstance(x, MemberUp)]
+    assert [u.member.id for u in ups] == ["a"] and b.is_alive("a")  # 3 messages, where two probes take 4
+
+
+def test_a_challenge_is_echoed_only_on_an_ack_to_our_own_probe_and_only_to_the_address_probed() -> None:
+    a = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    # an ack nobody asked for, with a challenge: no echo (no reflection off us), nothing learned
+    assert not [x for x in a.handle(Ack("x", 12345, (Member("x", "sim://victim", 0, 1),), challenge=777), 0.0)
+                if isinstance(x, Send) and x.seq == 777]
+    [ping] = [x for x in a.handle(Digest((Member("b", "sim://b", 0, 1),)), 0.1) if isinstance(x, Send)]
+    # b answers as itself but claims another address in its entry: the echo still goes where a probed
+    out = a.handle(Ack("b", ping.seq, (Member("b", "sim://elsewhere", 0, 1),), challenge=99), 0.2)
+    assert [x.addr for x in out if isinstance(x, Send) and x.seq == 99] == ["sim://b"]
+
+
+def test_a_wrong_echo_verifies_nobody_and_an_unechoed_challenge_is_probed_again() -> None:
+    b = Membership(Member("b", "sim://b", 0, 1), CONFIG, random.Random(1))
+    [ack] = [x for x in b.handle(Ping("a", "sim://a", 5, (Member("a", "sim://a", 0, 1),)), 0.0) if isinstance(x, Send)]
+    assert ack.challenge
+    b.handle(Ack("a", ack.challenge ^ 2, ()), 0.01)  # not the nonce sent
+    assert not b.is_alive("a")
+    now, probes = 0.0, []
+    while now < 3 * b.period() and not probes:
+        now += 0.05
+        probes = [x for x in b.handle(Tick(), now) if isinstance(x, Send) and x.kind == PING and x.addr == "sim://a"]
+    assert probes and probes[0].seq != ack.challenge  # a plain nonce probe once the challenge's period is over
+    b.handle(Ack("a", probes[0].seq, ()), now + 0.01)
+    assert b.is_alive("a")
+
+
+def test_a_ping_whose_sender_claims_another_address_than_its_reply_address_gets_no_challenge() -> None:
+    b = Membership(Member("b", "sim://b", 0, 1), CONFIG, random.Random(1))
+    out = b.handle(Ping("a", "sim://somewhere-else", 5, (Member("a", "sim://a", 0, 1),)), 0.0)
+    [ack] = [x for x in out if isinstance(x, Send) and x.kind == ACK]
+    assert ack.addr == "sim://somewhere-else" and not ack.challenge
+
+
+@pytest.mark.parametrize("challenge", [-1, 1 << 63, 1.5, "7", True, None])
+def test_an_ack_with_a_malformed_challenge_is_refused_and_a_good_one_read(challenge: object) -> None:
+    from gossiptrain.net.wire import Message
+    from gossiptrain.runtime.peer_network import membership_event
+
+    entry = Member("b", "sim://b", 0, 1).to_wire()
+    good = Message(ACK, "b", "sim://b", "", 0, {"members": [entry], "seq": 3, "challenge": 41})
+    assert membership_event(good, 16).challenge == 41
+    assert membership_event(Message(ACK, "b", "sim://b", "", 0, {"members": [entry], "seq": 3}), 16).challenge == 0
+    with pytest.raises(ProtocolError):
+        membership_event(Message(ACK, "b", "sim://b", "", 0, {"members": [entry], "seq": 3, "challenge": challenge}), 16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), crashes=st.lists(st.integers(0, 7), max_size=3, unique=True))
+def test_the_dead_index_is_the_records_held_dead(seed: int, crashes: list[int]) -> None:
+    c = Cluster(8, seed=seed)
+    c.run(5.0)
+    for i in crashes:
+        c.crash(f"m{i:03d}")
+    for _ in range(8):
+        c.run(periods(6))
+        for node in c.nodes.values():
+            assert set(node._dead_ids) == {mid for mid, r in node._records.items() if r.member.state == DEAD}
+
+
+def test_a_pinger_is_challenged_even_when_hearsay_fills_the_candidate_table() -> None:
+    from gossiptrain.protocol.candidates import DIRECT_RESERVE
+
+    b = Membership(Member("b", "sim://b", 0, 1), CONFIG, random.Random(1))
+    for src in range(16):  # more hearsay than the table holds, from many sources, in one period
+        b.handle(Digest(tuple(Member(f"h{src}x{i}", f"sim://h{src}x{i}", 0, 1) for i in range(16)), source=f"10.0.0.{src}"), 0.0)
+    full = len(b.candidates)
+    assert full == b.candidates.capacity
+    for i in range(DIRECT_RESERVE + 1):
+        me = Member(f"a{i}", f"sim://a{i}", 0, 1)
+        [ack] = [x for x in b.handle(Ping(me.id, me.addr, 5, (me,), source=f"10.1.0.{i}"), 0.01) if isinstance(x, Send)]
+        assert bool(ack.challenge) == (i < DIRECT_RESERVE)  # past the reserve, the table is full for pingers too
+    assert len(b.candidates) == full + DIRECT_RESERVE

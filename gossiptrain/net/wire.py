@@ -46,6 +46,7 @@ KINDS = kinds.ALL  # re-exported: every kind, from gossiptrain.net.kinds
 MAX_BODY_DEPTH = 8  # containers nested in a body, counting the body itself
 
 _HEADER_KEYS = frozenset({"v", "kind", "sender", "addr", "fp", "step", "body", "tensors"})
+_LONGEST_HEADER_KEY = max(map(len, _HEADER_KEYS))
 _UINT_MAX = (1 << 64) - 1
 _SCALARS = frozenset({type(None), bool, int, float, str})  # what a body may hold besides lists and maps
 
@@ -68,14 +69,16 @@ class Message:
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
-def encode(msg: Message, limits: Limits) -> list[bytes | memoryview]:
+def encode(msg: Message, limits: Limits, *, check: bool = True) -> list[bytes | memoryview]:
     """Frames for ``msg``: the header, then each tensor's bytes without copying.
 
     A tensor frame is a view of the tensor's own storage when the tensor is
     a contiguous CPU tensor (otherwise of a contiguous CPU copy), so the
     caller must not modify such a tensor until the frames have been sent.
     Raises ProtocolError where ``decode`` with the same limits would refuse
-    the message.
+    the message; with ``check`` False, only for what cannot be encoded at
+    all (a type msgpack lacks, a size over the limits), and receivers are
+    left to refuse the rest, as they always do.
     """
     _check_limits_fit(limits)
     if len(msg.tensors) + 1 > limits.max_frames:
@@ -127,10 +130,12 @@ def encode(msg: Message, limits: Limits) -> list[bytes | memoryview]:
         raise ProtocolError(
             f"message has {len(header) + total} bytes, over limits.max_message_bytes={limits.max_message_bytes}"
         )
+    if not check:
+        return [header, *(chunk for t in msg.tensors.values() for chunk in _tensor_frames(t, limits.chunk_bytes))]
     # What receivers will check, checked on the same bytes by the same code (decode's): a sender learns
     # what they would refuse, at the cost of one C-speed unpacking rather than a walk of the body in Python.
     try:
-        _check_header(_unpack(memoryview(header), limits), limits)
+        _check_header(_unpack(memoryview(header), limits, complete=True), limits)
     except ProtocolError as e:
         raise ProtocolError(
             f"receivers would refuse this message (limits.max_str_len={limits.max_str_len}, "
@@ -207,10 +212,10 @@ def message_nbytes(frames: Sequence[Buffer]) -> int:
 def _check_limits_fit(limits: Limits) -> None:
     # Limits so small that the fixed header layout cannot pass would make every
     # message undecodable; say so at the sender instead of silently at receivers.
-    if limits.max_str_len < max(map(len, _HEADER_KEYS)) or limits.max_container_len < len(_HEADER_KEYS):
+    if limits.max_str_len < _LONGEST_HEADER_KEY or limits.max_container_len < len(_HEADER_KEYS):
         raise ProtocolError(
             "limits.max_str_len and limits.max_container_len are too small for any message header "
-            f"(need >= {max(map(len, _HEADER_KEYS))} and >= {len(_HEADER_KEYS)})"
+            f"(need >= {_LONGEST_HEADER_KEY} and >= {len(_HEADER_KEYS)})"
         )
 
 
@@ -272,9 +277,14 @@ def _check_body(x: list[Any] | dict[Any, Any], depth: int) -> None:
     for value in values:
         kind = type(value)
         if kind is list and depth < MAX_BODY_DEPTH:
+            flat_ok = depth + 2 <= MAX_BODY_DEPTH
             for item in value:  # one level inline: a member list is a list of flat lists, a call each was the cost
                 inner = type(item)
-                if inner is list or inner is dict:
+                if inner is list:
+                    # A flat list of scalars (a member entry) is checked by C-level calls: no walk in Python.
+                    if not (flat_ok and _SCALARS.issuperset(map(type, item))):
+                        _check_body(item, depth + 2)
+                elif inner is dict:
                     _check_body(item, depth + 2)
                 elif inner not in _SCALARS:
                     raise ProtocolError(f"body values of type {inner.__name__} are not allowed")
@@ -320,14 +330,16 @@ def _show(x: Any) -> str:
 # ---------------------------------------------------------------- bytes
 
 
-def _unpack(view: memoryview, limits: Limits) -> Any:
+def _unpack(view: memoryview, limits: Limits, *, complete: bool = False) -> Any:
+    """The header's objects, within ``limits``; ``complete``: bytes we packed ourselves (no truncation to fear)."""
     try:
-        # First a pass that builds nothing: msgpack preallocates every container it opens (up to
-        # ~10,000 slots), so a few KB of nested, never-filled array headers would cost ~80 KB a
-        # level, ~80 MB in all. Once the bytes are known complete, every declared item is there.
-        checker = msgpack.Unpacker(max_buffer_size=max(1, view.nbytes))
-        checker.feed(view)
-        checker.skip()
+        if not complete:
+            # First a pass that builds nothing: msgpack preallocates every container it opens (up to
+            # ~10,000 slots), so a few KB of nested, never-filled array headers would cost ~80 KB a
+            # level, ~80 MB in all. Once the bytes are known complete, every declared item is there.
+            checker = msgpack.Unpacker(max_buffer_size=max(1, view.nbytes))
+            checker.feed(view)
+            checker.skip()
         return msgpack.unpackb(
             view,
             raw=False,

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Iterator
 if TYPE_CHECKING:
     from gossiptrain.protocol.membership import Member
 
+#: Places past the capacity for pingers' own claims (``Candidates.offer``'s ``direct``).
+DIRECT_RESERVE = 32
 _STRIKES_TRACKED = 1024  # introducers whose record of failures we keep (least recently charged forgotten)
 
 
@@ -84,8 +86,13 @@ class Candidates:
     def get(self, member_id: str) -> Candidate | None:
         return self._by_id.get(member_id)
 
-    def offer(self, claim: "Member", introducer: str, now: float) -> Candidate | None:
-        """Take a claim as a candidate; None if refused. A newer claim at the same address updates a waiting one."""
+    def offer(self, claim: "Member", introducer: str, now: float, *, direct: bool = False) -> Candidate | None:
+        """Take a claim as a candidate; None if refused. A newer claim at the same address updates a waiting one.
+
+        ``direct``: the claim is a pinger's own, challenged on our ack to it (``Membership._challenge``);
+        such claims may use ``DIRECT_RESERVE`` places past ``capacity``, since they leave the table one
+        round trip later, so that at a swarm's start hearsay filling the table does not stop them.
+        """
         held = self._by_id.get(claim.id)
         if held is not None:
             if claim.addr == held.claim.addr and claim.incarnation > held.claim.incarnation:
@@ -95,7 +102,8 @@ class Candidates:
         if until is not None and until > now:
             self.stats.candidates_refused += 1
             return None
-        if len(self._by_id) >= self.capacity or self._held[introducer] >= self.per_introducer:
+        room = self.capacity + (DIRECT_RESERVE if direct else 0)
+        if len(self._by_id) >= room or self._held[introducer] >= self.per_introducer:
             self.stats.candidates_refused += 1
             return None
         c = Candidate(claim, introducer, now)

@@ -56,25 +56,33 @@ class CoordinatorStats(EndpointStats):
 
 
 class Registry:
-    """Members the coordinator has heard from recently; silent ones expire."""
+    """Members the coordinator has heard from recently; silent ones expire.
+
+    Entries are kept in the order they were last heard from (the clock only
+    moves forward), so expiring walks only the expired ones, and the live
+    list is rebuilt only after a change: a report, every report interval from
+    every member, costs no walk of the whole registry.
+    """
 
     def __init__(self, expire_after: float, capacity: int) -> None:
         self.expire_after = expire_after
         self.capacity = capacity
-        self._seen: dict[str, tuple[Member, float]] = {}
+        self._seen: dict[str, tuple[Member, float]] = {}  # oldest first
         self._reported: set[str] = set()  # ids that reported themselves (not only joined through us)
+        self._alive: list[Member] | None = None  # the live members, until the next change
 
     def update(self, member: Member, now: float, *, reported: bool = False) -> bool:
         """Record ``member`` as heard from now (``reported``: by itself); False if new and the registry is full."""
         if member.state != ALIVE:
-            self._seen.pop(member.id, None)
-            self._reported.discard(member.id)
+            self._forget(member.id)
             return True
         known = self._seen.get(member.id)
         if known is None and len(self._seen) >= self.capacity and self._expire(now) >= self.capacity:
             return False  # those we know keep their places: a flood of new ids cannot push them out
         if known is None or member.incarnation >= known[0].incarnation:
+            self._seen.pop(member.id, None)  # to the end: heard from last
             self._seen[member.id] = (member, now)
+            self._alive = None
         if reported:
             self._reported.add(member.id)
         return True
@@ -88,21 +96,32 @@ class Registry:
         known = self._seen.get(member_id)
         if known is None or now - known[1] < fresh_for:
             return False
-        del self._seen[member_id]
-        self._reported.discard(member_id)
+        self._forget(member_id)
         return True
 
     def alive(self, now: float) -> list[Member]:
+        """The live members, oldest news first (do not modify the list)."""
         self._expire(now)
-        return [m for m, _ in self._seen.values()]
+        if self._alive is None:
+            self._alive = [m for m, _ in self._seen.values()]
+        return self._alive
+
+    def count(self, now: float) -> int:
+        return self._expire(now)
 
     def _expire(self, now: float) -> int:
         """Forget the members silent for longer than ``expire_after``; how many are left."""
-        for mid, (_, seen) in list(self._seen.items()):
-            if now - seen > self.expire_after:
-                del self._seen[mid]
-                self._reported.discard(mid)
+        while self._seen:
+            mid, (_, seen) = next(iter(self._seen.items()))
+            if now - seen <= self.expire_after:
+                break
+            self._forget(mid)
         return len(self._seen)
+
+    def _forget(self, member_id: str) -> None:
+        if self._seen.pop(member_id, None) is not None:
+            self._alive = None
+        self._reported.discard(member_id)
 
 
 class Coordinator(JoinAnsweringEndpoint):
@@ -139,7 +158,7 @@ class Coordinator(JoinAnsweringEndpoint):
         return self.transport.address
 
     def members(self) -> list[Member]:
-        return self.registry.alive(self.clock.now())
+        return list(self.registry.alive(self.clock.now()))
 
     async def _start(self) -> None:
         await super()._start()  # the receive loop
@@ -152,7 +171,7 @@ class Coordinator(JoinAnsweringEndpoint):
             await self.clock.sleep(self.config.membership.report_interval)
 
     def _note_count(self) -> None:
-        count = len(self.registry.alive(self.clock.now()))
+        count = self.registry.count(self.clock.now())
         if count != self._last_count:
             log.info("%d members alive (from joins and reports)", count)
             self._last_count = count
@@ -208,9 +227,9 @@ class Coordinator(JoinAnsweringEndpoint):
         at their next report.
         """
         now = self.clock.now()
-        others = [m for m in self.registry.alive(now) if m.id != reporter.id]
-        if not others:
-            return
+        alive = self.registry.alive(now)
+        if not any(m.id != reporter.id for m in alive[:2]):
+            return  # nobody else (the reporter is at most one of them)
         # One introduction per address per half report interval, whoever claims it: an honest member
         # reports once an interval, while reports forged in another's name (from any number of sources,
         # under any number of ids) would otherwise make us gossip to that address once each.
@@ -222,7 +241,8 @@ class Coordinator(JoinAnsweringEndpoint):
         self._introduced.move_to_end(reporter.addr)
         while len(self._introduced) > self.config.limits.registry_members:
             self._introduced.popitem(last=False)
-        sample = self.rng.sample(others, min(self.config.membership.sample_size, len(others)))
+        k = self.config.membership.sample_size
+        sample = [m for m in self.rng.sample(alive, min(k + 1, len(alive))) if m.id != reporter.id][:k]
         self.send(reporter.addr, GOSSIP, {"members": [m.to_wire() for m in sample]})
 
     def _learn_spec(self, raw: object) -> None:

@@ -91,7 +91,7 @@ class Endpoint(Service):
         """Encode and queue one message; False (logged or counted) if it breaks the limits or cannot be queued."""
         msg = Message(kind, self.sender, self.sender_address, self.fingerprint, self.step, body, dict(tensors or {}))
         try:
-            frames = encode(msg, self.limits)
+            frames = encode(msg, self.limits, check=self.transport.check_sends)
         except ProtocolError as e:
             log.error("cannot send %s to %s: %s", kind, addr, e)
             return False

@@ -378,6 +378,8 @@ class PeerNode(JoinAnsweringEndpoint):
                 body: dict[str, Any] = {"members": [m.to_wire() for m in a.entries]}
                 if a.kind in _PROBES:
                     body["seq"] = a.seq
+                if a.challenge:
+                    body["challenge"] = a.challenge
                 if a.kind == kinds.PING_REQ:
                     body["target"], body["taddr"] = a.target, a.target_addr
                 self.send(a.addr, a.kind, body)
@@ -438,7 +440,10 @@ def membership_event(msg: Message, max_members: int, source: str = "") -> member
     if msg.kind == kinds.PING:
         return Ping(msg.sender, msg.addr, seq, entries, source)
     if msg.kind == kinds.ACK:
-        return Ack(msg.sender, seq, entries, source)
+        challenge = body.get("challenge", 0)
+        if type(challenge) is not int or not 0 <= challenge < 1 << 63:
+            raise ProtocolError("ack with an invalid challenge")
+        return Ack(msg.sender, seq, entries, source, challenge)
     target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
     return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries, source)
 

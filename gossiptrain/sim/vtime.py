@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import threading
 from typing import Any, Coroutine, Mapping, TypeVar
 
 from gossiptrain.errors import GossipError
@@ -38,7 +39,13 @@ class _JumpingSelector(selectors.BaseSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        events = self._real.select(0)
+        # Polling is a system call per loop iteration: skip it while the loop's own self-pipe is all
+        # there is and nothing was written to it (``call_soon_threadsafe``, a signal) since the last poll.
+        if self._loop._self_woken or len(self._real.get_map()) > 1:
+            self._loop._self_woken = False
+            events = self._real.select(0)
+        else:
+            events = []
         if events or timeout == 0:
             return events
         if timeout is None:
@@ -67,6 +74,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0) -> None:
         self._virtual_now = float(start)
+        self._self_woken = True  # poll once at the start
         super().__init__(selector=_JumpingSelector(self))
         # asyncio runs timers due before now + resolution; with 0 a timer due exactly
         # now would wait forever, and jumps may land an ulp short of a timer.
@@ -74,6 +82,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._virtual_now
+
+    def _write_to_self(self) -> None:
+        self._self_woken = True  # before the byte, so that a poll that misses the flag still finds the byte later
+        super()._write_to_self()
 
     def advance(self, seconds: float) -> None:
         """Move the clock forward (never backward)."""
@@ -88,10 +100,22 @@ def run_virtual(main: Coroutine[Any, Any, T], *, start: float = 0.0, debug: bool
 
 
 class LoopClock:
-    """The ``Clock`` of whatever loop is running: virtual in the simulator, real elsewhere."""
+    """The ``Clock`` of whatever loop is running: virtual in the simulator, real elsewhere.
+
+    The loop is remembered while it runs on this thread: ``asyncio.get_running_loop()``
+    checks the process id, a system call, and the simulator reads the clock at every message.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = self._loop
+        if loop is None or self._thread != threading.get_ident() or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+            self._thread = threading.get_ident()
+        return loop.time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))

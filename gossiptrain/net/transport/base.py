@@ -135,6 +135,10 @@ class Transport(Service, abc.ABC):
     ``start`` binds, then the resolved one (port 0 replaced by the real port).
     """
 
+    #: Whether senders check each message as its receivers will (``wire.encode``'s ``check``) before it
+    #: leaves: a clear error at the sender. The simulator's receivers run that check on the same bytes.
+    check_sends: bool = True
+
     def __init__(self, url: str, limits: Limits) -> None:
         super().__init__()
         self.address: str = url

@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import math
 import random
+import threading
 import re
 import types
 from collections import deque
@@ -114,7 +115,7 @@ class NetworkStats:
 @dataclass(eq=False)
 class _InFlight:
     target: SimTransport
-    frames: list[memoryview]
+    frames: list[bytes]
     nbytes: int
     sender: SimTransport | None
 
@@ -142,6 +143,7 @@ class SimNetwork:
         self._groups: dict[str, int] = {}
         self._next_port = FIRST_PORT
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0  # the thread _loop was last seen running on
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -244,7 +246,10 @@ class SimNetwork:
             arrival += self._rng.uniform(0.0, profile.jitter)
         # FIFO per link, as over a TCP connection: jitter delays, never reorders.
         arrival = link.last_arrival = max(arrival, link.last_arrival)
-        link.wire.append(_InFlight(target, [memoryview(bytes(f)) for f in frames], nbytes, sender))
+        # What arrives is a copy as of now (the sender may reuse a tensor's memory once sent); a bytes frame
+        # (every header) is immutable already.
+        copies = [f if type(f) is bytes else bytes(f) for f in frames]
+        link.wire.append(_InFlight(target, copies, nbytes, sender))
         loop.call_at(arrival, self._arrive, link)
         return True
 
@@ -265,8 +270,12 @@ class SimNetwork:
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         """The running loop; a network serves one loop at a time (link times are in its clock)."""
+        bound = self._loop
+        if bound is not None and self._thread == threading.get_ident() and bound.is_running():
+            return bound  # without get_running_loop's process-id system call, at every message
         loop = asyncio.get_running_loop()
         if loop is self._loop:
+            self._thread = threading.get_ident()
             return loop
         if self._loop is not None and not self._loop.is_closed() and (self._transports or self.in_flight):
             raise RuntimeError("this SimNetwork is in use on another event loop")
@@ -276,6 +285,7 @@ class SimNetwork:
         self._links.clear()
         self._transports.clear()
         self._loop = loop
+        self._thread = threading.get_ident()
         return loop
 
     # -- membership of transports ----------------------------------------------------------
@@ -307,6 +317,10 @@ class SimTransport(Transport):
     The network is ``network`` if given, else the one active in this context
     (``SimNetwork.activate``), looked up here so ``listen`` fails early.
     """
+
+    # Receivers check every message (``wire.decode``); checking it at the sender as well, as real
+    # peers do for a clear error, would double the simulator's cost of each message for nothing new.
+    check_sends = False
 
     def __init__(self, url: str, limits: Limits, *, network: SimNetwork | None = None) -> None:
         if not _URL.fullmatch(url):
@@ -342,9 +356,9 @@ class SimTransport(Transport):
         # No connection to tear down: links hold no per-destination state worth dropping.
         pass
 
-    def _accept(self, frames: list[memoryview], nbytes: int) -> Outcome:
+    def _accept(self, frames: list[bytes], nbytes: int) -> Outcome:
         """Take one arriving message; the ``NetworkStats`` field that says what became of it."""
-        if oversize(self.limits, [f.nbytes for f in frames]):
+        if oversize(self.limits, [len(f) for f in frames]):
             self.stats.oversize_dropped += 1
             return "oversize"
         if not self.inbox.put_nowait(frames):
