@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import ACK, PING
+from gossiptrain.net.kinds import ACK, GOSSIP, PING
 from gossiptrain.protocol.membership import (
     ALIVE,
+    DEAD_VIEW_SENDERS,
     DEAD,
     LEFT,
     SUSPECT,
@@ -507,3 +508,24 @@ def test_a_pinger_is_challenged_even_when_hearsay_fills_the_candidate_table() ->
         [ack] = [x for x in b.handle(Ping(me.id, me.addr, 5, (me,), source=f"10.1.0.{i}"), 0.01) if isinstance(x, Send)]
         assert bool(ack.challenge) == (i < DIRECT_RESERVE)  # past the reserve, the table is full for pingers too
     assert len(b.candidates) == full + DIRECT_RESERVE
+
+
+def test_a_crashed_member_gets_a_few_whole_views_per_round_not_one_from_everyone() -> None:
+    c = Cluster(40, seed=2)
+    c.run(periods(40))
+    assert all(len(v) == 40 for v in c.views().values())
+    c.crash("m007")
+    c.run(CONFIG.dead_within(40))
+    sizes: list[int] = []
+    sent = c.carry
+
+    def counting(src: str, actions: list) -> None:
+        sizes.extend(len(a.entries) for a in actions if isinstance(a, Send) and a.kind == GOSSIP and a.addr == "sim://m007")
+        sent(src, actions)
+
+    c.carry = counting  # type: ignore[method-assign]
+    rounds = 20
+    c.run(periods(CONFIG.probe_dead_every * rounds))
+    views = [n for n in sizes if n > 2]
+    assert len(sizes) >= 39 * rounds // 4  # the survivors still tell it of its verdict, round after round
+    assert 0 < len(views) <= 3 * DEAD_VIEW_SENDERS * rounds  # but only a few send their whole view

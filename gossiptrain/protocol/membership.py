@@ -36,7 +36,8 @@ its verdict and refutes it with a higher incarnation.
 
 Nothing is taken on trust (SECURITY.md, "Lying members"): a member heard
 of is a candidate until it answers a nonce probe at the address claimed
-(``gossiptrain.protocol.candidates``); gossip never moves a live member nor
+(``gossiptrain.protocol.candidates``), or, if it pinged us, echoes the
+nonce our ack to it carried (``_challenge``); gossip never moves a live member nor
 raises its incarnation far; suspicions and deaths come only from live
 members, a bounded number per period, and a death told of a member that
 answered our own probe lately is only a suspicion. In a secure swarm an id
@@ -74,6 +75,8 @@ _INCARNATION_GAP = 1 << 16
 _CANDIDATE_ATTEMPTS = 2  # probes a candidate gets before it is dropped as never answering
 #: Members a report to the coordinator names as found dead, at most (the coordinator reads no more).
 REPORTED_DEATHS = 16
+#: About how many members send their whole view to a member they hold dead, per probe_dead_every periods.
+DEAD_VIEW_SENDERS = 4
 #: Placeholders of members we welcomed that have not started yet, at most (see ``Membership._welcome``).
 MAX_PLACEHOLDERS = 16
 #: The introducer our own welcomes' deferred newcomers are charged to in the candidate table.
@@ -366,7 +369,7 @@ class Membership:
         self._verdicts: dict[str, int] = {}  # sender -> suspicions and deaths taken from it this period
         self._suspects: set[str] = set()
         self._newcomers: set[str] = set()  # a welcome's placeholders (incarnation 0) not started yet
-        self._started: int | None = None  # live members other than us at an incarnation > 0 (None: count again)
+        self._started = 0  # live records at an incarnation > 0 (kept by _index): who could confirm a suspicion
         self._rounds = 0
         self._next_period: float | None = None  # set by the first tick
         self._next_sync = 0.0
@@ -561,10 +564,15 @@ class Membership:
             self._records[mid].member for mid in self._dead_ids if mid not in self._hearsay
         ]
         if dead:
-            # A member we think dead may be alive behind a healed partition: our view (with its
-            # own tombstone, so that it refutes) lets both sides find each other again.
+            # A member we think dead may be alive behind a healed partition: its own tombstone makes it
+            # refute, and a view lets both sides find each other again. Each member sends its whole view
+            # with a chance that makes about DEAD_VIEW_SENDERS views reach the dead member per round, not
+            # one from every member (at 1,000 members a crash cost 1,000 views every probe_dead_every).
             gone = self._rng.choice(dead)
-            actions.append(Send(gone.addr, GOSSIP, self._digest(gone.id, tombstones=False)))
+            if self._rng.random() * max(1, len(self.alive_ids())) < DEAD_VIEW_SENDERS:
+                actions.append(Send(gone.addr, GOSSIP, self._digest(gone.id, tombstones=False)))
+            else:
+                actions.append(Send(gone.addr, GOSSIP, (self.me, gone)))
 
     def _next_target(self) -> Member | None:
         """Round robin over a shuffled list (SWIM's bounded detection time), reshuffled when used up.
@@ -679,8 +687,6 @@ class Membership:
 
     def _confirmers(self) -> int:
         """Members that could confirm a suspicion: the started live ones, us included, less the suspect and the first suspector."""
-        if self._started is None:  # counted again after a change (the timers ask at every tick while there are suspects)
-            self._started = sum(1 for r in self._records.values() if r.member.state in (ALIVE, SUSPECT) and r.member.incarnation > 0)
         return self._started + 1 - 2
 
     def _expire(self, now: float, actions: list[Action]) -> None:
@@ -721,6 +727,7 @@ class Membership:
         ``alive()`` (and, if liveness changed, ``alive_ids()``) must be computed again."""
         self._by_addr.setdefault(member.addr, {})[member.id] = None
         self._version += 1
+        self._started += _is_started(member) - (old is not None and _is_started(old))
         if member.state == DEAD:
             self._dead_ids[member.id] = None
         elif old is not None and old.state == DEAD:
@@ -749,7 +756,6 @@ class Membership:
         self._index(member, rec.member)
         rec.member = member
         rec.changed_at = now
-        self._started = None
         if member.state == SUSPECT:
             self._suspects.add(member.id)
         else:
@@ -895,7 +901,6 @@ class Membership:
         self.candidates.drop(m.id)
         self._records[m.id] = _Record(m, now)
         self._index(m)
-        self._started = None
         if m.incarnation == 0:
             self._newcomers.add(m.id)
         self._broadcast(m)
@@ -978,7 +983,6 @@ class Membership:
         if rec is None:
             self._records[m.id] = _Record(m, now)
             self._index(m)
-            self._started = None
             self._probe_order.insert(self._rng.randint(0, len(self._probe_order)), m.id)
             actions.append(MemberUp(m))
         elif m.incarnation > rec.member.incarnation:
@@ -1099,6 +1103,11 @@ class Membership:
             return []
         self.me = dataclasses.replace(self.me, state=LEFT)
         return [Send(m.addr, LEAVE, (self.me,)) for m in self.alive()]
+
+
+def _is_started(m: Member) -> bool:
+    """A live member past its welcome's placeholder: one that probes and could confirm a suspicion."""
+    return m.state in (ALIVE, SUSPECT) and m.incarnation > 0
 
 
 def least_loaded_shard(held: Iterable[int], shards: int) -> int:

@@ -42,7 +42,7 @@ def event_for(src: Membership, a: Send) -> Any:
     if a.kind == PING:
         return Ping(sender, addr, a.seq, a.entries)
     if a.kind == ACK:
-        return Ack(sender, a.seq, a.entries)
+        return Ack(sender, a.seq, a.entries, challenge=a.challenge)
     if a.kind == PING_REQ:
         return PingReq(sender, addr, a.seq, a.target, a.target_addr, a.entries)
     return Digest(a.entries, sender, addr, reply=a.kind == SYNC)
