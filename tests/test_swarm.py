@@ -45,7 +45,9 @@ def train_three_peers(procs: Procs, coordinator_factory: Any, steps: int, **over
     """Three `gossiptrain peer` processes train digits for ``steps``; their "done" records."""
     coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": steps, **overrides}))
     join = coord.address.removeprefix("tcp://")
-    peers = [procs.peer(join) for _ in range(3)]
+    # They start together (the rendezvous): a peer starting alone could take its few hundred steps, a
+    # fraction of a second, before the others joined, and end with no exchange at all.
+    peers = [procs.peer(join, "--wait-for", "3") for _ in range(3)]
     procs.wait_for(lambda: all(p.records("done") for p in peers) or any(not p.alive() for p in peers), 150, "3 peers to finish")
     for p in peers:
         assert p.wait(30) == 0, p.output()

@@ -54,3 +54,54 @@ def test_many_tiny_steps_accumulate_exactly_enough() -> None:
         return loop.time()
 
     assert run_virtual(main()) == pytest.approx(10.0, rel=1e-9)
+
+
+def _runs_after_some_virtual_time(arm: object) -> bool:
+    """Whether the event ``arm(loop, event)`` arranges to be set gets set while virtual time passes."""
+
+    async def main() -> bool:
+        done = asyncio.Event()
+        arm(asyncio.get_running_loop(), done)  # type: ignore[operator]
+        for _ in range(1000):  # each sleep is a loop iteration at least
+            if done.is_set():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    return run_virtual(main())
+
+
+def test_a_thread_safe_call_gets_through_though_the_loop_polls_only_when_written_to() -> None:
+    import threading
+
+    def arm(loop: asyncio.AbstractEventLoop, done: asyncio.Event) -> None:
+        thread = threading.Thread(target=lambda: loop.call_soon_threadsafe(done.set))
+        thread.start()
+        thread.join()
+
+    assert _runs_after_some_virtual_time(arm)
+
+
+def test_a_loop_signal_handler_runs_though_the_loop_polls_only_when_written_to() -> None:
+    import os
+    import signal
+
+    def arm(loop: asyncio.AbstractEventLoop, done: asyncio.Event) -> None:
+        def handled() -> None:
+            loop.remove_signal_handler(signal.SIGUSR1)
+            done.set()
+
+        loop.add_signal_handler(signal.SIGUSR1, handled)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    assert _runs_after_some_virtual_time(arm)
+
+
+def test_the_loop_clock_follows_a_new_loop() -> None:
+    clock = LoopClock()
+
+    async def now() -> float:
+        return clock.now()
+
+    assert run_virtual(now(), start=5.0) == 5.0
+    assert run_virtual(now(), start=9.0) == 9.0  # the first loop is closed: the clock reads the running one

@@ -937,7 +937,7 @@ class Membership:
         own = ping.entries[0] if ping.entries else None
         if c is None and own is not None and own.id == ping.sender and own.state == ALIVE and ping.sender not in self._records:
             if self._id_of is None or self._id_of(own.addr) == own.id:
-                c = self.candidates.offer(own, ping.source or ping.sender, now, direct=True)  # the table was full
+                c = self.candidates.offer(own, ping.source or ping.sender, now, direct=True)  # _merge's offer was refused
         if c is None or c.seq != 0 or c.claim.incarnation == 0 or c.claim.addr != ping.reply_to:
             return 0
         seq = self._nonce()

@@ -40,9 +40,11 @@ class _JumpingSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         # Polling is a system call per loop iteration: skip it while the loop's own self-pipe is all
-        # there is and nothing was written to it (``call_soon_threadsafe``, a signal) since the last poll.
-        if self._loop._self_woken or len(self._real.get_map()) > 1:
-            self._loop._self_woken = False
+        # there is and nothing was written to it (``call_soon_threadsafe``) since the last poll. Signals
+        # handled by the loop (``add_signal_handler``) reach the pipe from C, unseen: then always poll.
+        loop = self._loop
+        if loop._self_woken or len(self._real.get_map()) > 1 or getattr(loop, "_signal_handlers", None):
+            loop._self_woken = False
             events = self._real.select(0)
         else:
             events = []
