@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -121,8 +123,23 @@ def main(argv: list[str] | None = None) -> None:
                 from safetensors.torch import save_file
 
                 save_file({n: t.detach().contiguous() for n, t in model.state_dict().items()}, str(args.save))
+    del ddp, opt  # the reducer holds the process group: release it before the group is destroyed
     dist.destroy_process_group()
+    del store
+
+
+def leave() -> None:
+    """Exit without running C++ destructors: everything this rank owes is written and closed by now.
+
+    Interpreter shutdown can destroy one of gloo's or the store client's threads while it is still
+    joinable, and the process then aborts ("terminate called without an active exception", status -6)
+    after a run that succeeded: about 1 run in 25 of a 2-rank job here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
+    leave()
