@@ -382,7 +382,7 @@ def python_m(module: str, *args: Any) -> list[str]:
 
 
 def run_gossip(
-    workers: int, seed: int, slowdown: float, target: float, timeout: float, workdir: Path, *, topology: str = "exponential",
+    workers: int, seed: int, slowdown: float, target: float, timeout: float, workdir: Path, *, topology: str = "auto",
     min_seconds: float = 0.0, gossip: dict[str, Any] | None = None, start_together: bool = False,
 ) -> Run:
     """A coordinator and ``workers`` `gossiptrain peer` processes (peer i on shard i, one thread), until the target holds.

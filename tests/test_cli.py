@@ -155,7 +155,7 @@ def test_readme_python_api_example_runs(tmp_path: Path, procs: Procs) -> None:
 def test_config_command_lists_every_field() -> None:
     result = run_cli("config")
     assert result.returncode == 0
-    for field in ("[train]", "lr = 0.05", "[gossip]", "topology = \"exponential\"", "[membership]", "[limits]"):
+    for field in ("[train]", "lr = 0.05", "[gossip]", "topology = \"auto\"", "[membership]", "[limits]"):
         assert field in result.stdout
 
 

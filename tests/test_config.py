@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gossiptrain.config import GossipConfig, Limits, MembershipConfig, RunConfig, TrainConfig
+from gossiptrain.config import ALGORITHMS, GossipConfig, Limits, MembershipConfig, RunConfig, TrainConfig
 from gossiptrain.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def test_dict_round_trip_and_fingerprint() -> None:
     assert cfg.fingerprint() != RunConfig().fingerprint()
     assert cfg.diff(RunConfig()) == [
         "train.lr: 0.1 vs 0.05",
-        "gossip.topology: 'ring' vs 'exponential'",
+        "gossip.topology: 'ring' vs 'auto'",
         "membership.indirect_probes: 2 vs 3",
     ]
 
@@ -99,3 +99,10 @@ def test_a_budget_given_alone_is_the_only_budget(tmp_path: Path) -> None:
     again = RunConfig.from_dict(timed.to_dict())
     assert again == timed and again.fingerprint() == timed.fingerprint()
     assert RunConfig().to_dict()["train"]["max_steps"] == 2000 and type(RunConfig().train.max_steps) is int
+
+
+def test_the_default_topology_is_each_algorithms_own() -> None:
+    assert GossipConfig().topology == "auto"
+    assert GossipConfig(algorithm="push-sum").topology_spec == "one-peer-exponential"
+    assert {GossipConfig(algorithm=a).topology_spec for a in ALGORITHMS if a != "push-sum"} == {"exponential"}
+    assert GossipConfig(algorithm="push-sum", topology="ring").topology_spec == "ring"  # a chosen graph is kept

@@ -21,6 +21,7 @@ from gossiptrain.config import ALGORITHMS, GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD, AtSafePoint, PairwiseAveraging, Received
+from gossiptrain.protocol.push_sum import PUSH_STEPS_AHEAD, PushSum
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
@@ -42,6 +43,9 @@ def test_the_machine_holds_only_past_the_bound_and_never_past_the_exchange_deadl
     a.handle(Received("B", "xrep", req.xid, {"w": torch.ones(3)}), 0.2)  # the reply, on the network side
     assert a.hold_until(0.2) is None and not a.busy
     assert PairwiseAveraging(params, GossipConfig(), random.Random(0)).max_ahead == AUTO_STEPS_AHEAD
+    # push-sum's automatic bound is its own (half: a push moves one end where an exchange moves two); a set one wins
+    assert PushSum(params, GossipConfig(algorithm="push-sum"), random.Random(0)).flow_bound() == PUSH_STEPS_AHEAD
+    assert PushSum(params, GossipConfig(algorithm="push-sum", max_steps_ahead=9), random.Random(0)).flow_bound() == 9
     with pytest.raises(ConfigError, match="gossip.max_steps_ahead"):
         GossipConfig(max_steps_ahead=-1)
 

@@ -30,7 +30,7 @@ from gossiptrain.net.addressing import parse_hostport, plain_address
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--workload": ("train.workload", str, "digits, digits-small, logreg, charlm, or module:attr of your own"),
-    "--topology": ("gossip.topology", str, "a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
+    "--topology": ("gossip.topology", str, "auto (the algorithm's own: push-sum one-peer-exponential, others exponential), a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
     "--momentum-mode": ("gossip.momentum_mode", str, "auto (default: quasi-global with pairwise while the link keeps up, else local), local, quasi-global: how SGD momentum meets averaging"),
     "--lr-scaling": ("gossip.lr_scaling", str, "auto (default: adaptive optimizers such as Adam step at sqrt(members) x lr, the rule for an n-fold batch; SGD as set), sqrt, none"),

@@ -301,6 +301,8 @@ class Averaging:
     """
 
     network_kinds: frozenset[str] = frozenset()
+    #: Flow control's bound where ``gossip.max_steps_ahead`` is 0 (automatic).
+    auto_steps_ahead: int = AUTO_STEPS_AHEAD
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -324,7 +326,7 @@ class Averaging:
         self._next_xid = rng.getrandbits(31)
         self._step = 0  # our latest local step, from the last AtSafePoint
         # Flow control: local steps past the last completed averaging before the loop waits (see hold_until).
-        self.max_ahead = config.max_steps_ahead or AUTO_STEPS_AHEAD
+        self.max_ahead = config.max_steps_ahead or self.auto_steps_ahead
         self.receipts = Receipts(config, self.stats)  # pushing algorithms: pushes not yet acknowledged (protocol.receipts)
         self.receipts.on_round_trip = self._link_measured
 
@@ -337,6 +339,10 @@ class Averaging:
         """Local steps past the last completed averaging before the training loop waits (``hold_until``)."""
         return self.max_ahead
 
+    def compression_bound(self) -> int:
+        """Local steps an exchange may take before ``auto`` compression sends fewer bytes: flow control's bound."""
+        return self.flow_bound()
+
     def _at_step(self, step: int, now: float) -> None:
         """Every algorithm's first move at a safe point: note the step (and, for ``auto``, the step time)."""
         self._step = step
@@ -346,7 +352,7 @@ class Averaging:
     def _link_measured(self, seconds: float, nbytes: int) -> None:
         """One of our messages of ``nbytes`` got its answer (reply, receipt) after ``seconds``."""
         if self.auto is not None:
-            self.auto.exchanged(seconds, nbytes, self.flow_bound())
+            self.auto.exchanged(seconds, nbytes, self.compression_bound())
             self.stats.compression_level = self.auto.codec.level
             self.stats.compression_switches = self.auto.switches
 

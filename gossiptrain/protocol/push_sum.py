@@ -53,6 +53,10 @@ from gossiptrain.protocol.averaging import (
 
 #: Pushes remembered (xid -> receiver and weight, no tensors) so that only a refusal of our own push is taken back.
 UNACKED_PUSHES = 4096
+#: Flow control's automatic bound for push-sum: local steps past its oldest unacknowledged push. Half of
+#: pairwise's (``averaging.AUTO_STEPS_AHEAD``): a push moves only its receiver, half way, where a pairwise
+#: exchange moves both ends, so a pusher that drifts as many steps per message as pairwise drifts further.
+PUSH_STEPS_AHEAD = 4
 #: Below this weight a peer stops pushing: its mass would underflow (it has had nothing pushed to it for long).
 MIN_PUSH_WEIGHT = 2.0**-60
 
@@ -61,6 +65,7 @@ class PushSum(Averaging):
     """SGP over the live ``params``: ``params`` is z = x / w, ``weight`` is w."""
 
     network_kinds = frozenset({XACK})  # receipts free the link as they arrive (``protocol.receipts``)
+    auto_steps_ahead = PUSH_STEPS_AHEAD
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -109,6 +114,10 @@ class PushSum(Averaging):
 
     def flow_bound(self) -> int:
         return max(self.max_ahead, self.config.exchange_every_steps)
+
+    def compression_bound(self) -> int:
+        """About a push per ``exchange_every_steps`` steps: push-sum mixes only by pushes, so the link must keep up."""
+        return 2 * self.config.exchange_every_steps
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._at_step(tick.step, now)

@@ -121,7 +121,7 @@ class PeerNode(JoinAnsweringEndpoint):
         self.membership = Membership(
             me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces, id_of=key_id if secure else None
         )
-        self.topology = topologies.parse(config.gossip.topology)
+        self.topology = topologies.parse(config.gossip.topology_spec)
         self._fallback = topologies.get("complete")
         # self.step: the trainer's step, stamped on outgoing messages (written by the trainer thread)
         # Exchange messages for the trainer; bounded so that a slow trainer refuses instead of hoarding.

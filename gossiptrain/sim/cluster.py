@@ -121,7 +121,7 @@ class SimConfig:
         if not self.membership_only:
             # The peer count is known here, so a topology that cannot exist at this size is an error before
             # anything starts (a real swarm, whose size changes, falls back to the complete graph instead).
-            spec = self.run.gossip.topology
+            spec = self.run.gossip.topology_spec
             try:
                 topologies.parse(spec).neighbours(self.peers, 0, 0)
             except ValueError as e:

@@ -33,7 +33,7 @@ class Lockstep:
         if initial.dim() != 2 or initial.shape[0] < 1:
             raise ValueError(f"initial values must be (peers, dim), got {list(initial.shape)}")
         self.n = initial.shape[0]
-        self.topology = topologies.parse(gossip.topology)
+        self.topology = topologies.parse(gossip.topology_spec)
         self.ids = [f"p{i:05d}" for i in range(self.n)]  # sorted like a membership view
         self._index = {m: i for i, m in enumerate(self.ids)}
         self.params = [{"x": initial[i].clone()} for i in range(self.n)]  # each (dim,)
