@@ -120,6 +120,20 @@ def test_the_first_safe_points_run_the_optimizers_own_momentum_then_the_buffer_s
     assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), expected), atol=1e-4)
 
 
+def test_a_newcomer_that_downloaded_a_running_swarms_model_starts_without_the_warm_start() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU)
+    qg = QuasiGlobalMomentum(opt)
+    qg.mid_run()  # as install_transfer calls it, before the first step
+    qg()  # the first safe point: the reference model, as without a warm start
+    sgd_step(p, opt, 1.0)
+    with torch.no_grad():
+        p.add_(0.05)  # a merge: in the buffer at once (during a warm start it would be left out)
+    qg()
+    expected = (1 - MU) * (1.0 - 0.05 / LR)
+    assert torch.allclose(opt.state[p]["momentum_buffer"], torch.full((3,), expected), atol=1e-5)
+
+
 def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     for opt in (torch.optim.Adam([p], lr=LR), torch.optim.SGD([p], lr=LR)):

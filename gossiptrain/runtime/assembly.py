@@ -73,6 +73,7 @@ class TrainingSide:
     safepoint: SafePoint
     snapshots: SnapshotHook
     lr_scaling: SwarmLrScaling | None = None  # close() it when the peer leaves: its optimizer steps at the user's rate
+    momentum: QuasiGlobalMomentum | None = None  # quasi-global momentum, where this swarm runs it
 
 
 def training_side(
@@ -92,18 +93,19 @@ def training_side(
     """
     averaging = make_averaging(dict(model.named_parameters()), node.config.gossip, rng, me=node.me.id)
     safepoint = SafePoint(node, averaging, clock, send)
+    momentum = None
     gossip = node.config.gossip
     if optimizer is not None and wants_quasi_global(gossip):
         # auto: only while the link keeps up (with drift correction it diverged where flow control waits most)
         keeps_up = (lambda: safepoint.wait_share < LINK_BOUND_SHARE) if gossip.momentum_mode == "auto" else None
-        safepoint.after = QuasiGlobalMomentum(optimizer, active=keeps_up)
+        safepoint.after = momentum = QuasiGlobalMomentum(optimizer, active=keeps_up)
     if (gain := drift_gain(gossip)) > 0:
         safepoint.drift = DriftCorrection(averaging.params, gain)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
     scaling = None
     if optimizer is not None and wants_scaling(gossip.lr_scaling, optimizer):
         scaling = SwarmLrScaling(optimizer, lambda: len(node.view()))  # the live members, ourselves included
-    return TrainingSide(averaging, safepoint, snapshots, scaling)
+    return TrainingSide(averaging, safepoint, snapshots, scaling, momentum)
 
 
 def install_transfer(
@@ -111,10 +113,13 @@ def install_transfer(
     values: list[torch.Tensor] | None,
     snapshots: SnapshotHook,
     optimizer: torch.optim.Optimizer | None,
+    momentum: QuasiGlobalMomentum | None = None,
 ) -> None:
     """Put a downloaded state into the live model (and optimizer), on the training thread, before any step."""
     if values is None:
         return
     install(snapshots.tensors, values)
+    if momentum is not None:
+        momentum.mid_run()
     if result.optimizer_state is not None and optimizer is not None:
         optimizer.load_state_dict(result.optimizer_state)

@@ -39,6 +39,7 @@ from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.membership import LEFT, Member
+from gossiptrain.protocol.momentum import QuasiGlobalMomentum
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
@@ -129,6 +130,7 @@ class Peer:
         self._transport: Transport | None = None
         self._node: PeerNode | None = None
         self._lr_scaling: SwarmLrScaling | None = None
+        self._momentum: QuasiGlobalMomentum | None = None
         try:
             self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
             if server_key is not None and not self._transport.accepts_key(server_key):
@@ -208,6 +210,7 @@ class Peer:
         )
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
         self._lr_scaling = side.lr_scaling
+        self._momentum = side.momentum
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     def _withdraw(self, welcome: Welcome) -> None:
@@ -247,7 +250,7 @@ class Peer:
                 timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
             )
             self.transfer = result
-            install_transfer(result, values, self._snapshots, self.optimizer)  # here, on the training thread
+            install_transfer(result, values, self._snapshots, self.optimizer, self._momentum)  # on the training thread
             if values is not None and self.config.state.transfer_step:
                 self.resume_at(result.step)
 

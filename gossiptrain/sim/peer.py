@@ -147,7 +147,7 @@ class SimPeer:
                         node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock,
                         optimizer=optimizer,
                     )
-                    install_transfer(self.transfer, values, snapshots, optimizer)
+                    install_transfer(self.transfer, values, snapshots, optimizer, side.momentum)
                 node.mark_ready()
                 self.ready_at = self.clock.now()
                 if self.spec.wait_for:  # the rendezvous, as the peer command's (Peer.wait_for_peers)
