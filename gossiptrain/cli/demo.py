@@ -190,6 +190,10 @@ def format_table(summary: dict[str, Any]) -> str:
     )
     if summary.get("failure"):
         lines.append(f"failure: {summary['failure']}")
+    if summary.get("workdir"):
+        lines.append(f"curves: gossiptrain plot {summary['workdir']}/peer-*.jsonl --out {summary['workdir']}/run.png")
+    else:
+        lines.append("curves: run with --workdir DIR to keep the metrics, then gossiptrain plot DIR/peer-*.jsonl --out run.png")
     return "\n".join(lines)
 
 

@@ -396,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from gossiptrain.cli.export import add_parsers as add_export_parsers
+    from gossiptrain.cli.plot import add_parser as add_plot_parser
     from gossiptrain.cli.simulate import add_parser as add_simulate_parser
     from gossiptrain.cli.topology import add_parser as add_topology_parser
 
@@ -404,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulated = {"--shards": "--peers (one shard each)", "--steps": "0: none, the simulation's --duration ends the run"}
     add_simulate_parser(sub, lambda parser: _add_run_flags(parser, simulated)).set_defaults(func=cmd_simulate)
     add_topology_parser(sub)
+    add_plot_parser(sub)
 
     p = sub.add_parser("config", help="print every configuration field with its default (TOML)")
     p.set_defaults(func=cmd_config)
@@ -416,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_keys)
 
     for name, sp in sub.choices.items():
-        if name not in ("config", "topology"):
+        if name not in ("config", "topology", "plot"):
             sp.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     return parser
 
