@@ -224,6 +224,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --checkpoint-dir DIR")
     if args.metrics:
         check_metrics_path(args.metrics, "--metrics")
+    if args.tensorboard:
+        from pathlib import Path
+
+        from gossiptrain.train.tensorboard import check_available
+
+        check_available("--tensorboard")
+        check_metrics_path(Path(args.tensorboard) / "events", "--tensorboard")
     expect = _explicit_run_config(args)
     security = _security(args)
 
@@ -237,6 +244,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         bind=args.bind,
         advertise=args.advertise,
         metrics=args.metrics,
+        tensorboard=args.tensorboard,
         expect=expect,
         shard=args.shard,
         join_attempts=args.join_attempts,
@@ -351,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", metavar="HOST", help="host others reach us at (default: our address on the route to --join)")
     p.add_argument("--metrics", metavar="FILE",
                    help="append metrics as JSON lines to FILE, creating missing directories (default: none)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write them as TensorBoard scalars, one run per peer: DIR/<peer id> (needs tensorboard; default: none)")
     p.add_argument("--shard", type=_count("a shard index", 0), metavar="I",
                    help="train shard I (0 to shards-1) (default: the least covered one)")
     p.add_argument("--join-attempts", type=_count("a number of attempts", 1), metavar="N",

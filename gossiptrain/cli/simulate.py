@@ -92,6 +92,8 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--sample-every", type=float, default=1.0, help="virtual seconds between samples")
     p.add_argument("--sim-seed", type=int, help="seed of the simulated world: faults, network, ids (default: --seed)")
     p.add_argument("--out", metavar="FILE", help="write the time series: .csv or .jsonl")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write the series as TensorBoard scalars, DIR/peer-<n> per peer, at virtual time (needs tensorboard; default: none)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     add_run_flags(p)
     return p
@@ -202,6 +204,10 @@ def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
     from gossiptrain.sim.cluster import SimInterrupted, simulate
 
     config = sim_config(args, run)
+    if args.tensorboard:  # before the run, not after minutes of it
+        from gossiptrain.train.tensorboard import check_available
+
+        check_available("--tensorboard")
     progress = Progress(plain_every=10.0)
     line = LiveLine(config.duration, config.peers)
 
@@ -215,6 +221,10 @@ def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
     progress.finish()
     if args.out:
         write_rows(result, Path(args.out))
+    if args.tensorboard:
+        from gossiptrain.train.tensorboard import write_simulated
+
+        write_simulated(result.rows, args.tensorboard)
     print(format_summary(result), flush=True)
     if args.json:
         print(json.dumps(result.summary, separators=(",", ":")), flush=True)

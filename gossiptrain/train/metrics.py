@@ -7,7 +7,7 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from gossiptrain.errors import ConfigError
 
@@ -76,6 +76,23 @@ class MetricsLog:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class RecordSink(Protocol):
+    """Where a peer's records go: the metrics file, TensorBoard."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+
+class Tee:
+    """Every record to each of ``sinks``, in order."""
+
+    def __init__(self, *sinks: RecordSink) -> None:
+        self.sinks = sinks
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -31,7 +31,8 @@ from gossiptrain.runtime.peer import Peer
 from gossiptrain.runtime.peer_network import MEMBER_EVENTS
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
-from gossiptrain.train.metrics import MetricsLog
+from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
+from gossiptrain.train.tensorboard import TensorBoardLog
 from gossiptrain.train.progress import Progress
 from gossiptrain.train.workload import Workload, load_workload
 
@@ -46,6 +47,7 @@ class PeerOptions:
     bind: str | None = None  # HOST:PORT to listen on (default: the advertised host, port 0)
     advertise: str | None = None  # host others use to reach us (default: the route to the join host)
     metrics: str | Path | None = None  # JSON-lines file
+    tensorboard: str | Path | None = None  # TensorBoard runs: DIR/<peer id>
     expect: RunConfig | None = None  # refuse to join a swarm running anything else
     shard: int | None = None  # ask for this shard instead of the least trained one
     join_attempts: int | None = None  # default: membership.join_attempts
@@ -140,10 +142,12 @@ def run_peer(
         with progress.logs_above(MEMBER_EVENTS, accept=lambda record: getattr(record, "peer_id", None) == peer.id):
             if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress, serve=resume is None):
                 return {"event": "stopped", "peer": peer.id, "step": 0}
-            return _train(
-                peer, workload, metrics, progress, stop, options.slowdown,
-                checkpointer=checkpointer, resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
-            )
+            board = Path(options.tensorboard) / peer.id if options.tensorboard is not None else None
+            with TensorBoardLog(board) as tensorboard:
+                return _train(
+                    peer, workload, Tee(metrics, tensorboard), progress, stop, options.slowdown, checkpointer=checkpointer,
+                    resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
+                )
 
 
 def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress, *, serve: bool) -> bool:
@@ -158,7 +162,7 @@ def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: P
 
 
 def _train(
-    peer: Peer, workload: Workload, metrics: MetricsLog, progress: Progress, stop: threading.Event, slowdown: float,
+    peer: Peer, workload: Workload, metrics: RecordSink, progress: Progress, stop: threading.Event, slowdown: float,
     *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
     final_model: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -210,7 +214,7 @@ class _Report:
     """What the loop writes: the start record, evaluations, checkpoints (counted), the live progress line."""
 
     def __init__(
-        self, peer: Peer, trainer: LocalTrainer, metrics: MetricsLog, progress: Progress,
+        self, peer: Peer, trainer: LocalTrainer, metrics: RecordSink, progress: Progress,
         checkpointer: Checkpointer | None, resumed: dict[str, Any],
     ) -> None:
         self.peer, self.trainer, self.metrics, self.progress, self.checkpointer = peer, trainer, metrics, progress, checkpointer
