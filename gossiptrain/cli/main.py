@@ -231,6 +231,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
         check_available("--tensorboard")
         check_metrics_path(Path(args.tensorboard) / "events", "--tensorboard")
+    if args.prometheus:
+        from gossiptrain.train import prometheus
+
+        prometheus.parse_listen(args.prometheus)
+        prometheus.check_available("--prometheus")
     expect = _explicit_run_config(args)
     security = _security(args)
 
@@ -245,6 +250,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         metrics=args.metrics,
         tensorboard=args.tensorboard,
+        prometheus=args.prometheus,
         expect=expect,
         shard=args.shard,
         join_attempts=args.join_attempts,
@@ -361,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append metrics as JSON lines to FILE, creating missing directories (default: none)")
     p.add_argument("--tensorboard", metavar="DIR",
                    help="also write them as TensorBoard scalars, one run per peer: DIR/<peer id> (needs tensorboard; default: none)")
+    p.add_argument("--prometheus", metavar="[HOST:]PORT",
+                   help="serve /metrics for Prometheus there (host 127.0.0.1 unless given; port 0: any free one; "
+                   "needs prometheus-client; default: none)")
     p.add_argument("--shard", type=_count("a shard index", 0), metavar="I",
                    help="train shard I (0 to shards-1) (default: the least covered one)")
     p.add_argument("--join-attempts", type=_count("a number of attempts", 1), metavar="N",

@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +32,7 @@ from gossiptrain.runtime.peer_network import MEMBER_EVENTS
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
+from gossiptrain.train.prometheus import PrometheusExporter, parse_listen
 from gossiptrain.train.tensorboard import TensorBoardLog
 from gossiptrain.train.progress import Progress
 from gossiptrain.train.workload import Workload, load_workload
@@ -48,6 +49,7 @@ class PeerOptions:
     advertise: str | None = None  # host others use to reach us (default: the route to the join host)
     metrics: str | Path | None = None  # JSON-lines file
     tensorboard: str | Path | None = None  # TensorBoard runs: DIR/<peer id>
+    prometheus: str | None = None  # serve /metrics at [HOST:]PORT (host 127.0.0.1 unless given)
     expect: RunConfig | None = None  # refuse to join a swarm running anything else
     shard: int | None = None  # ask for this shard instead of the least trained one
     join_attempts: int | None = None  # default: membership.join_attempts
@@ -143,9 +145,15 @@ def run_peer(
             if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress, serve=resume is None):
                 return {"event": "stopped", "peer": peer.id, "step": 0}
             board = Path(options.tensorboard) / peer.id if options.tensorboard is not None else None
-            with TensorBoardLog(board) as tensorboard:
+            with TensorBoardLog(board) as tensorboard, ExitStack() as stack:
+                sinks: list[RecordSink] = [metrics, tensorboard]
+                if options.prometheus is not None:
+                    exporter = stack.enter_context(PrometheusExporter(*parse_listen(options.prometheus)))
+                    print(f"peer {peer.id}: Prometheus metrics at http://{options.prometheus.rpartition(':')[0] or '127.0.0.1'}"
+                          f":{exporter.port}/metrics", file=sys.stderr, flush=True)
+                    sinks.append(exporter)
                 return _train(
-                    peer, workload, Tee(metrics, tensorboard), progress, stop, options.slowdown, checkpointer=checkpointer,
+                    peer, workload, Tee(*sinks), progress, stop, options.slowdown, checkpointer=checkpointer,
                     resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
                 )
 

@@ -1,0 +1,136 @@
+"""A peer's metrics for Prometheus (``--prometheus [HOST:]PORT``): ``/metrics`` from its latest evaluation.
+
+The training loop hands each record it writes to ``PrometheusExporter.write``,
+which keeps only a reference to the latest one; a scrape (on the exporter's
+own HTTP thread, ``prometheus_client``'s server) reads that reference and
+builds the families from it. So a slow or hung scraper costs the training
+loop nothing, and an answer's size does not grow with the swarm.
+Totals that only grow are counters (``gossiptrain_exchanges_total``,
+``gossiptrain_bytes_sent_total``, ``gossiptrain_local_steps_total``, ...),
+the rest gauges, every family labelled with the peer's id and shard, and
+the staleness of merged updates a histogram (steps). Bound to 127.0.0.1
+unless a host is given. Needs ``prometheus-client``
+(``pip install 'gossiptrain[prometheus]'``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+from gossiptrain.errors import ConfigError
+
+#: record field -> (metric name, help); totals since the peer started.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "step": ("gossiptrain_local_steps", "local optimizer steps taken"),
+    "exchanges": ("gossiptrain_exchanges", "averaging exchanges completed or served"),
+    "bytes_sent": ("gossiptrain_bytes_sent", "bytes sent to other members"),
+    "bytes_received": ("gossiptrain_bytes_received", "bytes received from other members"),
+    "timeouts": ("gossiptrain_exchange_timeouts", "exchanges that timed out"),
+    "refused": ("gossiptrain_exchanges_refused", "our exchange requests partners refused"),
+    "dropped": ("gossiptrain_messages_dropped", "messages dropped as malformed, of another run or rejected"),
+    "members_dead": ("gossiptrain_members_dead", "members this peer saw declared dead"),
+}
+#: record field -> (metric name, help); values as of the latest evaluation.
+GAUGES: dict[str, tuple[str, str]] = {
+    "test_acc": ("gossiptrain_test_accuracy", "test-set accuracy of this peer's model"),
+    "test_loss": ("gossiptrain_test_loss", "test-set loss of this peer's model"),
+    "loss": ("gossiptrain_train_loss", "training loss, averaged over recent steps"),
+    "members": ("gossiptrain_members", "members in this peer's view, itself included"),
+    "exchanges_per_s": ("gossiptrain_exchanges_per_second", "exchanges per second since the previous evaluation"),
+    "rtt_ms": ("gossiptrain_exchange_round_trip_milliseconds", "smoothed exchange round trip"),
+    "staleness_mean": ("gossiptrain_staleness_mean_steps", "mean staleness of merged updates, in steps"),
+    "waited_s": ("gossiptrain_flow_control_waited_seconds", "seconds the training loop waited for the link, in all"),
+    "compression_level": ("gossiptrain_compression_level", "compression auto: 0 none, 1 fp16, 2 int8"),
+}
+
+
+def parse_listen(spec: str, flag: str = "--prometheus") -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` -> (host, port); host 127.0.0.1 unless given. ConfigError naming ``flag``."""
+    host, _, port = spec.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} {spec!r}: give PORT or HOST:PORT (port 0-65535; 0 picks a free one)")
+    return host, int(port)
+
+
+def check_available(flag: str = "--prometheus") -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{flag} needs prometheus-client: pip install 'gossiptrain[prometheus]'") from None
+
+
+class PrometheusExporter:
+    """Serves ``/metrics`` on (host, port) from the latest record given to ``write``; ``close`` stops the server."""
+
+    def __init__(self, host: str, port: int) -> None:
+        check_available()
+        from prometheus_client import start_http_server
+        from prometheus_client.registry import CollectorRegistry
+
+        self._latest: dict[str, Any] | None = None
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise ConfigError(f"--prometheus {host}:{port} cannot listen: {e.strerror or e}") from None
+        self.port = int(self._server.server_address[1])
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("event") in ("eval", "done"):
+            self._latest = record  # one reference, swapped: the scrape thread reads it as it was
+
+    def collect(self) -> Iterator[Any]:
+        """The families of the latest record (prometheus_client calls this on its thread at each scrape)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        record = self._latest
+        if record is None:
+            return
+        labels = ["peer", "shard"]
+        values = [str(record.get("peer", "")), str(record.get("shard", ""))]
+        for field, (name, text) in COUNTERS.items():
+            if _finite(record.get(field)):
+                family = CounterMetricFamily(name, text, labels=labels)
+                family.add_metric(values, float(record[field]))
+                yield family
+        for field, (name, text) in GAUGES.items():
+            if _finite(record.get(field)):
+                family = GaugeMetricFamily(name, text, labels=labels)
+                family.add_metric(values, float(record[field]))
+                yield family
+        hist = record.get("staleness_hist")
+        if isinstance(hist, dict) and hist:
+            yield _staleness(hist, labels, values)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "PrometheusExporter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
+    """Buckets as peers count them ("0", "1", "2-3", "4-7", ...) as a cumulative Prometheus histogram (le = upper end)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    uppers = sorted((int(k.split("-")[-1]), int(v)) for k, v in hist.items() if isinstance(v, int))
+    buckets, running = [], 0
+    for upper, count in uppers:
+        running += count
+        buckets.append((str(upper), running))
+    buckets.append(("+Inf", running))
+    family = HistogramMetricFamily("gossiptrain_staleness_steps", "staleness of merged updates, in steps", labels=labels)
+    family.add_metric(values, buckets, sum_value=None)
+    return family
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,79 @@
+"""`--prometheus`: /metrics parses with prometheus_client's own parser, its counters rise, a scrape never waits on training."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+
+from gossiptrain.errors import ConfigError
+
+from .conftest import fast_config
+from .swarm import Procs
+
+parser = pytest.importorskip("prometheus_client.parser", reason="the prometheus extra is not installed")
+
+from gossiptrain.train.prometheus import PrometheusExporter, parse_listen  # noqa: E402
+
+
+def scrape(url: str) -> dict[str, dict[str, Any]]:
+    """name -> {"type", "samples": {sample name: value}} as prometheus_client's parser reads the page."""
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    return {f.name: {"type": f.type, "samples": {s.name + str(sorted(s.labels.items())): s.value for s in f.samples}}
+            for f in parser.text_string_to_metric_families(text)}
+
+
+def value(families: dict[str, dict[str, Any]], name: str) -> float:
+    (v,) = [v for k, v in families[name]["samples"].items() if k.startswith(name + "_total") or k.startswith(name + "[")]
+    return float(v)
+
+
+def test_the_latest_record_is_served_as_counters_gauges_and_a_histogram() -> None:
+    with PrometheusExporter("127.0.0.1", 0) as exporter:
+        url = f"http://127.0.0.1:{exporter.port}/metrics"
+        assert "gossiptrain_" not in urllib.request.urlopen(url, timeout=10).read().decode()  # nothing evaluated yet
+        exporter.write({"event": "start", "step": 0, "peer": "p1", "shard": 0})  # not an evaluation: ignored
+        exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 40, "exchanges": 12, "bytes_sent": 5000,
+                        "test_acc": 0.9, "members": 3, "test_loss": float("nan"), "staleness_hist": {"0": 5, "1": 2, "2-3": 1}})
+        got = scrape(url)
+        assert got["gossiptrain_local_steps"]["type"] == "counter" and value(got, "gossiptrain_local_steps") == 40
+        assert value(got, "gossiptrain_exchanges") == 12 and value(got, "gossiptrain_bytes_sent") == 5000
+        assert got["gossiptrain_test_accuracy"]["type"] == "gauge" and value(got, "gossiptrain_test_accuracy") == 0.9
+        assert "gossiptrain_test_loss" not in got  # NaN is no value
+        buckets = {k: v for k, v in got["gossiptrain_staleness_steps"]["samples"].items() if "_bucket" in k}
+        assert sorted(buckets.values()) == [5.0, 7.0, 8.0, 8.0]  # le 0, 1, 3, +Inf: cumulative
+        assert all("('peer', 'p1')" in k for k in got["gossiptrain_members"]["samples"])
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=10):  # a scraper that hangs mid-request
+            exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 41})  # the loop's side: a reference swap
+            assert value(scrape(url), "gossiptrain_local_steps") == 41  # and other scrapes are answered meanwhile
+
+
+def test_listen_specs() -> None:
+    assert parse_listen("9100") == ("127.0.0.1", 9100)
+    assert parse_listen("0.0.0.0:0") == ("0.0.0.0", 0)
+    assert parse_listen("[::1]:9100") == ("::1", 9100)
+    for bad in ("", "host", "1:2:x", "70000"):
+        with pytest.raises(ConfigError, match="--prometheus"):
+            parse_listen(bad)
+
+
+def test_a_real_peers_counters_rise_between_scrapes(procs: Procs, coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60,
+                                               "train.eval_every_seconds": 0.2}))
+    join = coord.address.removeprefix("tcp://")
+    watched = procs.peer(join, "--prometheus", "127.0.0.1:0")
+    procs.peer(join)
+    url = procs.wait_for(lambda: (m := re.search(r"Prometheus metrics at (\S+)", watched.output())) and m.group(1), 60,
+                         "the peer to print its metrics address")
+    first = procs.wait_for(lambda: (got := scrape(url)).get("gossiptrain_exchanges") and got, 60, "a first evaluation")
+    def more() -> dict[str, dict[str, Any]] | None:
+        got = scrape(url)
+        return got if value(got, "gossiptrain_exchanges") > value(first, "gossiptrain_exchanges") else None
+
+    later = procs.wait_for(more, 60, "more exchanges")
+    assert value(later, "gossiptrain_local_steps") > value(first, "gossiptrain_local_steps")
+    assert value(later, "gossiptrain_members") == 2
