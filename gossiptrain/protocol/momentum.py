@@ -156,8 +156,8 @@ class QuasiGlobalMomentum:
 
         The warm start is for a model at its first steps. A newcomer that
         downloaded a trained model and ran the optimizer's own momentum from
-        a fresh buffer lost 0.1-0.3 test accuracy over its first 10-16 steps
-        in about one join in four (tests/test_state_transfer.py, the
+        a fresh buffer lost 0.1-0.35 test accuracy over its first 10-16 steps
+        in about one join in three (tests/test_state_transfer.py, the
         1.1M-parameter digits MLP, 3 peers), then recovered; with the average
         of changes from its first safe point, as the swarm it joined runs, it
         did not.
