@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gossiptrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 from .conftest import fast_config
 from .swarm import Procs
@@ -50,6 +54,18 @@ def test_the_latest_record_is_served_as_counters_gauges_and_a_histogram() -> Non
         with socket.create_connection(("127.0.0.1", exporter.port), timeout=10):  # a scraper that hangs mid-request
             exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 41})  # the loop's side: a reference swap
             assert value(scrape(url), "gossiptrain_local_steps") == 41  # and other scrapes are answered meanwhile
+
+
+def test_the_example_grafana_dashboard_asks_only_for_what_peers_export() -> None:
+    from gossiptrain.train.prometheus import COUNTERS, GAUGES
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "gossiptrain.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    asked = set(re.findall(r"\bgossiptrain_[a-z_]+", " ".join(exprs)))
+    exported = ({name + "_total" for name, _ in COUNTERS.values()} | {name for name, _ in GAUGES.values()}
+                | {"gossiptrain_staleness_steps_bucket"})
+    assert asked and asked <= exported, asked - exported
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
 def test_listen_specs() -> None:

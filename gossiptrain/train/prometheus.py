@@ -30,6 +30,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "refused": ("gossiptrain_exchanges_refused", "our exchange requests partners refused"),
     "dropped": ("gossiptrain_messages_dropped", "messages dropped as malformed, of another run or rejected"),
     "members_dead": ("gossiptrain_members_dead", "members this peer saw declared dead"),
+    "waited_s": ("gossiptrain_flow_control_waited_seconds", "seconds the training loop waited for the link"),
 }
 #: record field -> (metric name, help); values as of the latest evaluation.
 GAUGES: dict[str, tuple[str, str]] = {
@@ -40,7 +41,6 @@ GAUGES: dict[str, tuple[str, str]] = {
     "exchanges_per_s": ("gossiptrain_exchanges_per_second", "exchanges per second since the previous evaluation"),
     "rtt_ms": ("gossiptrain_exchange_round_trip_milliseconds", "smoothed exchange round trip"),
     "staleness_mean": ("gossiptrain_staleness_mean_steps", "mean staleness of merged updates, in steps"),
-    "waited_s": ("gossiptrain_flow_control_waited_seconds", "seconds the training loop waited for the link, in all"),
     "compression_level": ("gossiptrain_compression_level", "compression auto: 0 none, 1 fp16, 2 int8"),
 }
 
