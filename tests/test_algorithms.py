@@ -389,9 +389,10 @@ def test_topk_edge_recovers_from_a_lost_message_at_the_next_resync() -> None:
 def test_staleness_histogram_buckets() -> None:
     from collections import Counter
 
-    from gossiptrain.protocol.averaging import staleness_buckets
+    from gossiptrain.protocol.staleness import bucket_bounds, staleness_buckets
 
     assert staleness_buckets(Counter({0: 5, 1: 2, 2: 1, 3: 1, 9: 4})) == {"0": 5, "1": 2, "2-3": 2, "8-15": 4}
+    assert [bucket_bounds(k) for k in ("0", "1", "2-3", "8-15")] == [(0, 0), (1, 1), (2, 3), (8, 15)]  # read back
 
 
 def test_local_sgd_outer_momentum_converges_in_lockstep_with_neighbours() -> None:

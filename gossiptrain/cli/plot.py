@@ -21,6 +21,7 @@ from typing import Any
 
 from gossiptrain.cli.common import EXIT_USAGE
 from gossiptrain.errors import ConfigError
+from gossiptrain.protocol.staleness import bucket_bounds
 from gossiptrain.train.series import PeerSeries, load, mean_over_peers
 
 
@@ -100,7 +101,7 @@ def _staleness(ax: Any, series: list[PeerSeries], unit: str) -> None:
         for bucket, count in s.staleness_hist.items():
             hist[bucket] = hist.get(bucket, 0) + count
     if hist:  # buckets as peers write them: "0", "1", "2-3", "4-7", ...
-        buckets = sorted(hist, key=lambda b: int(b.split("-")[0].rstrip("+")))
+        buckets = sorted(hist, key=bucket_bounds)
         ax.bar(range(len(buckets)), [hist[b] for b in buckets])
         ax.set_xticks(range(len(buckets)), buckets, rotation=45, fontsize=8)
         ax.set_xlabel("staleness of merged updates (steps)")

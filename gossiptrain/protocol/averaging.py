@@ -71,7 +71,7 @@ from gossiptrain.protocol.compression import AutoCodec, get_codec
 from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.rtt import RttEstimator
-from gossiptrain.protocol.staleness import StalenessPolicy
+from gossiptrain.protocol.staleness import StalenessPolicy, staleness_buckets
 
 log = logging.getLogger(__name__)
 
@@ -261,17 +261,6 @@ def wire_bytes(wire: Mapping[str, torch.Tensor]) -> int:
 def mean_staleness(histogram: Counter[int]) -> float:
     total = sum(histogram.values())
     return sum(s * n for s, n in histogram.items()) / total if total else 0.0
-
-
-def staleness_buckets(histogram: Counter[int]) -> dict[str, int]:
-    """The histogram in power-of-two buckets ("0", "1", "2-3", "4-7", ...): small enough for every metrics line."""
-    out: dict[str, int] = {}
-    for s, n in sorted(histogram.items()):
-        lo = 0 if s == 0 else 1 << (s.bit_length() - 1)
-        hi = 0 if s == 0 else (lo << 1) - 1
-        key = str(lo) if lo == hi else f"{lo}-{hi}"
-        out[key] = out.get(key, 0) + n
-    return out
 
 
 @dataclass

@@ -13,6 +13,7 @@ it is beyond a bound:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 WEIGHTINGS = ("constant", "polynomial")
@@ -40,3 +41,20 @@ class StalenessPolicy:
         if self.weighting == "constant" or s == 0:
             return 1.0
         return float((1.0 + s) ** -self.exponent)
+
+
+def staleness_buckets(histogram: Counter[int]) -> dict[str, int]:
+    """The histogram in power-of-two buckets ("0", "1", "2-3", "4-7", ...): small enough for every metrics line."""
+    out: dict[str, int] = {}
+    for s, n in sorted(histogram.items()):
+        lo = 0 if s == 0 else 1 << (s.bit_length() - 1)
+        hi = 0 if s == 0 else (lo << 1) - 1
+        key = str(lo) if lo == hi else f"{lo}-{hi}"
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def bucket_bounds(key: str) -> tuple[int, int]:
+    """(lowest, highest) staleness of a ``staleness_buckets`` key: "0" -> (0, 0), "4-7" -> (4, 7)."""
+    lo, _, hi = key.partition("-")
+    return int(lo), int(hi or lo)

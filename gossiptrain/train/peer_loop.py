@@ -144,13 +144,13 @@ def run_peer(
         with progress.logs_above(MEMBER_EVENTS, accept=lambda record: getattr(record, "peer_id", None) == peer.id):
             if options.wait_for and not _wait_for_members(peer, options.wait_for, stop, progress, serve=resume is None):
                 return {"event": "stopped", "peer": peer.id, "step": 0}
-            board = Path(options.tensorboard) / peer.id if options.tensorboard is not None else None
-            with TensorBoardLog(board) as tensorboard, ExitStack() as stack:
-                sinks: list[RecordSink] = [metrics, tensorboard]
+            with ExitStack() as stack:
+                sinks: list[RecordSink] = [metrics]
+                if options.tensorboard is not None:
+                    sinks.append(stack.enter_context(TensorBoardLog(Path(options.tensorboard) / peer.id)))
                 if options.prometheus is not None:
                     exporter = stack.enter_context(PrometheusExporter(*parse_listen(options.prometheus)))
-                    print(f"peer {peer.id}: Prometheus metrics at http://{options.prometheus.rpartition(':')[0] or '127.0.0.1'}"
-                          f":{exporter.port}/metrics", file=sys.stderr, flush=True)
+                    print(f"peer {peer.id}: Prometheus metrics at {exporter.url}", file=sys.stderr, flush=True)
                     sinks.append(exporter)
                 return _train(
                     peer, workload, Tee(*sinks), progress, stop, options.slowdown, checkpointer=checkpointer,

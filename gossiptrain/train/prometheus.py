@@ -19,6 +19,8 @@ import math
 from typing import Any, Iterator
 
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.addressing import parse_hostport
+from gossiptrain.protocol.staleness import bucket_bounds
 
 #: record field -> (metric name, help); totals since the peer started.
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -47,11 +49,9 @@ GAUGES: dict[str, tuple[str, str]] = {
 
 def parse_listen(spec: str, flag: str = "--prometheus") -> tuple[str, int]:
     """``PORT`` or ``HOST:PORT`` -> (host, port); host 127.0.0.1 unless given. ConfigError naming ``flag``."""
-    host, _, port = spec.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{flag} {spec!r}: give PORT or HOST:PORT (port 0-65535; 0 picks a free one)")
-    return host, int(port)
+    if spec.isascii() and spec.isdigit():
+        spec = f"127.0.0.1:{spec}"
+    return parse_hostport(spec, flag)
 
 
 def check_available(flag: str = "--prometheus") -> None:
@@ -77,6 +77,7 @@ class PrometheusExporter:
         except OSError as e:
             raise ConfigError(f"--prometheus {host}:{port} cannot listen: {e.strerror or e}") from None
         self.port = int(self._server.server_address[1])
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def write(self, record: dict[str, Any]) -> None:
         if record.get("event") in ("eval", "done"):
@@ -84,7 +85,7 @@ class PrometheusExporter:
 
     def collect(self) -> Iterator[Any]:
         """The families of the latest record (prometheus_client calls this on its thread at each scrape)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         record = self._latest
         if record is None:
@@ -121,7 +122,7 @@ def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> An
     """Buckets as peers count them ("0", "1", "2-3", "4-7", ...) as a cumulative Prometheus histogram (le = upper end)."""
     from prometheus_client.core import HistogramMetricFamily
 
-    uppers = sorted((int(k.split("-")[-1]), int(v)) for k, v in hist.items() if isinstance(v, int))
+    uppers = sorted((bucket_bounds(k)[1], v) for k, v in hist.items() if isinstance(v, int))
     buckets, running = [], 0
     for upper, count in uppers:
         running += count

@@ -82,6 +82,8 @@ def load(paths: Iterable[str | Path]) -> tuple[list[PeerSeries], str]:
         return series, "virtual"
     starts = [r["time"] for _, rows in peer_files for r in rows if r.get("event") == "start" and _finite(r.get("time"))]
     evals = [r["time"] for _, rows in peer_files for r in rows if r.get("event") in ("eval", "done") and _finite(r.get("time"))]
+    if not evals:
+        raise ConfigError(f"{peer_files[0][0]}: its eval records carry no time")
     origin = min(starts or evals)
     for p, rows in peer_files:
         s = PeerSeries(str(rows[0].get("peer") or p.stem))
