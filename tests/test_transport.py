@@ -175,6 +175,9 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+_UNOWNED_DESCRIPTORS = 32  # opened meanwhile by the rest of the process (an earlier test's threads, the event loop)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc/self/fd")
 def test_sending_to_thousands_of_made_up_addresses_keeps_connections_and_descriptors_bounded() -> None:
     """As a member gossiped 5,000 made-up members would: the least recently used connections are closed, while
@@ -194,13 +197,15 @@ def test_sending_to_thousands_of_made_up_addresses_keeps_connections_and_descrip
                 if i % 50 == 0:  # the partner: sent to more recently than any 64 made-up members
                     assert a.send(b.address, [str(i).encode()])
                     assert a.open_connections <= limit
-                    # Per connection: a DEALER's mailbox, its TCP socket, a monitor while it dials. libzmq's reaper
-                    # thread frees a closed socket's descriptors a moment later (later still on a loaded machine:
-                    # 313 once, beside another test), so the bound is waited for, never a growing count.
+                    # Per connection: a DEALER's mailbox, its TCP socket, a monitor's two mailboxes while it dials.
+                    # libzmq's reaper thread frees a closed socket's descriptors a moment later, so the bound is
+                    # waited for. The slack is for descriptors this test does not own (CI once held 2 more than
+                    # 4 per connection for 10 s, beside the 64 connections): unbounded, 5,000 addresses hold 10,000.
+                    bound = 4 * limit + _UNOWNED_DESCRIPTORS
                     deadline = time.monotonic() + 10
-                    while _open_fds() - before > 4 * limit and time.monotonic() < deadline:
+                    while _open_fds() - before > bound and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
-                    assert _open_fds() - before <= 4 * limit, (i, _open_fds() - before)
+                    assert _open_fds() - before <= bound, (i, _open_fds() - before)
             assert a.stats.connections_closed >= len(fake) - limit
             assert [await receive(b) for _ in range(0, len(fake), 50)] == [[str(i).encode()] for i in range(0, len(fake), 50)]
 
