@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
 from gossiptrain.config import ALGORITHMS, RunConfig  # noqa: E402
+from gossiptrain.testing import netns  # noqa: E402
 from gossiptrain.train.metrics import read_metrics  # noqa: E402
 
 LINKS = {"100mbit": "100mbit", "1gbit": "1gbit"}
@@ -69,30 +67,14 @@ CHARLM = {"train.workload": "charlm", "train.optimizer": "adam", "train.lr": 0.0
 
 def why_not() -> str | None:
     """Why this machine cannot shape a link here (None: it can)."""
-    if os.geteuid() != 0:
-        return "needs root for a network namespace and tc"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (iproute2)"
-    return None
+    return netns.why_not("tc", need="a network namespace and tc")
 
 
-class Namespace:
+class Namespace(netns.Namespace):
     """A network namespace of our own whose loopback is one shaped link; removed on exit."""
 
     def __init__(self) -> None:
-        self.name = f"gt-wan-{os.getpid()}"
-
-    def __enter__(self) -> Namespace:
-        subprocess.run(["ip", "netns", "add", self.name], check=True)
-        self.run(["ip", "link", "set", "lo", "up"])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "netns", "delete", self.name], check=False)
-
-    def run(self, cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", "netns", "exec", self.name, *cmd], text=True, **{"check": True, **kw})
+        super().__init__(netns.unique_name("gt-wan"))
 
     def shape(self, rate: str) -> None:
         """All of the namespace's traffic through one token bucket of ``rate`` (burst above loopback's 64 KiB MTU)."""

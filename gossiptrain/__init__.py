@@ -15,7 +15,7 @@ contracts in pyproject.toml, checked in the default test run)::
     runtime/         real-time drivers: clock, endpoints, the peer's network side, coordinator, Peer
     protocol/        sans-IO state machines: membership, joining, admission, finish,
                      averaging algorithms, state-transfer fetcher and donor
-    state/           tensor streams, checkpoints, merged models, atomic files
+    state/           tensor streams, checkpoints, merged models, atomic files, storage (paths, fsspec URLs)
     net/             wire codec, message kinds, dtypes, addressing, keys, transports
     config, errors, service, codec_spec   the foundation every layer may use
 

@@ -138,14 +138,16 @@ class Procs:
         return iter(self.all)
 
 
-def run_in_session(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+def run_in_session(
+    cmd: list[str], timeout: float, what: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``cmd`` in its own session (whatever it starts dies with it): killed as a group on an overrun (the test
-    fails with the output's tail) and if the test itself is killed (pytest-timeout)."""
+    fails with the output's tail) and if the test itself is killed (pytest-timeout). ``env``: instead of ours."""
     import pytest
 
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)},
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -482,6 +482,14 @@ def test_stats_summary_has_every_counter_and_the_staleness_as_mean_and_buckets()
     assert mean_staleness(Counter()) == 0.0 and mean_staleness(Counter({3: 2})) == 3.0
 
 
+def test_round_trips_are_kept_smoothed_and_by_bucket() -> None:
+    stats = AveragingStats()
+    for seconds in (0.0015, 0.002, 0.3, 20.0):
+        stats.round_trip(seconds, srtt=0.004)
+    assert stats.rtt_ms == 4.0
+    assert stats.to_dict()["rtt_hist"] == {"0.002": 2, "0.5": 1, "inf": 1}  # bound in seconds -> round trips
+
+
 # -- push-sum ----------------------------------------------------------------------------------
 
 

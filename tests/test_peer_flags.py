@@ -377,3 +377,23 @@ def test_an_evicted_sender_is_merged_again_when_it_sends_after_the_merge() -> No
     push(nb, 0, ver=2)
     nb.handle(AtSafePoint(1, []), 0.0)
     assert 0 in mixed_senders(params) and nb.stats.served == MAX_HELD_SENDERS + 1
+
+
+def test_a_coordinator_bound_to_every_interface_is_reported_to_where_it_was_dialled() -> None:
+    """Bound to 0.0.0.0 it names itself tcp://0.0.0.0:PORT; a peer that reported there would report to itself."""
+    from gossiptrain.net.addressing import with_host_if_wildcard
+    from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
+    from gossiptrain.runtime.peer import Peer
+
+    assert with_host_if_wildcard("tcp://0.0.0.0:7070?curve=ab", "10.0.0.5") == "tcp://10.0.0.5:7070?curve=ab"
+    assert with_host_if_wildcard("tcp://[::]:7070", "fd00::1") == "tcp://[fd00::1]:7070"
+    assert with_host_if_wildcard("tcp://127.0.0.3:7070", "10.0.0.5") == "tcp://127.0.0.3:7070"
+    coord = BackgroundCoordinator(fast_config(), bind="0.0.0.0:0")
+    try:
+        port = int(coord.address.rsplit(":", 1)[1])
+        model = torch.nn.Linear(4, 2)
+        with Peer(model, join=f"127.0.0.1:{port}", bind="127.0.0.7:0", config=fast_config()) as peer:
+            assert peer._node is not None and peer._node.coordinator == f"tcp://127.0.0.1:{port}"
+            wait_for(lambda: coord.coordinator.stats.reports > 0, 30, "a report to reach the coordinator")
+    finally:
+        coord.close()

@@ -203,7 +203,7 @@ class FakePeer:
         return {"state_transfer": "none"}
 
     def stats(self) -> dict[str, Any]:
-        return {"staleness_hist": [], "members": 3} | {k: 0 for k in (
+        return {"staleness_hist": [], "rtt_hist": {}, "members": 3} | {k: 0 for k in (
             "completed", "served", "timeouts", "refused", "crossed", "busy", "staleness_mean", "rtt_ms", "bytes_sent",
             "bytes_received", "bad_messages", "wrong_run", "rejected", "handshake_failures", "members_dead", "members_left",
             "waited_s", "compression_level", "gossip_refused",
@@ -211,6 +211,9 @@ class FakePeer:
 
     def step(self, samples_seen: int | None = None) -> None:
         self.steps += 1
+
+    def report(self, **numbers: float | None) -> None:
+        pass
 
     def finish(self, reason: str, final_model: Any = None, abort: Any = None) -> Any:
         # What the network thread logs while the live line shows the final phase.

@@ -42,7 +42,8 @@ def test_the_latest_record_is_served_as_counters_gauges_and_a_histogram() -> Non
         assert "gossiptrain_" not in urllib.request.urlopen(url, timeout=10).read().decode()  # nothing evaluated yet
         exporter.write({"event": "start", "step": 0, "peer": "p1", "shard": 0})  # not an evaluation: ignored
         exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 40, "exchanges": 12, "bytes_sent": 5000,
-                        "test_acc": 0.9, "members": 3, "test_loss": float("nan"), "staleness_hist": {"0": 5, "1": 2, "2-3": 1}})
+                        "test_acc": 0.9, "members": 3, "test_loss": float("nan"), "staleness_hist": {"0": 5, "1": 2, "2-3": 1},
+                        "rtt_hist": {"0.001": 2, "0.01": 3, "inf": 1}})
         got = scrape(url)
         assert got["gossiptrain_local_steps"]["type"] == "counter" and value(got, "gossiptrain_local_steps") == 40
         assert value(got, "gossiptrain_exchanges") == 12 and value(got, "gossiptrain_bytes_sent") == 5000
@@ -50,6 +51,8 @@ def test_the_latest_record_is_served_as_counters_gauges_and_a_histogram() -> Non
         assert "gossiptrain_test_loss" not in got  # NaN is no value
         buckets = {k: v for k, v in got["gossiptrain_staleness_steps"]["samples"].items() if "_bucket" in k}
         assert sorted(buckets.values()) == [5.0, 7.0, 8.0, 8.0]  # le 0, 1, 3, +Inf: cumulative
+        rtts = {k: v for k, v in got["gossiptrain_exchange_round_trip_seconds"]["samples"].items() if "_bucket" in k}
+        assert sorted(rtts.values()) == [2.0, 5.0, 6.0]  # le 0.001, 0.01, +Inf (one past the last bound)
         assert all("('peer', 'p1')" in k for k in got["gossiptrain_members"]["samples"])
         with socket.create_connection(("127.0.0.1", exporter.port), timeout=10):  # a scraper that hangs mid-request
             exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 41})  # the loop's side: a reference swap
@@ -93,3 +96,24 @@ def test_a_real_peers_counters_rise_between_scrapes(procs: Procs, coordinator_fa
     later = procs.wait_for(more, 60, "more exchanges")
     assert value(later, "gossiptrain_local_steps") > value(first, "gossiptrain_local_steps")
     assert value(later, "gossiptrain_members") == 2
+
+
+def test_the_coordinator_serves_its_joins_and_members(procs: Procs) -> None:
+    from .swarm import next_host
+
+    host = next_host()
+    coord = procs.start("coordinator", "--bind", f"{host}:0", "--prometheus", "127.0.0.1:0", "--shards", "2",
+                        "--seconds", "60", "--set", "membership.report_interval=0.5", name="coordinator")
+    join = procs.wait_for(lambda: (m := re.search(r"listening on tcp://(\S+) ", coord.output())) and m.group(1), 60,
+                          "the coordinator to listen")
+    url = procs.wait_for(lambda: (m := re.search(r"Prometheus metrics at (\S+)", coord.output())) and m.group(1), 60,
+                         "the coordinator to print its metrics address")
+    assert value(scrape(url), "gossiptrain_coordinator_joins_answered") == 0
+    procs.peer(join)
+    procs.peer(join)
+    got = procs.wait_for(
+        lambda: (g := scrape(url)) and value(g, "gossiptrain_coordinator_members") == 2
+        and value(g, "gossiptrain_coordinator_reports") >= 2 and g, 60, "the coordinator to count two reporting members",
+    )
+    assert got["gossiptrain_coordinator_joins_answered"]["type"] == "counter"
+    assert value(got, "gossiptrain_coordinator_joins_answered") >= 2

@@ -29,7 +29,8 @@ def add_parsers(
         "export", help="write the merged model of a running swarm (live members' states averaged, weighted by samples seen)"
     )
     p.add_argument("--join", required=True, metavar="HOST:PORT", help="the coordinator or any live peer")
-    p.add_argument("--out", required=True, metavar="FILE", help="the safetensors file to write (metadata goes to FILE.json)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="the safetensors file to write (metadata goes to FILE.json); a path or a URL (s3://, gs://, ...)")
     p.add_argument("--advertise", metavar="HOST", help="host the members reach us at (default: our address on the route to --join)")
     p.add_argument("--members-dir", metavar="DIR", help="also keep each member's state there (<id>.safetensors)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="per member, before it is skipped (default 60)")
@@ -53,11 +54,14 @@ def _say(line: str) -> None:
 
 def cmd_export(args: argparse.Namespace, security: Any) -> int:
     from gossiptrain.runtime.swarm_client import export
+    from gossiptrain.state import storage
     from gossiptrain.state.merged_model import NothingToMerge
 
     setup_logging(args.verbose)
     if not args.timeout > 0 or args.max_bytes < 1:
         raise GossipError("--timeout must be > 0 seconds and --max-bytes >= 1")
+    storage.check_location(args.out, "--out")  # a URL fsspec cannot serve fails before any download
+    storage.check_location(args.members_dir, "--members-dir")
     try:
         report = _run(export(
             args.join, args.out, security=security, advertise=args.advertise, members_dir=args.members_dir,

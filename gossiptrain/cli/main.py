@@ -184,9 +184,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     _check_workload(config)
     spec = workload_spec(config)  # a named workload's model: joins with another are refused from the first
 
+    metrics: list[Any] = []  # the Prometheus exporter, once the coordinator is up
+    if args.prometheus is not None:
+        from gossiptrain.train.prometheus import check_available, parse_listen
+
+        listen_at = parse_listen(args.prometheus)
+        check_available()
+
     def ready(coord: Any) -> None:
         host_port = plain_address(coord.address).removeprefix("tcp://")
         print(f"coordinator listening on {coord.address} (run {config.fingerprint()})", flush=True)
+        if args.prometheus is not None:
+            from gossiptrain.train.prometheus import PrometheusExporter, coordinator_families
+
+            collect = coordinator_families(lambda: {**coord.stats.to_dict(), **coord.finish.stats.to_dict()},
+                                           lambda: coord.member_count)
+            metrics.append(PrometheusExporter(*listen_at, collect=collect))
+            print(f"Prometheus metrics at {metrics[0].url}", flush=True)
         if security is None:
             print(f"join with: gossiptrain peer --join {host_port}", flush=True)
         else:
@@ -196,7 +210,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    run_coordinator_forever(config, args.bind, ready, security, spec)
+    try:
+        run_coordinator_forever(config, args.bind, ready, security, spec)
+    finally:
+        for exporter in metrics:
+            exporter.close()
     return 0
 
 
@@ -355,12 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("coordinator", help="bootstrap a swarm: answer joins with an id, the run config and members")
     p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="where to listen (default 127.0.0.1:7070)")
+    p.add_argument("--prometheus", metavar="[HOST:]PORT",
+                   help="serve /metrics for Prometheus there: joins, reports, queries, members (host 127.0.0.1 unless "
+                   "given; needs prometheus-client; default: none)")
     _add_security_flags(p, peer=False)
     _add_run_flags(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("peer", help="join a swarm and train")
-    p.add_argument("--join", required=True, metavar="HOST:PORT", help="the coordinator or any live peer")
+    p.add_argument("--join", required=not os.environ.get("GOSSIPTRAIN_JOIN"), default=os.environ.get("GOSSIPTRAIN_JOIN") or None,
+                   metavar="HOST:PORT", help="the coordinator or any live peer (default: $GOSSIPTRAIN_JOIN; required without it)")
     p.add_argument("--bind", metavar="HOST:PORT", help="where to listen (default: the advertised host, port 0)")
     p.add_argument("--advertise", metavar="HOST", help="host others reach us at (default: our address on the route to --join)")
     p.add_argument("--metrics", metavar="FILE",
@@ -414,17 +436,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.set_defaults(func=cmd_demo)
 
+    from gossiptrain.cli.dashboard import add_parser as add_dashboard_parser
     from gossiptrain.cli.export import add_parsers as add_export_parsers
+    from gossiptrain.cli.launch import add_parsers as add_launch_parsers
     from gossiptrain.cli.plot import add_parser as add_plot_parser
     from gossiptrain.cli.simulate import add_parser as add_simulate_parser
+    from gossiptrain.cli.status import add_parser as add_status_parser
     from gossiptrain.cli.topology import add_parser as add_topology_parser
 
     add_export_parsers(sub, lambda parser, peer: _add_security_flags(parser, peer=peer), _security)
+    add_status_parser(sub, lambda parser, peer: _add_security_flags(parser, peer=peer), _security)
+    add_dashboard_parser(sub, lambda parser, peer: _add_security_flags(parser, peer=peer), _security)
 
     simulated = {"--shards": "--peers (one shard each)", "--steps": "0: none, the simulation's --duration ends the run"}
     add_simulate_parser(sub, lambda parser: _add_run_flags(parser, simulated)).set_defaults(func=cmd_simulate)
     add_topology_parser(sub)
     add_plot_parser(sub)
+    add_launch_parsers(sub)
 
     p = sub.add_parser("config", help="print every configuration field with its default (TOML)")
     p.set_defaults(func=cmd_config)

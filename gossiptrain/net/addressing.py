@@ -130,6 +130,23 @@ def is_key_id(member_id: str) -> bool:
     return _KEY_ID.fullmatch(member_id) is not None
 
 
+def with_host_if_wildcard(address: str, host: str) -> str:
+    """``address`` with ``host`` in place of a wildcard one (0.0.0.0, ::), its port and CURVE key kept.
+
+    A coordinator bound to 0.0.0.0 knows itself by that address, and names
+    it so in its welcomes; a newcomer that dialled it at ``host`` reports
+    there instead of to itself.
+    """
+    url, sep, key = address.partition(CURVE_QUERY)
+    try:
+        bound, port = parse_hostport(url.removeprefix("tcp://"), "address")
+    except ConfigError:
+        return address
+    if bound not in ("0.0.0.0", "::"):
+        return address
+    return tcp_url(host, port) + sep + key
+
+
 def plain_address(address: str) -> str:
     """An address without its CURVE key, for messages people read."""
     return address.partition(CURVE_QUERY)[0]

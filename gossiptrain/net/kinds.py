@@ -23,6 +23,8 @@ SREQ, SREP, SNAK = "sreq", "srep", "snak"
 READY = "ready"
 # The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
 QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
+# A visitor asks one member how it is doing (gossiptrain.protocol.status): `gossiptrain status`, the dashboard.
+STATUS_ASK, STATUS = "status-ask", "status"
 
 JOINING = (JOIN, WELCOME, REFUSE)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
@@ -30,5 +32,6 @@ EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
 STATE = (SREQ, SREP, SNAK)
 RENDEZVOUS = (READY,)
 FINISH = (QUERY, ROSTER, STOP, FIN)
+STATUS_KINDS = (STATUS_ASK, STATUS)
 
-ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + FINISH)
+ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + FINISH + STATUS_KINDS)

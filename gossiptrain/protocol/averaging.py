@@ -70,7 +70,7 @@ from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.compression import AutoCodec, get_codec
 from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
-from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.rtt import RttEstimator, rtt_bucket
 from gossiptrain.protocol.staleness import StalenessPolicy, staleness_buckets
 
 log = logging.getLogger(__name__)
@@ -242,14 +242,22 @@ class AveragingStats:
     compression_switches: int = 0  # ...and how often it changed
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
+    # round trips measured (request to reply applied, or push to receipt), by bucket: upper bound in seconds -> count
+    rtt_hist: Counter[float] = field(default_factory=Counter)
+
+    def round_trip(self, seconds: float, srtt: float | None) -> None:
+        """One measured round trip, and the smoothed one it moved to."""
+        self.rtt_ms = 1000 * (srtt or 0.0)
+        self.rtt_hist[rtt_bucket(seconds)] += 1
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "staleness"}
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k not in ("staleness", "rtt_hist")}
         # A copy first: another thread (the network side answering requests) may add a bucket meanwhile, and
         # iterating the live Counter then raised "dictionary changed size" in a peer's metrics line.
         staleness = Counter(dict(self.staleness))
         out["staleness_mean"] = mean_staleness(staleness)
         out["staleness_hist"] = staleness_buckets(staleness)
+        out["rtt_hist"] = {f"{bound:g}": n for bound, n in sorted(dict(self.rtt_hist).items())}
         return out
 
 
@@ -692,7 +700,7 @@ class PairwiseAveraging(Averaging):
         self._merge(remote, inflight.snapshot, a)
         if on_time:
             self.rtt.observe(now - inflight.sent_at)
-            self.stats.rtt_ms = (self.rtt.srtt or 0.0) * 1000
+            self.stats.round_trip(now - inflight.sent_at, self.rtt.srtt)
             self._link_measured(now - inflight.sent_at, inflight.nbytes)
         self.stats.completed += 1
         self._record_staleness(msg)

@@ -53,7 +53,7 @@ from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import FIN, ROSTER, STOP
 from gossiptrain.protocol.admission import JoinLimiter
-from gossiptrain.protocol.membership import ALIVE, Member
+from gossiptrain.protocol.membership import ALIVE, SUSPECT, Member
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,9 @@ class FinishStats:
 
 
 def roster_body(config: RunConfig, members: Sequence[Member], stopping: bool) -> dict[str, Any]:
-    """The answer to a query: the run and the live members (as many as one message takes)."""
+    """The answer to a query: the run and the live members, suspects included (as many as one message takes)."""
     cap = max(1, min(config.limits.max_container_len, (config.limits.max_header_bytes - 64 * 1024) // _ROSTER_ENTRY_BYTES))
-    alive = [m for m in members if m.state == ALIVE][:cap]
+    alive = [m for m in members if m.state in (ALIVE, SUSPECT)][:cap]
     return {
         "fingerprint": config.fingerprint(), "config": config.to_dict(), "members": [m.to_wire() for m in alive],
         "stopping": stopping,

@@ -69,7 +69,7 @@ class Receipts:
         del self._out[sender]
         if receipt:
             self.rtt.observe(now - out.sent_at)
-            self.stats.rtt_ms = 1000 * (self.rtt.srtt or 0.0)
+            self.stats.round_trip(now - out.sent_at, self.rtt.srtt)
             if self.on_round_trip is not None:
                 self.on_round_trip(now - out.sent_at, out.nbytes)
         return True

@@ -28,3 +28,15 @@ class RttEstimator:
         """After a timeout, be more patient next time (the partner or network may be slow)."""
         # Before any measurement, double the guess we timed out with (not the floor: that was shorter than it).
         self.srtt = min(self.ceiling, (self.srtt if self.srtt is not None else self.timeout()) * 2)
+
+
+#: Upper bounds (seconds) of the round-trip histogram peers keep and export (``gossiptrain_exchange_round_trip_seconds``).
+RTT_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+def rtt_bucket(seconds: float) -> float:
+    """The smallest bucket bound at or above ``seconds`` (``inf`` past the last)."""
+    for bound in RTT_BUCKETS_S:
+        if seconds <= bound:
+            return bound
+    return float("inf")

@@ -160,6 +160,11 @@ class Coordinator(JoinAnsweringEndpoint):
     def members(self) -> list[Member]:
         return list(self.registry.alive(self.clock.now()))
 
+    @property
+    def member_count(self) -> int:
+        """Live members as last counted (every ``membership.report_interval``): safe to read from another thread."""
+        return self._last_count
+
     async def _start(self) -> None:
         await super()._start()  # the receive loop
         self.spawn(self._sweep_loop(), "sweep")

@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,7 +29,14 @@ import torch
 
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
-from gossiptrain.net.addressing import curve_address, parse_hostport, plain_address, route_address, tcp_url
+from gossiptrain.net.addressing import (
+    curve_address,
+    parse_hostport,
+    plain_address,
+    route_address,
+    tcp_url,
+    with_host_if_wildcard,
+)
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
@@ -41,6 +49,7 @@ from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
 from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
@@ -116,6 +125,8 @@ class Peer:
         self._last_step_at: float | None = None
         self._pace = 0.01  # seconds between safe points without a local step: about the recent step time
         self._rounds = 0  # safe points run without a local step (the final phase)
+        self._phase = JOINING  # for `gossiptrain status`: joining, training, final, done
+        self._reported: dict[str, float] = {}  # the loop's latest numbers (``report``), replaced whole, never changed
         join_host, join_port = parse_hostport(join, "join address")
         bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
         if advertise is None:
@@ -162,6 +173,9 @@ class Peer:
                     rng=self._rng,
                 )
             )
+            if welcome.coordinator and welcome.answered_by == welcome.coordinator:  # we dialled the coordinator itself
+                reachable = with_host_if_wildcard(welcome.coordinator, join_host)
+                welcome = replace(welcome, coordinator=reachable, answered_by=reachable)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
                 self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
                 self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
@@ -211,6 +225,7 @@ class Peer:
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
         self._lr_scaling = side.lr_scaling
         self._momentum = side.momentum
+        node.training_status = self._training_status
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     def _withdraw(self, welcome: Welcome) -> None:
@@ -355,9 +370,31 @@ class Peer:
         if self._last_step_at is not None:  # the final phase's safe points come at about this pace
             self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
         self._last_step_at = now
+        self._phase = TRAINING if self._phase == JOINING else self._phase
         self._safepoint(self._step)
         self._snapshots(self._step, self.samples_seen)
         self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
+
+    def report(self, *, loss: float | None = None, test_loss: float | None = None, test_acc: float | None = None) -> None:
+        """Tell ``gossiptrain status`` (and the dashboard) how this peer is learning; any of the three, when known.
+
+        Cheap: it only keeps the numbers; a visitor's ask reads them on the
+        network thread. The CLI peer reports at each evaluation.
+        """
+        given = {"loss": loss, "test_loss": test_loss, "test_acc": test_acc}
+        self._reported = {**self._reported, **{k: float(v) for k, v in given.items() if v is not None}}
+
+    def _training_status(self) -> dict[str, Any]:
+        """What a status answer says of the training side; on the network thread: plain reads, no lock, no wait."""
+        stats = self._averaging.stats
+        last = self._last_step_at
+        reported = self._reported
+        return {
+            "phase": self._phase, "step": self._step, "samples": self.samples_seen,
+            "exchanges": stats.completed + stats.served, "staleness_mean": stats.to_dict()["staleness_mean"],
+            "rtt_ms": stats.rtt_ms, "idle_s": 0.0 if last is None else round(max(0.0, self._clock.now() - last), 3),
+            **{k: v for k, v in reported.items() if v == v and abs(v) != float("inf")},  # finite only
+        }
 
     @property
     def samples_seen(self) -> int:
@@ -404,7 +441,9 @@ class Peer:
         )
         path = str(final_model) if final_model is not None else None
         merge = (lambda: self._start_merge(path)) if path is not None else None
+        self._phase = FINAL
         report = phase.run(reason, merge, path)
+        self._phase = DONE
         log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
         return report
 
@@ -412,6 +451,7 @@ class Peer:
         """A safe point without a local step: averaging goes on, snapshots are served."""
         self._check_open()
         self._rounds += 1
+        self._last_step_at = self._clock.now()  # a safe point all the same: the loop is not stuck
         self._safepoint.drift = None  # no local steps any more: no drift to correct, the models only meet
         self._safepoint(self._step + self._rounds)  # exchanges start once per round, as after a step
         self._snapshots(self._step, self.samples_seen)

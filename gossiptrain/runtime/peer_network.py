@@ -39,6 +39,7 @@ from gossiptrain.net.addressing import CURVE_QUERY, key_id
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership, push_sum
+from gossiptrain.protocol.admission import join_source
 from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.membership import (
@@ -59,6 +60,7 @@ from gossiptrain.protocol.membership import (
     members_from_wire,
 )
 from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
+from gossiptrain.protocol.status import JOINING, StatusAnswerer
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
@@ -90,6 +92,8 @@ class NodeStats(EndpointStats):
     members_suspected: int = 0  # suspicions raised (by our probes or heard), most of them refuted
     members_dead: int = 0  # declared dead: suspected and never refuted
     members_left: int = 0  # announced a clean leave
+    status_answered: int = 0  # `gossiptrain status` asks answered
+    status_throttled: int = 0  # ...and dropped, over their source's rate
 
 
 class PeerNode(JoinAnsweringEndpoint):
@@ -146,6 +150,9 @@ class PeerNode(JoinAnsweringEndpoint):
             gone=self._gone,
         )
         self.released = threading.Event()  # the rendezvous's count is reached: the trainer may start (its thread waits)
+        # `gossiptrain status`: what the training side last left for it (Peer sets a richer source), read when asked.
+        self.status_answerer = StatusAnswerer(config.limits, clock.now())
+        self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
         self.ready_count = 0  # live members known ready, for the trainer thread to read
         self.handlers = {
             kinds.JOIN: self._on_join,
@@ -154,6 +161,7 @@ class PeerNode(JoinAnsweringEndpoint):
             **dict.fromkeys(kinds.STATE, self._on_state),
             kinds.READY: self._on_ready,
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
+            kinds.STATUS_ASK: self._on_status_ask,
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
         self._started = me.incarnation  # members of a lower one were there before us: they did not join just now
@@ -326,6 +334,21 @@ class PeerNode(JoinAnsweringEndpoint):
 
     def _on_finish_message(self, msg: Message, frames: Sequence[object]) -> None:
         self.on_finish(finish_event(msg, self.transport.source_of(frames)))
+
+    def _on_status_ask(self, msg: Message, frames: Sequence[object]) -> None:
+        """Answer a visitor's ``status-ask`` with ourselves (``gossiptrain.protocol.status``), within its rate."""
+        now = self.clock.now()
+        stats = self.transport.stats
+        status = {
+            "phase": JOINING, "step": self.step, "samples": 0, "exchanges": 0, "staleness_mean": 0.0, "rtt_ms": 0.0,
+            "idle_s": 0.0, **self.training_status(),
+            "shard": self.me.shard, "members": len(self._view), "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received, "partners": tuple(self.partners(self.step)),
+        }
+        body = self.status_answerer.answer(join_source(self.transport.source_of(frames), msg.addr), now, status)
+        self.stats.status_answered, self.stats.status_throttled = self.status_answerer.answered, self.status_answerer.throttled
+        if body is not None:
+            self.send(msg.addr, kinds.STATUS, body)
 
     def on_finish(self, event: finish.Event) -> None:
         """Feed the end-of-run machine (a message's event, or a local stop or announce) and send what it says."""

@@ -33,16 +33,18 @@ from gossiptrain.errors import ConfigError, GossipError, JoinError, ProtocolErro
 from gossiptrain.net import kinds
 from gossiptrain.net.addressing import curve_address, parse_hostport, plain_address, route_address, tcp_url
 from gossiptrain.net.keys import join_server_key
-from gossiptrain.net.kinds import QUERY, ROSTER, STOP
+from gossiptrain.net.kinds import QUERY, ROSTER, STATUS, STATUS_ASK, STOP
 from gossiptrain.net.transport import Transport, listen
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.finish import new_stop_id
-from gossiptrain.protocol.membership import ALIVE, Member, members_from_wire
+from gossiptrain.protocol.membership import ALIVE, SUSPECT, Member, members_from_wire
 from gossiptrain.protocol.state_transfer import Fetcher, TransferResult
+from gossiptrain.protocol.status import MemberStatus
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import Endpoint
 from gossiptrain.runtime.join_client import plural_attempts
 from gossiptrain.runtime.state_endpoint import StateEndpoint
+from gossiptrain.state import storage
 from gossiptrain.state.merged_model import MemberInfo, MergedInfo, NothingToMerge, WeightedMean, write_merged
 from gossiptrain.state.snapshot import Entry, entries_of, table_layout, tensors_from
 
@@ -146,9 +148,10 @@ class Roster:
 
     config: RunConfig
     fingerprint: str
-    members: tuple[Member, ...]
+    members: tuple[Member, ...]  # alive
     stopping: bool
     answered_by: str  # the answerer's id ("coordinator" for the coordinator)
+    suspects: tuple[Member, ...] = ()  # suspected by the answerer, not declared dead yet
 
     @classmethod
     def from_message(cls, msg: Message, limits: Limits) -> "Roster":
@@ -161,8 +164,10 @@ class Roster:
             raise ProtocolError(f"the roster's configuration is invalid: {e}") from None
         if b["fingerprint"] != config.fingerprint() or type(b["stopping"]) is not bool:
             raise ProtocolError("the roster's fingerprint does not match its configuration")
-        members = tuple(m for m in members_from_wire(b["members"], limits.max_container_len) if m.state == ALIVE)
-        return cls(config, b["fingerprint"], members, b["stopping"], msg.sender)
+        listed = members_from_wire(b["members"], limits.max_container_len)
+        members = tuple(m for m in listed if m.state == ALIVE)
+        suspects = tuple(m for m in listed if m.state == SUSPECT)
+        return cls(config, b["fingerprint"], members, b["stopping"], msg.sender, suspects)
 
 
 class SwarmClient:
@@ -200,6 +205,9 @@ class SwarmClient:
         self._rosters: asyncio.Queue[Roster] = asyncio.Queue(maxsize=16)
         self._endpoint: StateEndpoint | None = None
         self._addresses: dict[str, str] = {}
+        self._asked: set[str] = set()  # members asked for their status now; answers from others are dropped
+        self._answers: dict[str, MemberStatus] = {}
+        self._all_answered = asyncio.Event()
 
     async def __aenter__(self) -> "SwarmClient":
         await self._open(Limits())
@@ -216,7 +224,7 @@ class SwarmClient:
         port = parse_hostport(plain_address(transport.address), "visitor address")[1]  # port 0 bound to a real one
         self.address = transport.reachable_at(tcp_url(self._advertise, port))
         net = Endpoint(transport, limits, sender=self.id, fingerprint=self._fingerprint(), advertise=self.address)
-        net.handlers = {ROSTER: self._on_roster, **dict.fromkeys(kinds.STATE, self._on_state)}
+        net.handlers = {ROSTER: self._on_roster, STATUS: self._on_status, **dict.fromkeys(kinds.STATE, self._on_state)}
         net.open_kinds = frozenset({ROSTER})  # the answer to a query: it tells us the run
         self._net = await net.start()
 
@@ -242,6 +250,13 @@ class SwarmClient:
     def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
         if self.roster is not None and self._endpoint is not None:  # the fingerprint was checked: the run's
             self._endpoint.on_message(msg)
+
+    def _on_status(self, msg: Message, frames: Sequence[object]) -> None:
+        if msg.sender not in self._asked:  # not asked now (a late answer to an earlier round, or nobody's)
+            return
+        self._answers[msg.sender] = MemberStatus.from_body(msg.sender, self._addresses[msg.sender], msg.body)
+        if len(self._answers) == len(self._asked):
+            self._all_answered.set()
 
     async def _ask(self, kind: str, body: dict[str, Any], attempts: int, timeout: float) -> Roster:
         while not self._rosters.empty():  # answers to earlier asks
@@ -275,6 +290,36 @@ class SwarmClient:
         if self.roster is None:
             raise GossipError("query() first: a stop carries the run's fingerprint")
         return await self._ask(STOP, {"id": new_stop_id(self.rng), "reason": reason[:200]}, attempts, timeout)
+
+    async def statuses(
+        self, members: Sequence[Member], *, timeout: float = 2.0, attempts: int = 2
+    ) -> dict[str, MemberStatus]:
+        """Ask each of ``members`` how it is doing (after ``query``): the answers that came within the attempts.
+
+        All are asked at once; those that have not answered after ``timeout``
+        seconds are asked again, up to ``attempts`` times. A member that never
+        answers is simply missing from the result.
+        """
+        if self.roster is None:
+            raise GossipError("query() first: a status ask carries the run's fingerprint")
+        self._asked = {m.id for m in members}
+        self._answers = {}
+        self._addresses.update((m.id, m.addr) for m in members)
+        try:
+            for _ in range(attempts):
+                if len(self._answers) == len(self._asked):
+                    break
+                self._all_answered.clear()
+                for m in members:
+                    if m.id not in self._answers:
+                        self._send(m.addr, STATUS_ASK, {})
+                try:
+                    await asyncio.wait_for(self._all_answered.wait(), timeout)
+                except TimeoutError:
+                    pass
+            return dict(self._answers)
+        finally:
+            self._asked = set()
 
     async def download(
         self, member: Member, *, expect: tuple[int, str, tuple[Entry, ...]] | None = None, max_bytes: int, seconds: float
@@ -353,8 +398,8 @@ async def export(
             )
             if members_dir is not None:
                 write_merged(
-                    Path(members_dir) / f"{member.id}.safetensors", tensors, members=[info], fingerprint=roster.fingerprint,
-                    written_by=client.id,
+                    storage.location(members_dir, "--members-dir") / f"{member.id}.safetensors", tensors, members=[info],
+                    fingerprint=roster.fingerprint, written_by=client.id,
                 )
         if not used:
             raise NothingToMerge("no member's state could be downloaded: " + "; ".join(f"{m}: {w}" for m, w in skipped))

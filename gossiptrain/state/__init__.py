@@ -1,5 +1,6 @@
 """A model's state at rest: tensor streams and manifests, checkpoints, merged models.
 
-Pure arithmetic and local files (safetensors and JSON, written atomically);
-no networking. Nothing here unpickles or ``torch.load``s anything.
+Pure arithmetic and files (safetensors and JSON, written atomically), on
+local paths or on a store fsspec serves (``storage``: s3://, gs://, ...);
+no gossip networking. Nothing here unpickles or ``torch.load``s anything.
 """

@@ -1,52 +1,23 @@
-"""Files that are all there or not there at all: the helpers checkpoints and merged models share.
+"""The bytes of files that are all there or not there at all: the helpers checkpoints and merged models share.
 
-A file is written under a temporary name, flushed, fsynced and renamed
-over its final name, and the directory is fsynced after the renames, so a
-crash leaves either the old file or the new one, never a mix. Tensors go
-to safetensors bytes (``serialize_tensors``, after ``for_saving``), never
-to pickle; metadata to JSON with a checksum of its own content
-(``encode_metadata``), which catches an edit that still parses.
+Tensors go to safetensors bytes (``serialize_tensors``, after
+``for_saving``), never to pickle; metadata to JSON with a checksum of its
+own content (``encode_metadata``), which catches an edit that still
+parses. Writing those bytes all or nothing (a temporary file, fsync,
+rename; or an upload then a move on a remote store) is
+``gossiptrain.state.storage``'s job.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any, Mapping
 
 import safetensors.torch
 from torch import Tensor
 
 from gossiptrain.errors import CheckpointError
-
-#: The suffix of a file being written (``.NAME.tmp``), so that leftovers of a crash can be recognised.
-TMP_SUFFIX = ".tmp"
-
-
-def write_atomic(directory: Path, name: str, data: bytes) -> None:
-    """Write ``data`` to ``directory/name`` via a temporary file: all of it or, after a crash, none of it."""
-    tmp = directory / f".{name}{TMP_SUFFIX}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / name)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make renames in ``directory`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a directory; the renames are still atomic
-    finally:
-        os.close(fd)
 
 
 def for_saving(state: Mapping[str, Any], what: str) -> dict[str, Tensor]:

@@ -12,11 +12,18 @@ The rest includes the averaging algorithm's own state where it has one
 resumed peer rejoins with the mass it had (``Averaging.checkpoint_state``).
 
 ``seq`` counts saves in the directory, so "newest" means "written last"
-whatever the step. Every file is written under a temporary name, flushed,
-fsynced and renamed over its final name, and the directory is fsynced; the
-JSON goes last, so a checkpoint exists only once all of its bytes are on
-disk (the helpers are ``gossiptrain.state.atomic_files``, which merged models
-share). A crash at any point leaves the previous checkpoint the newest one.
+whatever the step. Every file is written all or nothing
+(``gossiptrain.state.storage.write_atomic``: locally a temporary name,
+fsync, rename, then the directory is fsynced); the JSON goes last, so a
+checkpoint exists only once all of its bytes are stored. A crash at any
+point leaves the previous checkpoint the newest one.
+
+The directory may be a URL (``s3://bucket/run/ckpt``, ``memory://``, ...;
+see ``gossiptrain.state.storage``): there the same order holds (data
+objects uploaded first, each under its final name only once complete, the
+JSON object last), so a reader never takes a half-written checkpoint;
+what differs is that a remote directory has no lock, so one peer per URL
+is up to the user.
 
 Reading checks sizes and hashes before parsing, so a truncated file or a
 flipped byte is caught even when the file would still parse, and
@@ -31,7 +38,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -43,15 +49,9 @@ import torch
 from torch import Tensor
 
 from gossiptrain.errors import CheckpointError, ConfigError
-from gossiptrain.state.atomic_files import (
-    TMP_SUFFIX,
-    encode_metadata,
-    for_saving,
-    fsync_directory,
-    metadata_checksum,
-    serialize_tensors,
-    write_atomic,
-)
+from gossiptrain.state import storage
+from gossiptrain.state.atomic_files import encode_metadata, for_saving, metadata_checksum, serialize_tensors
+from gossiptrain.state.storage import TMP_SUFFIX, Location
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ _OURS = re.compile(r"^\.?(ckpt-(\d+)-step-\d+)\.")  # any file a save writes, te
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What a checkpoint's metadata says; ``path`` is its JSON file."""
+    """What a checkpoint's metadata says; ``path`` is its JSON file (a ``Path``, or a ``storage.URL``)."""
 
-    path: Path
+    path: Location
     seq: int  # saves in this directory before this one, plus one: orders checkpoints by age
     step: int  # the peer's local step count
     samples_seen: int  # training samples consumed by those steps
@@ -100,18 +100,18 @@ class Checkpoint:
 
 
 class Checkpointer:
-    """Writes checkpoints of one peer into ``directory`` and keeps the last ``keep``.
+    """Writes checkpoints of one peer into ``directory`` (a path or a URL) and keeps the last ``keep``.
 
-    Holds an exclusive lock on the directory (``.lock``) while open, so two
-    peers cannot interleave their checkpoints. ``due(step)`` says when the
-    next periodic save is wanted (every ``every_seconds`` and/or
-    ``every_steps``; 0 disables either). Older checkpoints are deleted only
-    after a newer one is complete.
+    Holds an exclusive lock on a local directory (``.lock``) while open, so
+    two peers cannot interleave their checkpoints (remote stores have no
+    lock). ``due(step)`` says when the next periodic save is wanted (every
+    ``every_seconds`` and/or ``every_steps``; 0 disables either). Older
+    checkpoints are deleted only after a newer one is complete.
     """
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: str | Path | storage.URL,
         *,
         keep: int = 3,
         every_seconds: float = 0.0,
@@ -124,14 +124,14 @@ class Checkpointer:
             raise ConfigError(f"checkpoint every_seconds must be a number >= 0, got {every_seconds}")
         if every_steps < 0:
             raise ConfigError(f"checkpoint every_steps must be >= 0, got {every_steps}")
-        self.directory = Path(directory)
+        self.directory = storage.location(directory, "checkpoint directory")
         self.keep = keep
         self.every_seconds = every_seconds
         self.every_steps = every_steps
         self._clock = clock
         self._last_time = clock()
         self._last_step: int | None = None
-        self._lock = _lock_directory(self.directory)
+        self._lock: storage.Closable | None = _lock_directory(self.directory)
 
     # -- when ------------------------------------------------------------------------------
 
@@ -184,9 +184,9 @@ class Checkpointer:
         try:
             files = {}
             for role, (suffix, data) in blobs.items():
-                write_atomic(self.directory, name + suffix, data)
+                storage.write_atomic(self.directory / (name + suffix), data)
                 files[role] = {"file": name + suffix, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            fsync_directory(self.directory)  # the data files are durable before the metadata names them
+            storage.sync_directory(self.directory)  # the data files are durable before the metadata names them
             meta: dict[str, Any] = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -203,8 +203,8 @@ class Checkpointer:
                 "averaging": averaging_json,
             }
             path = self.directory / (name + _META)
-            write_atomic(self.directory, path.name, encode_metadata(meta))
-            fsync_directory(self.directory)
+            storage.write_atomic(path, encode_metadata(meta))  # last: from now on it is a checkpoint
+            storage.sync_directory(self.directory)
         except OSError as e:
             self._remove_files_of(name)
             raise CheckpointError(f"could not write checkpoint {name} in {self.directory}: {e.strerror or e}") from e
@@ -234,7 +234,7 @@ class Checkpointer:
     def close(self) -> None:
         """Release the directory lock. Idempotent."""
         if self._lock is not None:
-            self._lock.close()  # closing the file releases its flock
+            self._lock.close()  # closing the lock file releases its flock
             self._lock = None
 
     def __enter__(self) -> "Checkpointer":
@@ -247,20 +247,22 @@ class Checkpointer:
 # -- reading -----------------------------------------------------------------------------
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
+def list_checkpoints(directory: str | Path | storage.URL) -> list[Location]:
     """The metadata files of the complete checkpoints in ``directory``, newest first (not verified)."""
-    directory = Path(directory)
+    directory = storage.location(directory, "checkpoint directory")
     return [directory / (name + _META) for name in _complete_names(directory)]
 
 
-def latest_good(directory: str | Path) -> Checkpoint:
-    """The newest checkpoint in ``directory`` that is intact: files present, hashes matching, parsing.
+def latest_good(directory: str | Path | storage.URL) -> Checkpoint:
+    """The newest checkpoint in ``directory`` (a path or a URL) that is intact: files present, hashes matching, parsing.
 
     Broken ones are skipped with a warning naming the file and the reason;
     if none is good, ``CheckpointError`` lists what was wrong with each.
+    Only checkpoints whose JSON exists are considered, and the JSON is
+    written last, so a save still in progress (or crashed) is never taken.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
+    directory = storage.location(directory, "checkpoint directory")
+    if not _is_dir(directory):
         raise CheckpointError(f"checkpoint directory {directory} does not exist or is not a directory")
     paths = list_checkpoints(directory)
     if not paths:
@@ -275,9 +277,9 @@ def latest_good(directory: str | Path) -> Checkpoint:
     raise CheckpointError(f"no good checkpoint in {directory}: " + "; ".join(problems))
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path | storage.URL) -> Checkpoint:
     """Read and verify one checkpoint from its metadata file; ``CheckpointError`` names what is wrong."""
-    path = Path(path)
+    path = storage.location(path, "checkpoint")
     info = _read_metadata(path)
     tensors = {}
     for role in ("model", "optimizer"):
@@ -343,50 +345,42 @@ def restore(
 # -- helpers: writing ----------------------------------------------------------------------
 
 
-def _lock_directory(directory: Path) -> Any:
+def _lock_directory(directory: Location) -> storage.Closable:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fh = open(directory / _LOCK, "a+")
+        return storage.lock_directory(directory, _LOCK)
+    except storage.DirectoryInUse as e:
+        raise CheckpointError(f"checkpoint directory {directory} is in use by another checkpointer (pid {e.holder})") from None
     except OSError as e:
         raise CheckpointError(f"cannot use checkpoint directory {directory}: {e.strerror or e}") from None
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): one writer per directory is then up to the user
-        return fh
-    try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fh.seek(0)
-        holder = fh.read().strip() or "?"
-        fh.close()
-        raise CheckpointError(f"checkpoint directory {directory} is in use by another checkpointer (pid {holder})") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(str(os.getpid()))
-    fh.flush()
-    return fh
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Location) -> None:
     try:
-        path.unlink(missing_ok=True)
+        storage.delete(path)
     except OSError as e:
         log.warning("could not delete old checkpoint file %s: %s", path, e.strerror or e)
 
 
-def _listdir(directory: Path) -> list[str]:
+def _listdir(directory: Location) -> list[str]:
     try:
-        return os.listdir(directory)
+        return storage.list_names(directory)
     except OSError as e:
         raise CheckpointError(f"cannot list checkpoint directory {directory}: {e.strerror or e}") from None
 
 
-def _next_seq(directory: Path) -> int:
+def _is_dir(directory: Location) -> bool:
+    try:
+        return storage.is_dir(directory)
+    except OSError as e:
+        raise CheckpointError(f"cannot use checkpoint directory {directory}: {e.strerror or e}") from None
+
+
+def _next_seq(directory: Location) -> int:
     seqs = [int(m.group(2)) for entry in _listdir(directory) if (m := _OURS.match(entry))]
     return max(seqs, default=0) + 1
 
 
-def _complete_names(directory: Path) -> list[str]:
+def _complete_names(directory: Location) -> list[str]:
     found = [(int(m.group(1)), entry) for entry in _listdir(directory) if (m := _COMPLETE.match(entry))]
     return [entry.removesuffix(_META) for _, entry in sorted(found, reverse=True)]
 
@@ -440,12 +434,12 @@ def _jsonable(value: Any, what: str) -> Any:
 # -- helpers: reading ----------------------------------------------------------------------
 
 
-def _read_metadata(path: Path) -> CheckpointInfo:
+def _read_metadata(path: Location) -> CheckpointInfo:
     try:
-        size = path.stat().st_size
+        size = storage.size(path)
         if size > MAX_METADATA_BYTES:
             raise CheckpointError(f"{path}: {size} bytes, more than a metadata file may have ({MAX_METADATA_BYTES})")
-        raw = path.read_bytes()
+        raw = storage.read_bytes(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
@@ -472,7 +466,7 @@ def _read_metadata(path: Path) -> CheckpointInfo:
     return info
 
 
-def _info_from(path: Path, meta: Mapping[str, Any]) -> CheckpointInfo:
+def _info_from(path: Location, meta: Mapping[str, Any]) -> CheckpointInfo:
     def field(key: str, kind: type | tuple[type, ...]) -> Any:
         value = meta[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -512,13 +506,13 @@ def _averaging_state(state: Mapping[str, Any], what: str) -> dict[str, float]:
     return out
 
 
-def _read_verified(path: Path, nbytes: int, sha256: str) -> bytes:
+def _read_verified(path: Location, nbytes: int, sha256: str) -> bytes:
     """The file's bytes, once they have the size and hash the metadata promises."""
     try:
-        size = path.stat().st_size
+        size = storage.size(path)
         if size != nbytes:
             raise CheckpointError(f"{path}: {size} bytes, but its metadata says {nbytes} (truncated or overwritten)")
-        data = path.read_bytes()
+        data = storage.read_bytes(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except OSError as e:

@@ -26,10 +26,13 @@ Writing (``write_merged``): FILE, a safetensors file of the merged tensors,
 then its metadata FILE.json (``merged.safetensors`` -> ``merged.json``):
 members used with their samples and steps, those skipped and why, the run's
 fingerprint, and FILE's size and SHA-256. Each is written to a temporary
-file, fsynced and renamed (``gossiptrain.state.atomic_files``, as checkpoints
+file, fsynced and renamed (``gossiptrain.state.storage``, as checkpoints
 are), the JSON last, so a crash never leaves a metadata file naming a
-partial model. Reading (``read_merged``) checks size and hash before
-parsing; nothing is ever unpickled.
+partial model. FILE may be a URL (``s3://bucket/merged.safetensors``; see
+``gossiptrain.state.storage``): the model object is uploaded first, each
+object appears under its name only once complete, the JSON last. Reading
+(``read_merged``) checks size and hash before parsing; nothing is ever
+unpickled.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import torch
 
 from gossiptrain.errors import CheckpointError, GossipError
 from gossiptrain.net.dtypes import DTYPES
-from gossiptrain.state.atomic_files import encode_metadata, for_saving, fsync_directory, serialize_tensors, write_atomic
+from gossiptrain.state import storage
+from gossiptrain.state.atomic_files import encode_metadata, for_saving, serialize_tensors
 from gossiptrain.state.snapshot import Entry, entries_of, first_difference
 
 FORMAT = "gossiptrain-merged-model"
@@ -133,22 +137,22 @@ class MemberInfo:
 
 @dataclass(frozen=True)
 class MergedInfo:
-    path: Path  # the safetensors file
-    metadata: Path  # its JSON
+    path: storage.Location  # the safetensors file (a Path, or a storage.URL)
+    metadata: storage.Location  # its JSON
     sha256: str
     bytes: int
     members: tuple[MemberInfo, ...]
     skipped: tuple[tuple[str, str], ...]  # (member, why)
 
 
-def metadata_path(path: str | Path) -> Path:
+def metadata_path(path: str | Path | storage.URL) -> storage.Location:
     """``model.safetensors`` -> ``model.json``; any other name gets ``.json`` appended."""
-    p = Path(path)
+    p = storage.location(path, "merged model")
     return p.with_suffix(".json") if p.suffix == ".safetensors" else p.with_name(p.name + ".json")
 
 
 def write_merged(
-    path: str | Path,
+    path: str | Path | storage.URL,
     tensors: Mapping[str, torch.Tensor],
     *,
     members: Sequence[MemberInfo],
@@ -158,7 +162,7 @@ def write_merged(
     written_by: str = "",
 ) -> MergedInfo:
     """Write the merged model and its metadata atomically; ``CheckpointError`` if it cannot be written."""
-    path = Path(path)
+    path = storage.location(path, "merged model")
     meta_path = metadata_path(path)
     directory = path.parent
     data = serialize_tensors(for_saving(dict(tensors), "the merged model"), "the merged model")
@@ -179,25 +183,25 @@ def write_merged(
         "run": dict(run) if run is not None else None,
     }
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_atomic(directory, path.name, data)
-        fsync_directory(directory)  # the model is durable before the metadata names it
-        write_atomic(directory, meta_path.name, encode_metadata(meta))
-        fsync_directory(directory)
+        storage.make_dirs(directory)
+        storage.write_atomic(path, data)
+        storage.sync_directory(directory)  # the model is durable before the metadata names it
+        storage.write_atomic(meta_path, encode_metadata(meta))
+        storage.sync_directory(directory)
     except OSError as e:
         raise CheckpointError(f"could not write the merged model {path}: {e.strerror or e}") from e
     return MergedInfo(path, meta_path, digest, len(data), tuple(members), tuple(skipped))
 
 
-def read_merged(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_merged(path: str | Path | storage.URL) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A merged model's tensors and metadata, its size and SHA-256 checked first; ``CheckpointError`` if bad."""
-    path = Path(path)
+    path = storage.location(path, "merged model")
     meta_path = metadata_path(path)
     try:
-        if meta_path.stat().st_size > MAX_METADATA_BYTES:
+        if storage.size(meta_path) > MAX_METADATA_BYTES:
             raise CheckpointError(f"{meta_path}: larger than a metadata file may be")
-        meta = json.loads(meta_path.read_bytes())
-        data = path.read_bytes()
+        meta = json.loads(storage.read_bytes(meta_path))
+        data = storage.read_bytes(path)
     except OSError as e:
         raise CheckpointError(f"cannot read the merged model {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

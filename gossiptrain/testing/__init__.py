@@ -11,6 +11,9 @@
   ``schedules()`` generates them with hypothesis.
 - ``matchers``: ``match`` / ``only``, for assertions on the action lists that
   sans-IO state machines return.
+- ``netns``: ``Namespace`` and ``Lan`` (namespaces on one bridge), Linux
+  network namespaces as stand-in hosts with real addresses (root only; not
+  imported here).
 
 This is the top layer (beside ``gossiptrain.cli``): it may import any part of
 the library, and the library never imports it.

@@ -1,4 +1,11 @@
-"""Metrics as JSON lines: one object per event, flushed at once so `tail -f` and other processes see it."""
+"""Metrics as JSON lines: one object per event, flushed at once so `tail -f` and other processes see it.
+
+The file may be a URL (``s3://bucket/run/peer.jsonl``, ``memory://...``;
+see ``gossiptrain.state.storage``). Object stores cannot append, so there
+the lines are kept in memory and the whole file is uploaded at most every
+``storage.UPLOAD_EVERY_SECONDS`` (30) and at close; a reader always sees
+whole lines, and a crash loses at most the last interval's.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,10 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol
 
 from gossiptrain.errors import ConfigError
+from gossiptrain.state import storage
 
 
 def _clean(value: Any) -> Any:
@@ -19,14 +27,17 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def check_metrics_path(path: str | Path, what: str = "metrics file") -> None:
+def check_metrics_path(path: str | Path | storage.URL, what: str = "metrics file") -> None:
     """ConfigError, naming ``path`` as ``what``, if a metrics file cannot be appended to there; creates nothing.
 
     Missing directories are fine (``MetricsLog`` creates them); a directory
     given as the file, a file where a directory must be, or no permission to
-    write are not.
+    write are not. A URL is checked for its scheme and backend only
+    (``storage.location``): the store itself answers at the first upload.
     """
-    target = Path(path)
+    target = storage.location(path, what)
+    if not isinstance(target, Path):
+        return
     if target.is_dir():
         raise ConfigError(f"{what} {str(path)!r} is a directory: name a file, e.g. {target / 'peer.jsonl'}")
     ancestor = target.parent
@@ -42,18 +53,21 @@ def check_metrics_path(path: str | Path, what: str = "metrics file") -> None:
 class MetricsLog:
     """Appends records to a JSON-lines file (missing directories are created); a no-op when no path is given.
 
-    A path that cannot be written raises ConfigError naming it.
+    A path that cannot be written raises ConfigError naming it. On a URL
+    the file is uploaded whole every ``upload_every`` seconds and at close
+    (see the module docstring).
     """
 
-    def __init__(self, path: str | Path | None) -> None:
-        self.path = Path(path) if path else None
-        self._fh: TextIO | None = None
+    def __init__(
+        self, path: str | Path | storage.URL | None, *, upload_every: float = storage.UPLOAD_EVERY_SECONDS
+    ) -> None:
+        self.path = storage.location(path, "metrics file") if path else None
+        self._fh: storage.TextAppender | None = None
         self._lock = threading.Lock()
         if self.path is not None:
             check_metrics_path(self.path)
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh = storage.open_append(self.path, upload_every=upload_every)
             except OSError as e:
                 raise ConfigError(f"metrics file {str(self.path)!r} cannot be written: {e.strerror or e}") from None
 
@@ -62,8 +76,7 @@ class MetricsLog:
             return
         line = json.dumps({k: _clean(v) for k, v in record.items()}, separators=(",", ":"))
         with self._lock:
-            self._fh.write(line + "\n")
-            self._fh.flush()
+            self._fh.write(line + "\n")  # flushed at once (local), or uploaded when due (URL)
 
     def close(self) -> None:
         with self._lock:
@@ -95,11 +108,11 @@ class Tee:
             sink.write(record)
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All complete records of a JSON-lines file (a line being written is skipped)."""
+def read_metrics(path: str | Path | storage.URL) -> list[dict[str, Any]]:
+    """All complete records of a JSON-lines file or URL (a line being written is skipped)."""
     out: list[dict[str, Any]] = []
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = storage.read_bytes(storage.location(path, "metrics file")).decode("utf-8")
     except FileNotFoundError:
         return out
     for line in text.splitlines():

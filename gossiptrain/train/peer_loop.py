@@ -10,6 +10,11 @@ With a checkpoint directory it saves a checkpoint every so often at a step
 boundary and once at the end; with ``resume`` it starts from the newest
 intact checkpoint there (model, optimizer, step count, and its shard unless
 another is asked for). See ``gossiptrain.state.checkpoint``.
+
+The checkpoint directory, the resume directory, the final model and the
+metrics file may be URLs (``s3://``, ``gs://``, ...; see
+``gossiptrain.state.storage``); ``PeerOptions`` checks their schemes and
+backends when it is made, before the peer joins.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import CheckpointError, ConfigError
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.runtime.peer_network import MEMBER_EVENTS
+from gossiptrain.state import storage
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
@@ -47,7 +53,7 @@ class PeerOptions:
     join: str  # HOST:PORT of the coordinator or any live peer
     bind: str | None = None  # HOST:PORT to listen on (default: the advertised host, port 0)
     advertise: str | None = None  # host others use to reach us (default: the route to the join host)
-    metrics: str | Path | None = None  # JSON-lines file
+    metrics: str | Path | None = None  # JSON-lines file (or URL)
     tensorboard: str | Path | None = None  # TensorBoard runs: DIR/<peer id>
     prometheus: str | None = None  # serve /metrics at [HOST:]PORT (host 127.0.0.1 unless given)
     expect: RunConfig | None = None  # refuse to join a swarm running anything else
@@ -57,14 +63,14 @@ class PeerOptions:
     threads: int = 1  # torch intra-op threads: one per peer keeps several peers per machine fair
     wait_for: int = 0  # do not train until this many members (us included) are ready to train; 0: start at once
     progress: bool = True
-    checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end)
+    checkpoint_dir: str | Path | None = None  # save checkpoints here (periodically and at the end); a path or URL
     checkpoint_every_seconds: float = 60.0  # 0: no time-based saves
     checkpoint_every_steps: int = 0  # 0: no step-based saves
     checkpoint_keep: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is complete
-    resume: str | Path | None = None  # start from the newest intact checkpoint in this directory
+    resume: str | Path | None = None  # start from the newest intact checkpoint in this directory (or URL)
     resume_any_run: bool = False  # accept a checkpoint of another run (its tensors must still fit the model)
     security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
-    final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here
+    final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here (or URL)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -81,6 +87,10 @@ class PeerOptions:
             raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
         if self.resume_any_run and self.resume is None:
             raise ConfigError("--resume-any-run needs --resume DIR")
+        # A URL fsspec cannot serve fails now, not at the first checkpoint or at the end of the run.
+        for flag, value in (("--checkpoint-dir", self.checkpoint_dir), ("--resume", self.resume),
+                            ("--final-model", self.final_model), ("--metrics", self.metrics)):
+            storage.check_location(value, flag)
 
 
 class _Rate:
@@ -292,6 +302,7 @@ class _Report:
             "staleness_mean": round(stats["staleness_mean"], 3),
             "staleness_hist": stats["staleness_hist"],
             "rtt_ms": round(stats["rtt_ms"], 2),
+            "rtt_hist": stats["rtt_hist"],  # round trips by bucket: upper bound in seconds -> count
             "waited_s": round(stats["waited_s"], 3),  # flow control: the loop waited for the link
             "compression_level": stats["compression_level"],  # compression auto: 0 none, 1 fp16, 2 int8
             "bytes_sent": stats["bytes_sent"],
@@ -307,6 +318,7 @@ class _Report:
             rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
         rec.update(extra)
         self.metrics.write(rec)
+        peer.report(loss=trainer.loss_avg, test_loss=result.loss, test_acc=result.accuracy)  # for `gossiptrain status`
         self.progress.update(
             f"peer {peer.id} shard {peer.shard}/{peer.config.train.shards} | step {peer.steps} | "
             f"loss {trainer.loss_avg:.3f} | acc {result.accuracy:.3f} | peers {stats['members']} | "

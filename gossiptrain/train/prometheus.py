@@ -8,7 +8,9 @@ loop nothing, and an answer's size does not grow with the swarm.
 Totals that only grow are counters (``gossiptrain_exchanges_total``,
 ``gossiptrain_bytes_sent_total``, ``gossiptrain_local_steps_total``, ...),
 the rest gauges, every family labelled with the peer's id and shard, and
-the staleness of merged updates a histogram (steps). Bound to 127.0.0.1
+the staleness of merged updates (steps) and the exchanges' round trips
+(seconds) histograms. ``--prometheus`` on the coordinator serves its own
+counters instead (``coordinator_families``). Bound to 127.0.0.1
 unless a host is given. Needs ``prometheus-client``
 (``pip install 'gossiptrain[prometheus]'``).
 """
@@ -16,7 +18,7 @@ unless a host is given. Needs ``prometheus-client``
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import parse_hostport
@@ -61,15 +63,34 @@ def check_available(flag: str = "--prometheus") -> None:
         raise ConfigError(f"{flag} needs prometheus-client: pip install 'gossiptrain[prometheus]'") from None
 
 
-class PrometheusExporter:
-    """Serves ``/metrics`` on (host, port) from the latest record given to ``write``; ``close`` stops the server."""
+#: coordinator stat -> (metric name, help); totals since it started.
+COORDINATOR_COUNTERS: dict[str, tuple[str, str]] = {
+    "joins_answered": ("gossiptrain_coordinator_joins_answered", "joins welcomed"),
+    "joins_refused": ("gossiptrain_coordinator_joins_refused", "joins refused (another run, another model, a bad request)"),
+    "joins_throttled": ("gossiptrain_coordinator_joins_throttled", "joins dropped over their source's rate"),
+    "reports": ("gossiptrain_coordinator_reports", "members' periodic reports"),
+    "reports_throttled": ("gossiptrain_coordinator_reports_throttled", "reports dropped over their source's rate"),
+    "reported_dead": ("gossiptrain_coordinator_reported_dead", "registry entries dropped because members reported them dead"),
+    "queries_answered": ("gossiptrain_coordinator_queries_answered", "queries of tools answered (status, export, stop)"),
+    "bad_messages": ("gossiptrain_coordinator_bad_messages", "messages dropped as malformed"),
+    "wrong_run": ("gossiptrain_coordinator_wrong_run", "messages of another run"),
+}
 
-    def __init__(self, host: str, port: int) -> None:
+
+class PrometheusExporter:
+    """Serves ``/metrics`` on (host, port) from the latest record given to ``write``; ``close`` stops the server.
+
+    ``collect``, when given, is called instead at each scrape (on the
+    server's thread) for the families to serve: the coordinator's.
+    """
+
+    def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Any]] | None = None) -> None:
         check_available()
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
         self._latest: dict[str, Any] | None = None
+        self._collect = collect
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         try:
@@ -87,6 +108,9 @@ class PrometheusExporter:
         """The families of the latest record (prometheus_client calls this on its thread at each scrape)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        if self._collect is not None:
+            yield from self._collect()
+            return
         record = self._latest
         if record is None:
             return
@@ -105,6 +129,9 @@ class PrometheusExporter:
         hist = record.get("staleness_hist")
         if isinstance(hist, dict) and hist:
             yield _staleness(hist, labels, values)
+        rtts = record.get("rtt_hist")
+        if isinstance(rtts, dict) and rtts:
+            yield _round_trips(rtts, labels, values)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -118,6 +145,26 @@ class PrometheusExporter:
         self.close()
 
 
+def coordinator_families(stats: Callable[[], dict[str, Any]], members: Callable[[], int]) -> Callable[[], Iterator[Any]]:
+    """The coordinator's families for ``PrometheusExporter(collect=...)``: its counters and the members it knows.
+
+    ``stats()`` and ``members()`` are read at each scrape, on the exporter's
+    thread: plain reads of counters the coordinator's loop writes.
+    """
+
+    def collect() -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = stats()
+        for field, (name, text) in COORDINATOR_COUNTERS.items():
+            if _finite(values.get(field)):
+                yield CounterMetricFamily(name, text, value=float(values[field]))
+        yield GaugeMetricFamily("gossiptrain_coordinator_members", "live members in the coordinator's registry",
+                                value=float(members()))
+
+    return collect
+
+
 def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
     """Buckets as peers count them ("0", "1", "2-3", "4-7", ...) as a cumulative Prometheus histogram (le = upper end)."""
     from prometheus_client.core import HistogramMetricFamily
@@ -129,6 +176,28 @@ def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> An
         buckets.append((str(upper), running))
     buckets.append(("+Inf", running))
     family = HistogramMetricFamily("gossiptrain_staleness_steps", "staleness of merged updates, in steps", labels=labels)
+    family.add_metric(values, buckets, sum_value=None)
+    return family
+
+
+def _round_trips(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
+    """Round trips as peers count them (upper bound in seconds -> count; "inf" past the last) as a Prometheus histogram."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    counts: dict[float, int] = {}
+    for key, n in hist.items():
+        try:
+            counts[float(key)] = counts.get(float(key), 0) + int(n)
+        except (TypeError, ValueError):
+            continue
+    buckets, running = [], 0
+    for upper in sorted(b for b in counts if math.isfinite(b)):
+        running += counts[upper]
+        buckets.append((f"{upper:g}", running))
+    buckets.append(("+Inf", running + counts.get(math.inf, 0)))
+    family = HistogramMetricFamily(
+        "gossiptrain_exchange_round_trip_seconds", "exchange round trips: request to reply, or push to receipt", labels=labels
+    )
     family.add_metric(values, buckets, sum_value=None)
     return family
 
