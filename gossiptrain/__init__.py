@@ -9,7 +9,9 @@ submodule does not pull in the network stack.
 The layers, each importing only those below it (enforced by the import-linter
 contracts in pyproject.toml, checked in the default test run)::
 
-    cli/ | testing/  the gossiptrain command, one module per subcommand | kits for tests
+    cli/ | testing/ | integrations/
+                     the gossiptrain command, one module per subcommand | kits for tests |
+                     other frameworks' loops as members (a Hugging Face Trainer callback)
     sim/             a swarm in virtual time: simulated peers, faults, rounds
     train/           workloads, shards, evaluation, local steps, metrics, the CLI peer's loop
     runtime/         real-time drivers: clock, endpoints, the peer's network side, coordinator, Peer
@@ -24,8 +26,8 @@ thread, clock, socket or wire message, and holds no ``send`` callback (it
 takes events and ``now`` and returns actions); only ``runtime`` turns wire
 messages into events; ``state`` holds no networking; only the transport
 registry (``gossiptrain.net.transport.listen``) names a backend, which
-``cli`` and ``sim`` choose by URL scheme; nothing imports ``cli`` or
-``testing``; no module imports another module's private names.
+``cli`` and ``sim`` choose by URL scheme; nothing imports ``cli``,
+``testing`` or ``integrations``; no module imports another module's private names.
 ``topologies`` (a sibling package) imports neither gossiptrain nor torch,
 and ``peers`` uses only the public ``Workload`` protocol.
 """

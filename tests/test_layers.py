@@ -38,10 +38,12 @@ def test_the_contracts_name_a_planted_violation(tmp_path: Path) -> None:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "gossiptrain/protocol/planted.py").write_text("import asyncio\n")
     (tmp_path / "gossiptrain/net/planted.py").write_text("from gossiptrain.runtime import peer\n")
+    (tmp_path / "gossiptrain/runtime/planted.py").write_text("from gossiptrain.integrations import hf\n")
     run = lint_imports(tmp_path)
     assert run.returncode != 0
     assert "gossiptrain.protocol.planted -> asyncio" in run.stdout
     assert "gossiptrain.net.planted -> gossiptrain.runtime.peer" in run.stdout
+    assert "gossiptrain.runtime.planted -> gossiptrain.integrations.hf" in run.stdout
 
 
 def _module_of(path: Path) -> str:

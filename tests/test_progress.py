@@ -215,6 +215,9 @@ class FakePeer:
     def report(self, **numbers: float | None) -> None:
         pass
 
+    def agree(self, flag: bool) -> bool:
+        return flag
+
     def finish(self, reason: str, final_model: Any = None, abort: Any = None) -> Any:
         # What the network thread logs while the live line shows the final phase.
         events = logging.getLogger(MEMBER_EVENTS)

@@ -20,9 +20,10 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gossiptrain.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
+from gossiptrain.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
 from gossiptrain.net.addressing import parse_hostport, plain_address
@@ -283,6 +284,21 @@ def cmd_peer(args: argparse.Namespace) -> int:
         final_model=args.final_model,
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
+    from gossiptrain.train.peer_workers import WorkerFailed, Workers, start_other_workers, wait_for_workers
+
+    workers, children = Workers.from_environment(), []
+    if workers is not None and workers.rank > 0:  # one of the other workers: rank 0 decides for the group
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        options = replace(options, workers=workers, progress=False)
+        try:
+            run_peer(options)
+        except WorkerFailed as e:
+            print(f"gossiptrain peer: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+    if workers is None and args.nproc_per_peer > 1:
+        workers, children = start_other_workers(args.argv, args.nproc_per_peer)
+    options = replace(options, workers=workers)
     stop = threading.Event()
     training = threading.Event()
     interrupted = threading.Event()  # Ctrl+C (SIGINT), not SIGTERM: the exit status says which stopped us
@@ -294,8 +310,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
             interrupted.set()
         stop.set()  # training: leave gracefully, write the summary
 
-    with _on_stop_signals(on_signal):
-        summary = run_peer(options, stop, on_training=training.set)
+    try:
+        with _on_stop_signals(on_signal):
+            summary = run_peer(options, stop, on_training=training.set)
+    except WorkerFailed as e:
+        print(f"gossiptrain peer: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        failed = [i + 1 for i, rc in enumerate(wait_for_workers(children, timeout=0 if stop.is_set() else 30)) if rc != 0]
+    if failed:
+        print(f"gossiptrain peer: worker(s) {', '.join(map(str, failed))} of this peer failed", file=sys.stderr)
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(summary, separators=(",", ":")), flush=True)
     return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
@@ -400,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=1.0, metavar="FACTOR",
                    help="emulate a slow machine: idle (FACTOR-1) x each step's compute time (experiments; default 1: no)")
     p.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads for this peer (default 1)")
+    p.add_argument("--nproc-per-peer", type=_count("a number of worker processes", 1), default=1, metavar="N",
+                   help="N worker processes as one swarm member, training with DDP (gloo) among themselves; rank 0 "
+                   "joins, the others follow it (default 1; under torchrun, its WORLD_SIZE)")
     p.add_argument("--wait-for", type=int, default=0, metavar="N",
                    help="train only once N members (this one included) are ready to train (joined, state downloaded): "
                    "a start line that releases them together (default 0: at once)")
@@ -472,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a peer's other workers run (--nproc-per-peer)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -55,6 +55,7 @@ from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.runtime.swarm_client import merge_members
@@ -97,7 +98,20 @@ class Peer:
     When your loop ends (its budget spent, or ``finish_requested`` after a
     ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
     the others, and optionally the swarm's merged model (``gossiptrain.protocol.finish``).
+    ``group``, a ``torch.distributed`` process group, makes one member of
+    several workers training with DDP: call it on every rank; rank 0 joins,
+    the others get a ``GroupWorker`` (``gossiptrain.runtime.peer_group``).
     """
+
+    def __new__(cls, *args: Any, group: Any = None, **kwargs: Any) -> "Peer":
+        if group is not None and cls is Peer:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank(group) != 0:
+                from gossiptrain.runtime.group_worker import GroupWorker
+
+                return super().__new__(GroupWorker)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -114,8 +128,10 @@ class Peer:
         security: SecurityConfig | None = None,
         transfer_state: bool = True,
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        group: Any = None,
     ) -> None:
         self._closed = False
+        self._group = PeerGroup(group) if group is not None else None  # the leader of several workers
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
         self.taken_from_swarm: list[str] = []  # run fields the caller did not set, as "field=value" the swarm runs with
         self._clock = clock
@@ -188,9 +204,30 @@ class Peer:
             if self.taken_from_swarm:
                 log.info("took from the swarm: %s", ", ".join(self.taken_from_swarm))
             self._catch_up(transfer_state)
-        except BaseException:
+        except BaseException as e:
+            if self._group is not None:  # the other workers wait for our welcome: tell them why there is none
+                self._group.share(None, error=f"{type(e).__name__}: {e}")
             self._teardown()
             raise
+        if self._group is not None:
+            try:
+                self._group.share({
+                    "id": self.id, "shard": self.shard, "fingerprint": self.fingerprint, "config": self.config.to_dict(),
+                    "address": self.address, "joined_via": self.joined_via, "taken_from_swarm": self.taken_from_swarm,
+                })
+                self._sync_group()
+            except BaseException:  # a worker is gone already: leave the swarm we just joined
+                self.close()
+                raise
+
+    def _sync_group(self) -> None:
+        """Our parameters and buffers, and the swarm's news, to the other workers of this peer (``PeerGroup.sync``)."""
+        assert self._group is not None
+        self._group.sync(self.model, (0.0, float(self.finish_requested), float(self.members), float(self._step)))
+
+    def agree(self, flag: bool) -> bool:
+        """This peer's decision, e.g. to go on training: ``flag`` here, and on every worker of a group (rank 0's)."""
+        return self._group.agree(flag) if self._group is not None else flag
 
     def _attach(self, welcome: Welcome) -> None:
         params = dict(self.model.named_parameters())
@@ -343,11 +380,14 @@ class Peer:
             if self._closed:
                 raise GossipError("this peer is closed")
             if stop is not None and stop.is_set():
+                self.agree(False)
                 return node.ready_count
             if deadline is not None and time.monotonic() > deadline:
+                self.agree(False)
                 raise TimeoutError(f"only {node.ready_count} of {count} members ready after {timeout} s")
             if on_wait is not None:
                 on_wait(node.ready_count)
+        self.agree(True)  # the other workers of a group wait for this
         return max(count, node.ready_count)
 
     def serve_before_training(self) -> None:
@@ -374,6 +414,8 @@ class Peer:
         self._safepoint(self._step)
         self._snapshots(self._step, self.samples_seen)
         self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
+        if self._group is not None:
+            self._sync_group()  # every worker holds what the safe point made of the model
 
     def report(self, *, loss: float | None = None, test_loss: float | None = None, test_acc: float | None = None) -> None:
         """Tell ``gossiptrain status`` (and the dashboard) how this peer is learning; any of the three, when known.
@@ -444,6 +486,8 @@ class Peer:
         self._phase = FINAL
         report = phase.run(reason, merge, path)
         self._phase = DONE
+        if self._group is not None:
+            self._sync_group()  # the consensus reached, on every worker
         log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
         return report
 

@@ -42,23 +42,32 @@ class LocalTrainer:
     """A workload's model with its optimizer and an endless stream of batches from one shard.
 
     ``optimizer`` is one made by ``make_optimizer`` before (a peer's, which
-    state transfer may have filled in); by default a fresh one.
+    state transfer may have filled in); by default a fresh one. A peer made
+    of several workers gives each its ``worker`` = (rank, size): rank r
+    trains on every size-th sample of the shard, with batches of its own
+    order, through ``forward`` (the model under DDP, which averages the
+    workers' gradients); evaluation always uses ``model`` itself.
     """
 
     def __init__(
         self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | None = None, *, worker: tuple[int, int] = (0, 1),
+        forward: torch.nn.Module | None = None,
     ) -> None:
         self.workload = workload
         self.model = model
+        self.forward = forward if forward is not None else model
         inputs, targets = load_shard(workload, config, shard)
+        rank, size = worker
+        if size > 1:  # (N, ...) -> (about N / size, ...): this worker's part of the shard
+            inputs, targets = inputs[rank::size], targets[rank::size]
         self.samples = len(targets)
         # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
         self.class_histogram: list[int] = _histogram(workload, targets)
         _log_shard(config, shard, self.samples, self.class_histogram)
         self.opt = optimizer if optimizer is not None else make_optimizer(config, model)
         # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
-        self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard)
+        self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard + 1_000_003 * rank)
         self.loss_avg = math.nan  # exponential moving average of the training loss
         self.steps = 0
         self.samples_seen = 0  # samples consumed by step(); both counters continue across a resume
@@ -67,7 +76,7 @@ class LocalTrainer:
     def step(self) -> float:
         """One SGD step on the next mini-batch; returns its loss."""
         x, y = next(self._data)  # (B, ...) inputs, (B,) targets
-        loss = self.workload.loss(self.model, x, y)
+        loss = self.workload.loss(self.forward, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()

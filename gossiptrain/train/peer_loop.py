@@ -38,9 +38,10 @@ from gossiptrain.state import storage
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
+from gossiptrain.train.peer_workers import WorkerFailed, Workers, why_the_group_failed
+from gossiptrain.train.progress import Progress
 from gossiptrain.train.prometheus import PrometheusExporter, parse_listen
 from gossiptrain.train.tensorboard import TensorBoardLog
-from gossiptrain.train.progress import Progress
 from gossiptrain.train.workload import Workload, load_workload
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class PeerOptions:
     resume_any_run: bool = False  # accept a checkpoint of another run (its tensors must still fit the model)
     security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
     final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here (or URL)
+    workers: Workers | None = None  # one of several worker processes of this peer (--nproc-per-peer, torchrun)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -117,6 +119,10 @@ def run_peer(
     """
     stop = stop or threading.Event()
     torch.set_num_threads(options.threads)
+    workers = options.workers
+    group = workers.init_group() if workers is not None else None
+    if workers is not None and workers.rank > 0:
+        return _run_worker(options, workers, group)
     workloads: dict[str, Workload] = {}
     # Both before joining: a missing checkpoint or an unusable directory fails without touching the swarm.
     resume = latest_good(options.resume) if options.resume is not None else None
@@ -143,7 +149,7 @@ def run_peer(
         build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
         join_attempts=options.join_attempts, security=options.security,
         transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
-        optimizer=lambda config, model: make_optimizer(config.train, model),
+        optimizer=lambda config, model: make_optimizer(config.train, model), group=group,
     ) as peer:
         workload = workloads["w"]
         if peer.taken_from_swarm:  # the run fields we did not set, as the swarm runs them
@@ -165,7 +171,40 @@ def run_peer(
                 return _train(
                     peer, workload, Tee(*sinks), progress, stop, options.slowdown, checkpointer=checkpointer,
                     resume=resume, resume_any_run=options.resume_any_run, final_model=options.final_model,
+                    workers=workers, group=group,
                 )
+
+
+def _run_worker(options: PeerOptions, workers: Workers, group: Any) -> dict[str, Any]:
+    """Rank > 0 of a peer made of several workers: train with DDP beside rank 0, follow its decisions and model."""
+    workloads: dict[str, Workload] = {}
+
+    def build(config: RunConfig, shard: int) -> torch.nn.Module:
+        workloads["w"] = load_workload(config.train.workload)
+        torch.manual_seed(config.train.seed)
+        return workloads["w"].build_model(config.train.seed)  # rank 0's parameters come with the first sync
+
+    with Peer(build, join=options.join, group=group, optimizer=lambda config, model: make_optimizer(config.train, model)) as peer:
+        cfg = peer.config.train
+        trainer = LocalTrainer(workloads["w"], peer.model, cfg, peer.shard, optimizer=peer.optimizer,
+                               worker=(workers.rank, workers.size), forward=_data_parallel(peer.model, group))
+        try:
+            if options.wait_for:
+                peer.wait_for_peers(options.wait_for)
+            while peer.agree(False):
+                trainer.step()
+                peer.step(samples_seen=trainer.samples_seen * workers.size)
+            peer.finish("budget")
+        except RuntimeError as e:  # a collective failed: rank 0 (or another worker) is gone
+            raise WorkerFailed(f"worker {workers.rank} of peer {peer.id}: its group failed ({why_the_group_failed(e)})") from None
+    return {"event": "worker-done", "peer": peer.id, "worker": workers.rank, "step": peer.steps}
+
+
+def _data_parallel(model: torch.nn.Module, group: Any) -> torch.nn.Module:
+    """``model`` under DDP in ``group``: what the workers' forward and backward go through (gradients averaged)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=group)
 
 
 def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: Progress, *, serve: bool) -> bool:
@@ -182,30 +221,45 @@ def _wait_for_members(peer: Peer, count: int, stop: threading.Event, progress: P
 def _train(
     peer: Peer, workload: Workload, metrics: RecordSink, progress: Progress, stop: threading.Event, slowdown: float,
     *, checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None, resume_any_run: bool = False,
-    final_model: str | Path | None = None,
+    final_model: str | Path | None = None, workers: Workers | None = None, group: Any = None,
 ) -> dict[str, Any]:
-    """The training loop: a local step, the peer's safe point, checkpoints and evaluations when due; then the end."""
+    """The training loop: a local step, the peer's safe point, checkpoints and evaluations when due; then the end.
+
+    With ``workers`` this is rank 0 of a peer made of several: the same loop,
+    with DDP under the local step, the loop's decisions taken for the whole
+    group (``peer.agree``), and a failed worker turned into ``WorkerFailed``
+    once this peer has left the swarm.
+    """
     cfg = peer.config.train
-    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer)
+    size = workers.size if workers is not None else 1
+    forward = _data_parallel(peer.model, group) if group is not None else None
+    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer, worker=(0, size), forward=forward)
     resumed = _resume(peer, trainer, resume, resume_any_run) if resume is not None else {}
     report = _Report(peer, trainer, metrics, progress, checkpointer, resumed)
     next_eval = report.started + cfg.eval_every_seconds
-    while not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, report.elapsed()):
-        computed = time.perf_counter()
-        trainer.step()
-        if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
-            time.sleep((slowdown - 1) * (time.perf_counter() - computed))
-        peer.step(samples_seen=trainer.samples_seen)  # apply finished exchanges, answer requests, start the next
-        if checkpointer is not None and checkpointer.due(peer.steps):
-            report.save_checkpoint()
-        if time.monotonic() >= next_eval:
-            report.record("eval")
-            next_eval = time.monotonic() + cfg.eval_every_seconds
-    final: dict[str, Any] = {"finish": "signal"}
-    if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.protocol.finish)
-        reason = "stop" if peer.finish_requested else "budget"
-        progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
-        final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
+    try:
+        while peer.agree(not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, report.elapsed())):
+            computed = time.perf_counter()
+            trainer.step()
+            if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
+                time.sleep((slowdown - 1) * (time.perf_counter() - computed))
+            peer.step(samples_seen=trainer.samples_seen * size)  # apply finished exchanges, answer requests, start the next
+            if checkpointer is not None and checkpointer.due(peer.steps):
+                report.save_checkpoint()
+            if time.monotonic() >= next_eval:
+                report.record("eval")
+                next_eval = time.monotonic() + cfg.eval_every_seconds
+        final: dict[str, Any] = {"finish": "signal"}
+        if not stop.is_set():  # the budget is spent, or the swarm was asked to stop: the final phase (gossiptrain.protocol.finish)
+            reason = "stop" if peer.finish_requested else "budget"
+            progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
+            final = peer.finish(reason, final_model=final_model, abort=stop.is_set).to_record()
+        elif workers is not None:
+            peer.finish("signal", abort=lambda: True)  # the other workers wait for the group's last sync
+    except RuntimeError as e:
+        if workers is None:
+            raise
+        raise WorkerFailed(f"a worker of peer {peer.id} is gone ({why_the_group_failed(e)}); this peer left the swarm") from None
     if checkpointer is not None and (report.checkpoint_step != peer.steps or final.get("final_rounds")):
         report.save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
     summary = report.record("done", **final)

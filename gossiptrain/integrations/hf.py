@@ -1,0 +1,217 @@
+"""``GossipCallback``: a Hugging Face ``Trainer`` that is a member of a gossip swarm.
+
+::
+
+    from gossiptrain.integrations import GossipCallback
+
+    with GossipCallback(join="coordinator-host:7070") as gossip:
+        Trainer(model, args, train_dataset=data, callbacks=[gossip]).train()
+
+The Trainer keeps its own loop; the callback drives a ``gossiptrain.Peer``
+from the Trainer's events, exactly where a hand-written loop would call it:
+
+- ``on_train_begin``: join the swarm with the Trainer's model and optimizer
+  (``Peer(model, join=..., optimizer=...)``; the join downloads a live
+  member's state, as any joining peer does).
+- ``on_step_end`` (after each optimizer step, so once per gradient
+  accumulation cycle): ``peer.step(samples_seen=...)``, the safe point where
+  finished exchanges are applied; when the swarm was asked to stop
+  (``gossiptrain stop``, a member's ``request_stop``) it sets
+  ``control.should_training_stop``.
+- ``on_log`` / ``on_evaluate``: ``peer.report(...)`` for ``gossiptrain status``.
+- ``on_train_end``: ``peer.finish(...)`` (the final consensus, optionally the
+  swarm's merged model), then ``peer.close()``.
+
+The Trainer does not call ``on_train_end`` when training raises (or on
+Ctrl+C), so a peer would stay in the swarm, its threads running, until the
+process exits. Use the callback as a context manager (its exit closes the
+peer whatever happened), or call ``close()`` yourself in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as e:  # the optional extra is not installed
+    raise ImportError(
+        "gossiptrain.integrations.GossipCallback needs Hugging Face transformers (and accelerate, for its Trainer): "
+        "pip install 'gossiptrain[hf]'"
+    ) from e
+
+import torch
+
+from gossiptrain.config import RunConfig, SecurityConfig
+from gossiptrain.errors import ConfigError, GossipError
+from gossiptrain.runtime.final_phase import FinalReport
+from gossiptrain.runtime.peer import Peer
+
+log = logging.getLogger(__name__)
+
+
+class GossipCallback(TrainerCallback):
+    """Makes the ``Trainer`` it is given to a swarm member; one peer per ``train()`` call.
+
+    ``join``, ``bind``, ``advertise``, ``config``, ``security``, ``seed``,
+    ``join_attempts`` and ``transfer_state`` go to ``gossiptrain.Peer`` as
+    they are (``transfer_state=False`` when you resume from a checkpoint on
+    purpose: the join would otherwise replace it with a live member's state).
+    ``wait_for_peers=n`` waits, before the first step, until ``n`` members
+    (this one included) are ready, at most ``wait_timeout`` seconds: a run
+    whose members should start together. ``final_model``, a path or URL,
+    makes this member write the swarm's merged model at the end.
+
+    What it does not do: shard your data (each Trainer trains on the dataset
+    you give it; ``peer.shard``/``peer.num_shards`` are known only once
+    training begins, after the Trainer built its data loader), or save the
+    peer's averaging state in the Trainer's checkpoints.
+
+    After training, ``peer`` is the (closed) peer, for ``peer.stats()``, and
+    ``final_report`` says how the final phase went (None when it did not run).
+
+    TODO: multi-process Trainers (torchrun/DDP, ``args.world_size > 1``) are
+    refused. Only rank 0 should be the member, and every parameter change a
+    merge makes on rank 0 must reach the other ranks at the same step, or
+    their replicas drift apart; that is ``Peer(group=...)``, being built
+    separately. Use it here once it lands.
+    """
+
+    def __init__(
+        self,
+        join: str,
+        *,
+        bind: str | None = None,
+        advertise: str | None = None,
+        config: RunConfig | None = None,
+        security: SecurityConfig | None = None,
+        seed: int | None = None,
+        join_attempts: int | None = None,
+        transfer_state: bool = True,
+        wait_for_peers: int | None = None,
+        wait_timeout: float | None = None,
+        final_model: str | Path | None = None,
+    ) -> None:
+        self.join = join
+        self._peer_kwargs: dict[str, Any] = dict(
+            bind=bind, advertise=advertise, config=config, security=security, seed=seed,
+            join_attempts=join_attempts, transfer_state=transfer_state,
+        )
+        self.wait_for_peers = wait_for_peers
+        self.wait_timeout = wait_timeout
+        self.final_model = final_model
+        self.peer: Peer | None = None
+        self.final_report: FinalReport | None = None
+        self._open = False  # self.peer is a live member (Peer has no public "closed")
+        self._samples_per_step = 0
+
+    # -- the Trainer's events ---------------------------------------------------------------
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Refuse a multi-process Trainer when it is built, not minutes later when training begins."""
+        _require_one_process(args)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any,
+    ) -> None:
+        """Join the swarm: the Trainer's model and optimizer exist from here on (its scheduler too)."""
+        _require_one_process(args)
+        if model is None:
+            raise GossipError("GossipCallback.on_train_begin got no model: is this a transformers Trainer?")
+        if self._open:  # an earlier train() raised without a `with` or close(): that member is stale
+            log.warning("closing the peer of an earlier train() that did not end")
+            self.close()
+        self.final_report = None
+        self.peer = Peer(model, join=self.join, optimizer=_unwrapped(optimizer), **self._peer_kwargs)
+        self._open = True
+        # The samples one optimizer step trains on, as the Trainer counts its total batch (one process).
+        self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps
+        if state.global_step > 0 and self.peer.steps == 0:  # resumed from a checkpoint, no step from a donor
+            self.peer.resume_at(state.global_step)
+        if self.wait_for_peers:
+            self.peer.wait_for_peers(self.wait_for_peers, timeout=self.wait_timeout)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        """After each optimizer step: the peer's safe point; stop training when the swarm was asked to."""
+        peer = self._live_peer()
+        peer.step(samples_seen=state.global_step * self._samples_per_step)
+        if peer.finish_requested:
+            control.should_training_stop = True
+        return control
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        logs: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> None:
+        """The training loss the Trainer logs (every ``logging_steps``), for ``gossiptrain status``."""
+        if self._open and self.peer is not None and logs:
+            self.peer.report(loss=_number(logs.get("loss")))
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        metrics: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> None:
+        """``eval_loss`` and ``eval_accuracy`` (a ``compute_metrics`` that returns ``accuracy``), when present."""
+        if self._open and self.peer is not None and metrics:
+            self.peer.report(
+                test_loss=_number(metrics.get("eval_loss")), test_acc=_number(metrics.get("eval_accuracy"))
+            )
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """The final phase (consensus with the others, maybe the merged model), then leave."""
+        if not self._open:
+            return
+        peer = self.peer
+        assert peer is not None
+        try:
+            reason = "stop" if peer.finish_requested else "budget"
+            self.final_report = peer.finish(reason, final_model=self.final_model)
+        finally:
+            self.close()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the swarm now, without the final phase. Idempotent; ``peer`` stays readable."""
+        if self._open and self.peer is not None:
+            self._open = False
+            self.peer.close()
+
+    def __enter__(self) -> "GossipCallback":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _live_peer(self) -> Peer:
+        if not self._open or self.peer is None:
+            raise GossipError("GossipCallback has no live peer: it joins in on_train_begin (is it in the Trainer's callbacks?)")
+        return self.peer
+
+
+def _require_one_process(args: TrainingArguments) -> None:
+    world = getattr(args, "world_size", 1)
+    if world > 1:
+        raise ConfigError(
+            f"GossipCallback: this Trainer runs {world} processes (args.world_size={world}, torchrun/DDP); "
+            "a multi-process member is not supported by the callback yet. Run single-process Trainers instead, "
+            "each with its own GossipCallback (e.g. one per GPU, without torchrun): each is a member."
+        )
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (which the Trainer hands callbacks).
+
+    The peer hooks ``step()`` (the swarm's learning-rate scaling) and reads and
+    loads the optimizer's state (state transfer): the wrapper is not a real
+    ``torch.optim.Optimizer`` for either, its inner one is.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,120 @@
+"""A peer made of several workers: synchronous data parallelism inside, gossip between peers.
+
+``Peer(model, join=..., group=process_group)``, called on every rank of a
+``torch.distributed`` group, makes one swarm member of the whole group (as
+DiLoCo-style and HSDP setups run: DDP inside a group, rare communication
+between groups). Only the group's rank 0 (its *leader*) joins the swarm;
+``Peer`` returns a ``GroupWorker`` on the other ranks, which never touches
+the network. The workers train with DDP (gloo on CPU, NCCL on GPUs), so
+their gradients are averaged every step; at each safe point the leader
+applies what the swarm sent, and ``PeerGroup.sync`` then broadcasts the
+leader's parameters and buffers to every rank, with a few numbers of
+control (whether the swarm asked to stop, members known). Every worker
+therefore holds the leader's parameters after every safe point, bit for bit.
+
+Only the leader's optimizer matters: each step overwrites the other ranks'
+parameters with the leader's, so their own optimizer states never reach a
+parameter (their step is redundant work, not a second source of truth).
+That costs one broadcast of the model per step on top of DDP's all-reduce:
+cheap inside a machine, where such groups live.
+
+Loops must agree on when to stop, or one rank waits forever in a
+collective: ``Peer.agree(flag)`` is the leader's decision, on every rank.
+A worker that dies makes the group's next collective fail on the others
+(gloo: the connection closes); the leader then leaves the swarm cleanly
+(see ``gossiptrain.train.peer_loop``), and the swarm goes on without it.
+
+Nothing is pickled: the welcome goes to the workers as JSON bytes in a
+tensor, the rest as tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gossiptrain.errors import GossipError
+
+CONTROL_FIELDS = ("flag", "finish_requested", "members", "steps")
+
+
+class PeerGroup:
+    """One rank's side of its group's collectives (see the module docstring)."""
+
+    def __init__(self, group: Any) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise GossipError("Peer(group=...): torch.distributed is not initialised (init_process_group first)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.leader_rank = dist.get_global_rank(group, 0)  # broadcasts name the source by its global rank
+        self.leader = self.rank == 0
+        self._control = torch.zeros(len(CONTROL_FIELDS), dtype=torch.float64)
+        self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []  # (flat, views, tensors)
+        self._model: torch.nn.Module | None = None
+
+    # -- joining -----------------------------------------------------------------------------------
+
+    def share(self, info: dict[str, Any] | None, error: str = "") -> dict[str, Any]:
+        """The leader's welcome (id, shard, run) to every rank; a worker raises the leader's ``error`` if it failed."""
+        payload = json.dumps({"error": error} if info is None else info).encode() if self.leader else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, self.leader_rank, group=self.group)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.leader else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            dist.broadcast(data, self.leader_rank, group=self.group)
+        got: dict[str, Any] = json.loads(data.numpy().tobytes().decode()) if not self.leader else (info or {})
+        if not self.leader and "error" in got:
+            raise GossipError(f"the leader of this peer (rank 0) could not join: {got['error']}")
+        return got
+
+    # -- every step -----------------------------------------------------------------------------
+
+    def agree(self, flag: bool) -> bool:
+        """The leader's ``flag`` on every rank (whether to go on training, say)."""
+        control = self._control
+        control.zero_()
+        control[0] = float(flag)
+        dist.broadcast(control, self.leader_rank, group=self.group)
+        return bool(control[0])
+
+    def sync(self, model: torch.nn.Module, control: Sequence[float] = ()) -> list[float]:
+        """The leader's parameters and buffers into every rank's ``model``, and the leader's ``control`` numbers."""
+        c = self._control
+        c.zero_()
+        if self.leader:
+            c[: len(control)] = torch.tensor(list(control), dtype=torch.float64)
+        dist.broadcast(c, self.leader_rank, group=self.group)
+        for flat, views, tensors in self._flats(model):
+            if self.leader:
+                torch._foreach_copy_(views, tensors)
+            dist.broadcast(flat, self.leader_rank, group=self.group)
+            if not self.leader:
+                torch._foreach_copy_(tensors, views)
+        return c.tolist()
+
+    def _flats(self, model: torch.nn.Module) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """One flat buffer per dtype and device, made once: a broadcast per dtype, nothing allocated per step."""
+        if self._model is not model:
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    by_kind[(t.dtype, t.device)].append(t.detach())
+            self._views = []
+            for (dtype, device), tensors in by_kind.items():
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)  # (total numel,)
+                views, offset = [], 0
+                for t in tensors:
+                    views.append(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                self._views.append((flat, views, tensors))
+            self._model = model
+        return self._views
+
+
+def control_dict(values: Sequence[float]) -> dict[str, float]:
+    return dict(zip(CONTROL_FIELDS, values))

@@ -1,0 +1,85 @@
+"""A peer made of several workers (DDP inside, gossip between peers): identical workers, the CLI, a worker that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+from gossiptrain.train.peer_workers import Workers
+
+from . import group_ranks
+from .conftest import fast_config
+from .swarm import Procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path
+) -> None:
+    config = fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60})
+    coord = coordinator_factory(config)
+    join = coord.address.removeprefix("tcp://")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    ranks = [ctx.Process(target=group_ranks.train, args=(r, join, init, outs[r], 80)) for r in range(2)]
+    ranks.append(ctx.Process(target=group_ranks.solo, args=(join, 200)))  # someone to average with
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    leader, worker = (json.loads(Path(o).read_text()) for o in outs)
+    assert (leader["kind"], worker["kind"]) == ("Peer", "GroupWorker") and leader["id"] == worker["id"]
+    assert len(leader["digests"]) == 82 and leader["digests"] == worker["digests"]  # after every sync, bit for bit
+    assert leader["exchanges"] > 0  # merges moved the leader's model, and the worker holds it all the same
+
+
+def test_workers_environment() -> None:
+    assert Workers.from_environment({}) is None
+    assert Workers.from_environment({"GOSSIPTRAIN_WORKER_RANK": "1", "GOSSIPTRAIN_WORKER_SIZE": "2",
+                                     "GOSSIPTRAIN_WORKER_INIT": "tcp://127.0.0.1:5"}) == Workers(1, 2, "tcp://127.0.0.1:5")
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "::1", "MASTER_PORT": "29500"}
+    assert Workers.from_environment(torchrun) == Workers(0, 2, "tcp://[::1]:29500")
+    assert Workers.from_environment({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) is None
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc: the worker ranks a peer started)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_two_peers_of_two_workers_train_together_and_a_dead_worker_ends_only_its_peer(
+    procs: Procs, coordinator_factory: Any
+) -> None:
+    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120}))
+    join = coord.address.removeprefix("tcp://")
+    a = procs.peer(join, "--nproc-per-peer", "2")
+    b = procs.peer(join, "--nproc-per-peer", "2")
+
+    def learned(p: Any) -> bool:
+        r = p.latest()
+        return r is not None and r.get("members") == 2 and r.get("exchanges", 0) > 0 and r.get("test_acc", 0) >= 0.9
+
+    procs.wait_for(lambda: learned(a) and learned(b), 90, "both two-worker peers to exchange and learn")
+    workers = procs.wait_for(lambda: _children(a.popen.pid), 10, "peer a's second worker")
+    os.kill(workers[0], signal.SIGKILL)
+    assert a.wait(60) == 1  # its peer left the swarm with a message, not a hang
+    assert "gossiptrain peer: error: a worker of peer" in a.output() and "Traceback" not in a.output()
+    before = b.latest()["step"]
+    procs.wait_for(lambda: (r := b.latest())["step"] > before and r["members"] == 1 and r, 60,
+                   "peer b to train on alone")
