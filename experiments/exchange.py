@@ -27,8 +27,28 @@ throughput.png. The last line printed is a JSON object with
 fraction_of_raw_zmq_16mib (gossip / raw ZeroMQ) and over_gloo_16mib
 (gossip / gloo all-reduce), both at 16 MiB.
 
+With ``--model charlm-large`` (a 4.27M-parameter GRU, ``peers.charlm:large``)
+"gossip exchange" is the whole exchange of two single-worker peers instead:
+a ``PairwiseAveraging`` machine in this process and one in the responder,
+each over its own model, so a round is the initiator's safe point (last
+merge applied, snapshot, encode), the request on the wire, the responder's
+decode, merge, snapshot and reply, and the initiator's decode and merge; the
+responder then runs its own safe point. "gossip wire" is what the sizes
+above measure, for this model's tensors: the transport and the wire codec
+carrying each side's parameters, no averaging arithmetic. Raw ZeroMQ
+ping-pongs the very frames of a request (one per parameter tensor). All three
+are timed in the same passes; throughput is 2 x the model's bytes on the
+wire / median round. The same run
+times a local step of the model (forward, backward, Adam; batch ``--batch``)
+so that exchange time and step time are printed side by side. Each process
+runs ``--threads`` torch threads (default 1: two single-worker peers on
+this 2-core machine).
+Output in experiments/results/exchange/<model>/; the headline has
+fraction_of_raw_zmq, exchange_ms, raw_zmq_ms and step_ms.
+
     python experiments/exchange.py            # 1, 4, 16, 64 MiB
     python experiments/exchange.py --quick    # 1 and 16 MiB, a few repetitions (smoke test)
+    python experiments/exchange.py --model charlm-large [--compression int8] [--quick]
 """
 
 from __future__ import annotations
@@ -38,11 +58,12 @@ import asyncio
 import datetime
 import json
 import math
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,12 +72,30 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from experiments import harness  # noqa: E402
-from gossiptrain.config import Limits  # noqa: E402
+from gossiptrain.config import GossipConfig, Limits  # noqa: E402
+from gossiptrain.net.kinds import XREQ  # noqa: E402
 from gossiptrain.net.transport import listen  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
+from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Received, SendExchange  # noqa: E402
+from gossiptrain.protocol.compression import get_codec  # noqa: E402
 from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
+from gossiptrain.runtime.peer_network import exchange_meta  # noqa: E402
+from gossiptrain.train.workload import Workload, batches  # noqa: E402
 
 MiB = 1 << 20
+#: ``--model`` names: workloads whose model is a realistic size for an exchange.
+MODELS: dict[str, Callable[[], Workload]] = {}
+
+
+def _charlm_large() -> Workload:
+    from peers.charlm import large
+
+    return large()
+
+
+MODELS["charlm-large"] = _charlm_large
+MODEL_SYSTEMS = ("gossip exchange", "gossip wire", "raw zeromq")
+BARE = "bare"  # body flag of a --model request to answer without averaging (the "gossip wire" system)
 SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")
 UNCHUNKED = "raw zeromq, one frame"  # reference above the chunk size: why large tensors are chunked
 COLORS = {"gossip exchange": "tab:green", "raw zeromq": "tab:grey", "gloo all-reduce": "tab:blue", UNCHUNKED: "tab:grey"}
@@ -211,6 +250,227 @@ async def measure(args: argparse.Namespace, gossip_addr: str, zmq_addr: str, sto
     return [row(name, size, times[name, size], frames_of.get(name, {}).get(size, 0)) for name, size in times]
 
 
+# -- --model: the whole exchange of two peers' averaging machines ------------------------
+
+
+def averaging_for(model: torch.nn.Module, compression: str, me: str, seed: int) -> PairwiseAveraging:
+    """A peer's pairwise machine over ``model``, ready (its first safe point taken)."""
+    config = GossipConfig(compression=compression, exchange_timeout_max=120.0)
+    machine = PairwiseAveraging(dict(model.named_parameters()), config, random.Random(seed), me=me)
+    machine.handle(AtSafePoint(0, []), time.monotonic())
+    return machine
+
+
+def wire_tensors(model: torch.nn.Module, compression: str) -> dict[str, torch.Tensor]:
+    """The model as a request at ``compression`` carries it, encoded once ("gossip wire": no per-round arithmetic)."""
+    return get_codec(compression).encode({n: p.detach() for n, p in model.named_parameters()})
+
+
+def exchange_message(action: SendExchange, me: str, addr: str, step: int) -> Message:
+    return Message(action.kind, me, addr, "exchange-bench", step, {"xid": action.xid, **action.meta}, dict(action.tensors))
+
+
+def received(msg: Message) -> Received:
+    return Received(msg.sender, msg.kind, msg.body["xid"], msg.tensors, msg.step, exchange_meta(dict(msg.body)))
+
+
+def model_responder(address_file: Path, model_name: str, compression: str, threads: int) -> None:
+    """A peer's network side and safe point: answer each request through our own machine, then apply the merge."""
+    torch.set_num_threads(threads)
+    limits = Limits()
+    model = MODELS[model_name]().build_model(1)
+    machine = averaging_for(model, compression, "responder", 1)
+
+    async def main() -> None:
+        async with listen("tcp://127.0.0.1:0", limits) as me:
+            address_file.write_text(me.address + "\n")
+            step = 0
+            ours = wire_tensors(model, compression)
+            while True:
+                msg = decode(await me.recv(), limits)
+                if msg.body.get(BARE):  # transport and codec only
+                    reply = Message("xrep", "responder", me.address, msg.fingerprint, msg.step, {"xid": msg.body["xid"]}, ours)
+                    me.send(msg.addr, encode(reply, limits))
+                    continue
+                for action in machine.handle(received(msg), time.monotonic()):
+                    if isinstance(action, SendExchange):
+                        me.send(msg.addr, encode(exchange_message(action, "responder", me.address, step), limits))
+                step += 1
+                machine.handle(AtSafePoint(step, []), time.monotonic())  # the trainer's next safe point
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
+
+
+def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: int) -> list[float]:
+    """Seconds per local step (forward, backward, Adam) on shard 0; the first step is not counted."""
+    inputs, targets = workload.train_shard(0, 2, 0)
+    data = batches(inputs, targets, batch, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    out = []
+    for i in range(count + 1):
+        x, y = next(data)
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        workload.loss(model, x, y).backward()
+        optimizer.step()
+        if i:
+            out.append(time.perf_counter() - began)
+    return out
+
+
+async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Exchanges of two averaging machines and raw ZeroMQ ping-pongs of the same frames, interleaved; step times."""
+    torch.set_num_threads(args.threads)
+    limits = Limits()
+    workload = MODELS[args.model]()
+    model = workload.build_model(0)
+    machine = averaging_for(model, args.compression, "initiator", 0)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(zmq_addr)
+    times: dict[str, list[float]] = {name: [] for name in MODEL_SYSTEMS}
+    steps: list[float] = []
+    wire_bytes = 0
+    raw: list[bytearray] = []
+    warm, reps = warm_rounds(args.quick), 5 if args.quick else 30
+    step = warmed = 0
+    try:
+        async with listen("tcp://127.0.0.1:0", limits) as me:
+            for round_ in range(passes(args.quick)):
+                for i in range(warm + reps):
+                    step += 1
+                    began = time.perf_counter()
+                    (request,) = machine.handle(AtSafePoint(step, ["responder"]), time.monotonic())
+                    frames = encode(exchange_message(request, "initiator", me.address, step), limits)
+                    if not raw:  # the raw side sends these very frames
+                        raw = [bytearray(f) for f in frames]
+                        wire_bytes = sum(len(f) for f in frames[1:])
+                    if not me.send(gossip_addr, frames):
+                        raise RuntimeError("the transport refused an exchange message")
+                    del request, frames  # the pool reuses the snapshot once ZeroMQ has sent it
+                    reply = decode(await asyncio.wait_for(me.recv(), 120), limits)
+                    if reply.kind != "xrep" or machine.handle(received(reply), time.monotonic()) or machine.busy:
+                        raise RuntimeError(f"unexpected reply: {reply.kind}")
+                    if i >= warm:
+                        times["gossip exchange"].append(time.perf_counter() - began)
+                    if round_ == 0 and i == warm - 1:
+                        warmed = machine.buffers.made  # the pool after warm-up: what the steady state must not add to
+                ours = wire_tensors(model, args.compression)
+                for i in range(warm + reps):
+                    began = time.perf_counter()
+                    msg = Message(XREQ, "initiator", me.address, "exchange-bench", i, {"xid": i, BARE: True}, ours)
+                    if not me.send(gossip_addr, encode(msg, limits)):
+                        raise RuntimeError("the transport refused an exchange message")
+                    reply = decode(await asyncio.wait_for(me.recv(), 120), limits)
+                    if reply.kind != "xrep" or len(reply.tensors) != len(ours):
+                        raise RuntimeError("unexpected reply")
+                    if i >= warm:
+                        times["gossip wire"].append(time.perf_counter() - began)
+                for i in range(warm + reps):
+                    began = time.perf_counter()
+                    dealer.send_multipart(raw, copy=False)
+                    back = dealer.recv_multipart(copy=False)
+                    if sum(len(f) for f in back) != sum(len(f) for f in raw):
+                        raise RuntimeError("unexpected raw reply")
+                    if i >= warm:
+                        times["raw zeromq"].append(time.perf_counter() - began)
+                steps += step_times(workload, model, args.batch, 3 if args.quick else 5)
+                line = ", ".join(f"{name} {1000 * statistics.median(times[name]):.1f} ms" for name in MODEL_SYSTEMS)
+                print(f"pass {round_ + 1}: {line}, step {1000 * statistics.median(steps):.1f} ms", flush=True)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    params = sum(p.numel() for p in model.parameters())
+    rows = [model_row(args, name, wire_bytes, times[name]) for name in MODEL_SYSTEMS]
+    rows.append({"system": "local step", "model": args.model, "params": params, "reps": len(steps),
+                 "median_s": round(statistics.median(steps), 6), "min_s": round(min(steps), 6)})
+    (exchange, bare, rawz), step_s = [statistics.median(times[name]) for name in MODEL_SYSTEMS], statistics.median(steps)
+    heads = {
+        "model": args.model, "params": params, "compression": args.compression, "wire_mb": round(wire_bytes / 1e6, 3),
+        "fraction_of_raw_zmq": round(rawz / exchange, 3), "wire_fraction_of_raw_zmq": round(rawz / bare, 3),
+        "exchange_ms": round(1000 * exchange, 2), "wire_ms": round(1000 * bare, 2), "raw_zmq_ms": round(1000 * rawz, 2), "step_ms": round(1000 * step_s, 2), "exchange_over_step": round(exchange / step_s, 3),
+        "exchanges": step, "buffers_after_warm_up": warmed, "buffers_at_end": machine.buffers.made,
+    }
+    return rows, heads
+
+
+def warm_rounds(quick: bool) -> int:
+    return 2 if quick else 3
+
+
+def model_row(args: argparse.Namespace, system: str, nbytes: int, times: list[float]) -> dict[str, Any]:
+    median = statistics.median(times)
+    return {
+        "system": system, "model": args.model, "compression": args.compression, "wire_mb": round(nbytes / 1e6, 3),
+        "reps": len(times), "median_s": round(median, 6), "min_s": round(min(times), 6),
+        "throughput_gb_s": round(2 * nbytes / median / 1e9, 4), "best_gb_s": round(2 * nbytes / min(times) / 1e9, 4),
+    }
+
+
+def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, Any], args: argparse.Namespace, wall: float) -> None:
+    harness.write_csv(out / "results.csv", rows)
+    f, w, target = heads["fraction_of_raw_zmq"], heads["wire_fraction_of_raw_zmq"], TARGET_OF_RAW
+    flags = f"--model {args.model}" + (f" --compression {args.compression}" if args.compression != "none" else "")
+    flags += f" --threads {args.threads}" if args.threads != 1 else ""
+    overlap = (
+        "an exchange takes longer than a step: a peer that does not wait starts its next exchange a step or more later"
+        if heads["exchange_over_step"] > 1 else
+        "a step takes longer than an exchange: on this link the exchange hides behind computation"
+    )
+    lines = [
+        f"# Exchange of a realistic model: {args.model} ({heads['params']:,} parameters, {heads['wire_mb']} MB on the wire "
+        f"at compression {args.compression})",
+        "",
+        f"Two processes on 127.0.0.1, {args.threads} torch thread(s) each. Gossip: two `PairwiseAveraging` machines over the tcp:// transport "
+        "(snapshot, encode, send, decode, merge at both ends; the responder's safe point after each reply). Raw ZeroMQ: "
+        "DEALER/ROUTER ping-pong of the very frames of a request. Medians over "
+        f"{passes(args.quick)} interleaved pass(es). One 2-core machine shared with other work, so numbers are noisy.",
+        "",
+        "| system | median round (ms) | GB/s (2 x bytes / round) |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {r['system']} | {1000 * r['median_s']:.1f} | {r['throughput_gb_s']:.2f} |" for r in rows if "throughput_gb_s" in r]
+    lines += [
+        f"| local step (batch {args.batch}, Adam, forward + backward) | {heads['step_ms']:.1f} | - |",
+        "",
+        f"Gossip exchange / raw ZeroMQ = **{f}**; gossip wire (transport and codec, as the sizes measure) / raw ZeroMQ "
+        f"= **{w}** (target >= {target}: exchange {'met' if f >= target else 'missed'}, wire {'met' if w >= target else 'missed'}). "
+        f"Exchange {heads['exchange_ms']:.1f} ms against a step of {heads['step_ms']:.1f} ms "
+        f"(ratio {heads['exchange_over_step']}): {overlap}.",
+        "",
+        f"Exchange buffers the initiator allocated (gossiptrain.state.host_buffers): {heads['buffers_after_warm_up']} in its "
+        f"first {warm_rounds(args.quick)} exchanges, {heads['buffers_at_end']} after all {heads['exchanges']} "
+        "(equal: the steady state allocated nothing).",
+        "",
+        f"Wall time of this run: {wall:.0f} s. Regenerate: `python experiments/exchange.py {flags}{' --quick' if args.quick else ''}`",
+    ]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def run_model(args: argparse.Namespace) -> None:
+    began = time.monotonic()
+    out = args.out / (args.model + ("" if args.compression == "none" else f"-{args.compression}"))
+    runs = harness.fresh_dir(out / "runs")
+    for old in runs.glob("*.address"):
+        old.unlink()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    model_flags = ["--model", args.model, "--compression", args.compression, "--threads", str(args.threads)]
+    with harness.Procs(runs) as procs:
+        procs.start("gossip-responder", me + ["--role", "model-responder", "--address-file", str(runs / "gossip.address"), *model_flags])
+        procs.start("zmq-responder", me + ["--role", "zmq-responder", "--address-file", str(runs / "zmq.address")])
+        gossip_addr = wait_for_file(runs / "gossip.address")
+        zmq_addr = wait_for_file(runs / "zmq.address")
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            rows, heads = runner.run(measure_model(args, gossip_addr, zmq_addr))
+        problem = procs.failed()
+        if problem:
+            raise RuntimeError(problem)
+    write_model_results(out, rows, heads, args, time.monotonic() - began)
+    print(harness.headline(heads))
+
+
 def row(system: str, size: int, times: list[float], frames: int) -> dict[str, Any]:
     median = statistics.median(times)
     return {
@@ -225,7 +485,11 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, 3 timed repetitions (smoke test)")
     parser.add_argument("--out", type=Path, help="results folder (default: experiments/results/exchange; --quick: a scratch folder)")
-    parser.add_argument("--role", choices=("gossip-responder", "zmq-responder", "gloo"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=sorted(MODELS), help="exchange this model through two averaging machines instead")
+    parser.add_argument("--compression", default="none", help="--model: the codec exchanges use (none, fp16, int8, ...)")
+    parser.add_argument("--batch", type=int, default=32, help="--model: batch size of the timed local steps")
+    parser.add_argument("--threads", type=int, default=1, help="--model: torch threads in each process (peers' arithmetic)")
+    parser.add_argument("--role", choices=("gossip-responder", "model-responder", "zmq-responder", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store-port", type=int, help=argparse.SUPPRESS)
@@ -235,11 +499,15 @@ def main() -> None:
     args.sizes = [int(s * MiB) // 4 * 4 for s in args.sizes_mib]
     if args.role == "gossip-responder":
         return gossip_responder(args.address_file)
+    if args.role == "model-responder":
+        return model_responder(args.address_file, args.model, args.compression, args.threads)
     if args.role == "zmq-responder":
         return zmq_responder(args.address_file)
     if args.role == "gloo":
         return gloo_rank(args.rank, args.store_port, args.sizes, args.quick)
     args.out = harness.results_dir("exchange", args.out, args.quick)  # the main process only: roles write none
+    if args.model:
+        return run_model(args)
 
     import torch.distributed as dist
 

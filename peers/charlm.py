@@ -122,6 +122,21 @@ class CharLMWorkload:
         return TextEvalResult(**base.to_dict(), bits_per_char=base.loss / math.log(2))
 
 
+#: ``large()``'s sizes: a GRU of a few million parameters.
+LARGE_EMBED, LARGE_HIDDEN = 256, 1024
+
+
+def large() -> CharLMWorkload:
+    """``peers.charlm:large``: embed 256, hidden 1024, 4,266,240 parameters (17 MB in float32).
+
+    A model whose exchange is not free: experiments/exchange.py ``--model
+    charlm-large`` measures exchange throughput on it against raw ZeroMQ and
+    its step time against its exchange time; experiments/gpu_check.py runs two
+    peers of it on CUDA.
+    """
+    return CharLMWorkload(embed=LARGE_EMBED, hidden=LARGE_HIDDEN)
+
+
 def _windows(text: Tensor, context: int) -> tuple[Tensor, Tensor]:
     """Non-overlapping windows of ``text`` (L,): inputs (N, context) and the same shifted by one (N, context)."""
     n = (len(text) - 1) // context

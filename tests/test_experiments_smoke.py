@@ -10,6 +10,9 @@ server process outlives a test.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from experiments.baselines import param_server
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.workload import load_workload
 
-from .swarm import run_quick_experiment
+from .swarm import ROOT, run_quick_experiment
 
 SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
 
@@ -67,6 +70,15 @@ def test_parity_quick(tmp_path: Path) -> None:
     assert_outputs(tmp_path, ["accuracy.png"])
 
 
+@pytest.mark.slow  # real swarms of several-worker peers: `make test-slow`; test_experiment_scripts.py checks it starts
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_hybrid_quick(tmp_path: Path) -> None:
+    heads = run_script("hybrid", tmp_path)
+    assert finite(heads["two_workers_minus_one_points"]) and finite(heads["two_by_two_minus_four_by_one_points"])
+    assert (tmp_path / "hybrid.csv").read_text().count("\n") == 5  # a header and four setups
+    assert "| 2 peers x 2 workers |" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_exchange_quick(tmp_path: Path) -> None:
     heads = run_script("exchange", tmp_path)
@@ -74,6 +86,17 @@ def test_exchange_quick(tmp_path: Path) -> None:
     assert finite(heads["over_gloo_16mib"]) and heads["over_gloo_16mib"] > 0
     assert_outputs(tmp_path, ["throughput.png"])
     assert "gloo all-reduce" in (tmp_path / "results.csv").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where CUDA is absent")
+def test_gpu_check_says_in_one_line_that_there_is_no_cuda_and_exits_2() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "gpu_check.py")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("gpu_check: CUDA is not available") and result.stderr == ""
 
 
 # -- the harness: the baselines train what gossip trains ---------------------------------

@@ -72,6 +72,7 @@ from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.rtt import RttEstimator, rtt_bucket
 from gossiptrain.protocol.staleness import StalenessPolicy, staleness_buckets
+from gossiptrain.state.host_buffers import BufferPool, common_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,7 @@ class AveragingStats:
     overran: int = 0  # the driver's check: local steps begun while flow control said to wait (0 unless a bug)
     compression_level: int = 0  # compression "auto": the level now (0 none, 1 fp16, 2 int8: compression.AUTO_LEVELS)
     compression_switches: int = 0  # ...and how often it changed
+    buffers: int = 0  # exchange buffers allocated so far (gossiptrain.state.host_buffers): constant once exchanges are steady
     # staleness (our step minus the sender's step, floored at 0) -> applied updates
     staleness: Counter[int] = field(default_factory=Counter)
     # round trips measured (request to reply applied, or push to receipt), by bucket: upper bound in seconds -> count
@@ -308,6 +310,10 @@ class Averaging:
         self.names = list(params)
         self.params = [p for p in params.values()]
         self.spec = ParamSpec.of(params)
+        # Snapshots, merge differences and codec outputs come from here and are reused once dropped (they may be
+        # on the wire meanwhile: see gossiptrain.state.host_buffers); received tensors move to ``device`` to merge.
+        self.buffers = BufferPool()
+        self.device = common_device(self.params)
         self.config = config
         self.rng = rng
         self.stats = AveragingStats()
@@ -389,17 +395,27 @@ class Averaging:
         return dict(zip(self.names, self.params))
 
     def _snapshot(self) -> list[torch.Tensor]:
+        """A copy of the parameters to keep (pooled copies are for what is sent: ``_frozen``)."""
         return [p.detach().clone() for p in self.params]
 
+    def _frozen(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``values`` to send and remember while they move on, in reused buffers."""
+        return self.buffers.copies(values)
+
     def _encode(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        """Wire tensors for ``values``, and what a receiver will decode from them."""
+        """Wire tensors for ``values`` (in host memory), and what a receiver will decode from them (on our device)."""
         if self.poison != 1.0:  # a rogue member: valid tensors, scaled; it keeps its own model sane
-            return self.codec.encode({n: v * self.poison for n, v in zip(self.names, values)}), list(values)
-        wire = self.codec.encode(dict(zip(self.names, values)))
+            wire = self.codec.encode({n: v * self.poison for n, v in zip(self.names, values)})
+            return self.buffers.to_host(wire), list(values)
+        wire = self.codec.encode(dict(zip(self.names, values)), pool=self.buffers)
         if self.lossless:
-            return wire, list(values)
-        decoded = self.codec.decode(wire, like=self._like())
-        return wire, [decoded[n] for n in self.names]
+            sent = list(values)
+        else:
+            decoded = self.codec.decode(wire, like=self._like(), pool=self.buffers)
+            sent = [decoded[n] for n in self.names]
+        wire = self.buffers.to_host(wire)
+        self.stats.buffers = self.buffers.made
+        return wire, sent
 
     def _encode_own(self, values: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
         """``_encode``, or None if our own model cannot be sent (non-finite: training diverged)."""
@@ -422,7 +438,7 @@ class Averaging:
         our own parameters before anything is written.
         """
         try:
-            decoded = self.codec.decode(msg.tensors, like=self._like())
+            decoded = self.codec.decode(to_device(msg.tensors, self.device), like=self._like(), pool=self.buffers)
         except ProtocolError as e:
             self.stats.rejected += 1
             return Rejected(msg.sender, str(e))
@@ -570,7 +586,7 @@ class PairwiseAveraging(Averaging):
 
     def _frozen_view(self) -> list[torch.Tensor]:
         """``view`` to encode: copied where the codec would send it as is (it moves with every merge)."""
-        return [t.clone() for t in self.view] if self.lossless else self.view
+        return self._frozen(self.view) if self.lossless else self.view
 
     def _pick(self, partners: Sequence[str], now: float) -> tuple[str | None, bool]:
         """A partner, preferring those that have not timed out lately; and whether it is one of those."""
@@ -587,7 +603,9 @@ class PairwiseAveraging(Averaging):
     def _merge(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], a: float) -> list[torch.Tensor]:
         """Move ``view`` (and ``pending``) by ``a (remote - own)``; returns that change (to undo it)."""
         with torch.no_grad():
-            delta = torch._foreach_sub(remote, own)
+            delta = self.buffers.like(self.params)  # reused: kept only until the next merge (to undo this one)
+            for d, r, o in zip(delta, remote, own, strict=True):
+                torch.sub(r, o, out=d)
             torch._foreach_mul_(delta, a)
             torch._foreach_add_(self.pending, delta)
             torch._foreach_add_(self.view, delta)

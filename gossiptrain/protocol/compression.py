@@ -34,6 +34,7 @@ from torch import Tensor
 
 from gossiptrain.codec_spec import parse_codec_spec
 from gossiptrain.errors import ConfigError, ProtocolError
+from gossiptrain.state.host_buffers import BufferPool
 
 #: Codec names ``get_codec`` knows.
 
@@ -48,11 +49,16 @@ class Codec(Protocol):
     @property
     def name(self) -> str: ...
 
-    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Wire tensors for ``values`` (dtypes from wire.DTYPES); ProtocolError if decode would refuse them."""
+    def encode(self, values: Mapping[str, Tensor], *, pool: BufferPool | None = None) -> dict[str, Tensor]:
+        """Wire tensors for ``values`` (dtypes from wire.DTYPES); ProtocolError if decode would refuse them.
+
+        ``pool``: where new tensors come from (reused once dropped); None: fresh ones.
+        """
         ...
 
-    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def decode(
+        self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor], *, pool: BufferPool | None = None
+    ) -> dict[str, Tensor]:
         """Dense tensors with exactly the names, shapes, dtypes and devices of ``like``; else ProtocolError."""
         ...
 
@@ -66,7 +72,7 @@ class _PerTensorCodec:
     name: ClassVar[str]
     suffixes: ClassVar[tuple[str, ...]]  # wire name of part i is name + suffixes[i]
 
-    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def encode(self, values: Mapping[str, Tensor], *, pool: BufferPool | None = None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         with torch.no_grad():
             for name, value in values.items():
@@ -76,11 +82,13 @@ class _PerTensorCodec:
                 # error feedback and references never absorb a NaN.
                 if not all_finite(x):
                     raise ProtocolError(f"{_show(name)} has non-finite values, which receivers refuse")
-                for suffix, part in zip(self.suffixes, self._encode_one(x), strict=True):
+                for suffix, part in zip(self.suffixes, self._encode_one(x, pool), strict=True):
                     out[name + suffix] = part
         return out
 
-    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def decode(
+        self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor], *, pool: BufferPool | None = None
+    ) -> dict[str, Tensor]:
         if not isinstance(wire, Mapping):
             raise ProtocolError(f"wire tensors must be a mapping, got {type(wire).__name__}")
         expected: list[str] = []
@@ -92,13 +100,13 @@ class _PerTensorCodec:
         with torch.no_grad():
             for name, ref in like.items():
                 parts = [_tensor(wire, name + s) for s in self.suffixes]
-                out[name] = self._decode_one(name, parts, ref)
+                out[name] = self._decode_one(name, parts, ref, pool)
         return out
 
-    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+    def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
         raise NotImplementedError
 
-    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         raise NotImplementedError
 
 
@@ -109,10 +117,10 @@ class NoneCodec(_PerTensorCodec):
     name: ClassVar[str] = "none"
     suffixes: ClassVar[tuple[str, ...]] = ("",)
 
-    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+    def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
         return (x,)
 
-    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         (t,) = parts
         _expect(name, t, like.dtype, tuple(like.shape))
         return _finite(name, t.to(like.device))
@@ -124,15 +132,18 @@ class _CastCodec(_PerTensorCodec):
     dtype: ClassVar[torch.dtype]
     suffixes: ClassVar[tuple[str, ...]] = ("",)
 
-    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+    def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
         # Saturate rather than overflow: an inf would be refused by every receiver.
         top = torch.finfo(self.dtype).max
-        return (x.clamp(-top, top).to(self.dtype),)
+        out = _empty(pool, x.shape, self.dtype, x.device)  # (*shape)
+        if x.dtype == self.dtype:
+            return (torch.clamp(x, -top, top, out=out),)
+        return (out.copy_(torch.clamp(x, -top, top, out=_empty(pool, x.shape, x.dtype, x.device))),)
 
-    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         (t,) = parts
         _expect(name, t, self.dtype, tuple(like.shape))
-        return _finite(name, t.to(like.device, like.dtype))
+        return _finite(name, _empty(pool, like.shape, like.dtype, like.device).copy_(t))
 
 
 @dataclass(frozen=True)
@@ -169,33 +180,45 @@ class Int8Codec(_PerTensorCodec):
     name: ClassVar[str] = "int8"
     suffixes: ClassVar[tuple[str, ...]] = ("", SEP + "scale")
 
-    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
-        absmax = float(x.abs().max()) if x.numel() else 0.0  # in x's dtype: float64 may exceed float32
+    def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
+        # Temporaries come from the pool too; each line computes what ``round(x.float() / scale)`` would, bit for bit.
+        if x.numel():
+            low, high = torch.aminmax(x)  # no |x| tensor; encode checked x finite, so max(-low, high) is |x|'s max
+            absmax = max(-float(low), float(high))  # in x's dtype: float64 may exceed float32
+        else:
+            absmax = 0.0
         if absmax > _INT8_SATURATE:
             # Saturate absurd magnitudes so that scale * 127 stays finite in float32 at the receiver.
             x, absmax = x.clamp(-_INT8_SATURATE, _INT8_SATURATE), _INT8_SATURATE
-        xf = x.to(torch.float32)  # (*shape)
         scale = torch.tensor(absmax, dtype=torch.float32, device=x.device) / 127  # 0-d
+        q = _empty(pool, x.shape, torch.int8, x.device)  # (*shape)
         if float(scale) == 0.0:  # all zeros, or an absmax so tiny that scale underflows
-            return torch.zeros_like(xf, dtype=torch.int8), torch.zeros((), dtype=torch.float32, device=x.device)
-        y = xf / scale  # (*shape), in [-127, 127] up to rounding
-        if self.stochastic:
-            u = torch.rand(y.shape, generator=self._generator(y.device), device=y.device)
-            y = torch.floor(y + u)
+            return q.zero_(), torch.zeros((), dtype=torch.float32, device=x.device)
+        y = _empty(pool, x.shape, torch.float32, x.device)  # (*shape), in [-127, 127] up to rounding
+        if x.dtype == torch.float32:
+            torch.div(x, scale, out=y)
         else:
-            y = torch.round(y)
-        return y.clamp_(-127, 127).to(torch.int8), scale
+            y.copy_(x).div_(scale)
+        if self.stochastic:
+            u = torch.rand(y.shape, generator=self._generator(y.device), out=_empty(pool, y.shape, torch.float32, y.device))
+            y.add_(u).floor_()
+        else:
+            y.round_()
+        return q.copy_(y.clamp_(-127, 127)), scale
 
-    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         q, scale_t = parts
         _expect(name + SEP + "scale", scale_t, torch.float32, ())
         _expect(name, q, torch.int8, tuple(like.shape))
         scale = float(scale_t)
         if not math.isfinite(scale) or scale < 0:
             raise ProtocolError(f"{_show(name)}: scale {scale} is not a finite number >= 0")
-        if q.numel() and bool((q == -128).any()):
+        if q.numel() and int(q.min()) == -128:
             raise ProtocolError(f"{_show(name)}: -128 is outside the symmetric int8 range")
-        out = (q.to(like.device, torch.float32) * scale_t.to(like.device)).to(like.dtype)  # (*shape)
+        out = _empty(pool, like.shape, torch.float32, like.device)  # (*shape)
+        torch.mul(q.to(like.device), scale_t.to(like.device), out=out)  # q as float32, times scale
+        if like.dtype != torch.float32:
+            out = _empty(pool, like.shape, like.dtype, like.device).copy_(out)
         return _finite(name, out)  # a finite scale can still overflow float32 or like's dtype
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -236,7 +259,7 @@ class TopKCodec(_PerTensorCodec):
         """int32 indices where they suffice (half the bytes), int64 beyond."""
         return torch.int32 if numel <= _INT32_MAX else torch.int64
 
-    def _encode_one(self, x: Tensor) -> Sequence[Tensor]:
+    def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
         flat = x.reshape(-1)  # (N,)
         k = self.k(flat.numel())
         if k == flat.numel():
@@ -245,7 +268,7 @@ class TopKCodec(_PerTensorCodec):
             idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values  # (k,)
         return idx.to(self.index_dtype(flat.numel())), flat[idx].to(torch.float32)
 
-    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor) -> Tensor:
+    def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         idx, val = parts
         n = like.numel()
         k = self.k(n)
@@ -286,11 +309,13 @@ class AutoCodec:
     def name(self) -> str:
         return self.codecs[self.level].name
 
-    def encode(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return self.codecs[self.level].encode(values)
+    def encode(self, values: Mapping[str, Tensor], *, pool: BufferPool | None = None) -> dict[str, Tensor]:
+        return self.codecs[self.level].encode(values, pool=pool)
 
-    def decode(self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return self.codecs[self.level_of(wire)].decode(wire, like)
+    def decode(
+        self, wire: Mapping[str, Tensor], like: Mapping[str, Tensor], *, pool: BufferPool | None = None
+    ) -> dict[str, Tensor]:
+        return self.codecs[self.level_of(wire)].decode(wire, like, pool=pool)
 
     @staticmethod
     def level_of(wire: Mapping[str, Tensor]) -> int:
@@ -424,6 +449,13 @@ class EdgeReference:
 
 
 # ---------------------------------------------------------------- checks
+
+
+def _empty(pool: BufferPool | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised tensor: from ``pool`` (reused once dropped), or a fresh one."""
+    if pool is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return pool.empty(shape, dtype, device)
 
 
 def _check_local(name: object, t: object, what: str) -> None:

@@ -44,7 +44,9 @@ class LocalSGD(NeighborAveraging):
             return
         lr, mu = self.config.outer_lr, self.config.outer_momentum
         with torch.no_grad():
-            delta = torch._foreach_sub(self._anchor, self.params)  # the round's "outer gradient"
+            delta = self.buffers.like(self.params)  # the round's "outer gradient", in buffers reused every round
+            for d, a, p in zip(delta, self._anchor, self.params, strict=True):
+                torch.sub(a, p, out=d)
             if mu:
                 torch._foreach_mul_(self._momentum, mu)
                 torch._foreach_add_(self._momentum, delta)  # m <- mu m + delta
@@ -52,4 +54,4 @@ class LocalSGD(NeighborAveraging):
             # x <- anchor - lr * step
             for p, a, d in zip(self.params, self._anchor, delta):
                 p.copy_(a).add_(d, alpha=-lr)
-        self._anchor = self._snapshot()
+            torch._foreach_copy_(self._anchor, [p.detach() for p in self.params])  # in place: the anchor is ours alone

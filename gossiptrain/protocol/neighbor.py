@@ -180,7 +180,7 @@ class NeighborAveraging(Averaging):
                 actions.append(SendExchange(p, XPUSH, xid, wire, {**meta, "seq": seq}))
                 self.receipts.pushed(p, xid, tick.step, now, wire_bytes(wire))
             return actions
-        encoded = self._encode_own(self._snapshot())  # a copy: the trainer moves on while it is sent
+        encoded = self._encode_own(self._frozen(self.params))  # a copy: the trainer moves on while it is sent
         if encoded is None:
             return actions
         wire, self._sent = encoded

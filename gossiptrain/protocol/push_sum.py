@@ -130,7 +130,9 @@ class PushSum(Averaging):
         to = self.rng.choice(list(tick.partners))
         half = self.weight / 2
         with torch.no_grad():
-            out = [p.detach() * half for p in self.params]  # x / 2 = z * w / 2, new tensors
+            out = self.buffers.like(self.params)  # x / 2 = z * w / 2, in buffers reused once sent
+            for o, p in zip(out, self.params, strict=True):
+                torch.mul(p.detach(), half, out=o)
             encoded = self._encode_own(out)
             if encoded is None:
                 return []

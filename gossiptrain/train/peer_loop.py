@@ -186,11 +186,11 @@ def _run_worker(options: PeerOptions, workers: Workers, group: Any) -> dict[str,
 
     with Peer(build, join=options.join, group=group, optimizer=lambda config, model: make_optimizer(config.train, model)) as peer:
         cfg = peer.config.train
-        trainer = LocalTrainer(workloads["w"], peer.model, cfg, peer.shard, optimizer=peer.optimizer,
-                               worker=(workers.rank, workers.size), forward=_data_parallel(peer.model, group))
-        try:
+        try:  # the same collectives in the same order as rank 0's run_peer and _train
             if options.wait_for:
                 peer.wait_for_peers(options.wait_for)
+            trainer = LocalTrainer(workloads["w"], peer.model, cfg, peer.shard, optimizer=peer.optimizer,
+                                   worker=(workers.rank, workers.size), forward=_data_parallel(peer.model, group))
             while peer.agree(False):
                 trainer.step()
                 peer.step(samples_seen=trainer.samples_seen * workers.size)
