@@ -78,7 +78,7 @@ class Namespace(netns.Namespace):
 
     def shape(self, rate: str) -> None:
         """All of the namespace's traffic through one token bucket of ``rate`` (burst above loopback's 64 KiB MTU)."""
-        self.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb", "latency", "400ms"])
+        self.shape_link("lo", netns.LinkShape(rate=rate, burst="256kb", latency="400ms"))
 
 
 # -- one run, inside the namespace -------------------------------------------------------------

@@ -87,11 +87,11 @@ def fast_config(**overrides: object) -> RunConfig:
 
 @pytest.fixture
 def coordinator_factory() -> Iterator[object]:
-    """Start in-process coordinators on their own loopback address; closed at teardown."""
+    """Start in-process coordinators on their own loopback address (or at ``bind``); closed at teardown."""
     started: list[BackgroundCoordinator] = []
 
-    def start(config: RunConfig) -> BackgroundCoordinator:
-        c = BackgroundCoordinator(config, bind=f"{next_host()}:0")
+    def start(config: RunConfig, bind: str | None = None) -> BackgroundCoordinator:
+        c = BackgroundCoordinator(config, bind=bind or f"{next_host()}:0")
         started.append(c)
         return c
 

@@ -70,3 +70,13 @@ def solo(join: str, steps: int) -> None:
             opt.step()
             peer.step()
         peer.finish("budget")
+
+
+if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | solo JOIN STEPS
+    import sys
+
+    what, *rest = sys.argv[1:]
+    if what == "train":
+        train(int(rest[0]), rest[1], rest[2], rest[3], int(rest[4]))
+    else:
+        solo(rest[0], int(rest[1]))

@@ -45,6 +45,7 @@ def test_no_schedule_of_faults_creates_or_destroys_mass(algorithm: str, compress
     Nemesis(n, gossip(algorithm, compression), seed=seed).run(schedule)
 
 
+@pytest.mark.slow  # 10 s of faults on one codec: `make test-slow`; the other nemesis schedules stay in the default run
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 5), seed=st.integers(0, 2**16), schedule=schedules())
 def test_top_k_neighbor_averaging_makes_nothing_up_and_heals(n: int, seed: int, schedule: list[Op]) -> None:

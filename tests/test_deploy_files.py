@@ -148,6 +148,7 @@ def test_the_batch_script_is_valid_bash() -> None:
     assert {"--nodes", "--ntasks-per-node", "--time"} <= set(directives)
 
 
+@pytest.mark.slow  # a real coordinator and 2 peers through the script, 7 s: `make test-slow`; `bash -n` stays in the default run
 @pytest.mark.skipif(shutil.which("getent") is None, reason="the script resolves the first node with getent")
 def test_the_batch_script_runs_a_coordinator_and_peers_that_finish(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"

@@ -29,6 +29,7 @@ def _fds(pid: int) -> int:
         return 0
 
 
+@pytest.mark.slow  # real processes, 15 s: `make test-slow`; the same lies are met in tests/test_lying_members.py (default run)
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counting descriptors needs /proc (Linux)")
 @pytest.mark.timeout(240)
 def test_three_honest_peers_train_beside_a_member_gossiping_lies(procs: Procs, coordinator_factory: Any) -> None:

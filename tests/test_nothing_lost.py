@@ -72,7 +72,7 @@ def settled(peer: Peer) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 peers: `make test-slow`
 def test_a_paused_loop_costs_nothing_and_the_swarm_meets_at_the_initial_mean(coordinator_factory: Any, n: int) -> None:
     config = fast_config(**{
         "train.workload": "external", "train.shards": n, "state.enabled": False,

@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 
 from gossiptrain.train.peer_workers import Workers
 
-from . import group_ranks
 from .conftest import fast_config
 from .swarm import Procs
 
@@ -34,14 +32,11 @@ def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
     join = coord.address.removeprefix("tcp://")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     init = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    ranks = [ctx.Process(target=group_ranks.train, args=(r, join, init, outs[r], 80)) for r in range(2)]
-    ranks.append(ctx.Process(target=group_ranks.solo, args=(join, 200)))  # someone to average with
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
-    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    # Forked from the test worker's process that imported torch already (tests/zygote.py), as CLI peers are.
+    ranks = [procs.start("train", str(r), join, init, outs[r], "80", name=f"rank{r}", module="tests.group_ranks")
+             for r in range(2)]
+    ranks.append(procs.start("solo", join, "200", name="solo", module="tests.group_ranks"))  # someone to average with
+    assert [p.wait(120) for p in ranks] == [0, 0, 0], [p.output()[-2000:] for p in ranks]
     leader, worker = (json.loads(Path(o).read_text()) for o in outs)
     assert (leader["kind"], worker["kind"]) == ("Peer", "GroupWorker") and leader["id"] == worker["id"]
     assert len(leader["digests"]) == 82 and leader["digests"] == worker["digests"]  # after every sync, bit for bit

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from gossiptrain.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
-from gossiptrain.net.addressing import parse_hostport, plain_address
+from gossiptrain.net.addressing import is_wildcard, parse_host, parse_hostport, plain_address
+from gossiptrain.protocol.reachability import AUTO, MODES, REACHABLE_ENV, check_mode
 
 # flag -> dotted config field
 _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -194,6 +195,12 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     def ready(coord: Any) -> None:
         host_port = plain_address(coord.address).removeprefix("tcp://")
+        where = ""
+        bound, port = parse_hostport(host_port)
+        if is_wildcard(bound):  # bound to every interface: not an address to dial
+            host_port = f"HOST:{port}"
+            families = ", IPv4 or IPv6" if bound == "::" else ""  # [::] takes IPv4 too (IPv4-mapped)
+            where = f" (HOST: any address of this machine the peers can reach{families})"
         print(f"coordinator listening on {coord.address} (run {config.fingerprint()})", flush=True)
         if args.prometheus is not None:
             from gossiptrain.train.prometheus import PrometheusExporter, coordinator_families
@@ -203,11 +210,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             metrics.append(PrometheusExporter(*listen_at, collect=collect))
             print(f"Prometheus metrics at {metrics[0].url}", flush=True)
         if security is None:
-            print(f"join with: gossiptrain peer --join {host_port}", flush=True)
+            print(f"join with: gossiptrain peer --join {host_port}{where}", flush=True)
         else:
             print(
                 f"join with: gossiptrain peer --join {host_port} --secure --key YOURS.key_secret --allow DIR "
-                "--server-key COORDINATOR.key (this coordinator's public key; DIR must hold it too)",
+                f"--server-key COORDINATOR.key (this coordinator's public key; DIR must hold it too){where}",
                 flush=True,
             )
 
@@ -237,6 +244,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     parse_hostport(args.join, "--join")
     if args.bind:
         parse_hostport(args.bind, "--bind")
+    if args.advertise:
+        parse_host(args.advertise, "--advertise")
     if args.checkpoint_dir is None:
         for flag in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_keep"):
             if getattr(args, flag) is not None:
@@ -282,6 +291,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         resume_any_run=args.resume_any_run,
         security=security,
         final_model=args.final_model,
+        reachable=check_mode(args.reachable, f"--reachable (or ${REACHABLE_ENV})"),
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
     from gossiptrain.train.peer_workers import WorkerFailed, Workers, start_other_workers, wait_for_workers
@@ -409,7 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join", required=not os.environ.get("GOSSIPTRAIN_JOIN"), default=os.environ.get("GOSSIPTRAIN_JOIN") or None,
                    metavar="HOST:PORT", help="the coordinator or any live peer (default: $GOSSIPTRAIN_JOIN; required without it)")
     p.add_argument("--bind", metavar="HOST:PORT", help="where to listen (default: the advertised host, port 0)")
-    p.add_argument("--advertise", metavar="HOST", help="host others reach us at (default: our address on the route to --join)")
+    p.add_argument("--advertise", metavar="HOST",
+                   help="host others reach us at, IPv6 with or without brackets (default: our address on the route "
+                   "to --join)")
+    p.add_argument("--reachable", choices=MODES, default=os.environ.get(REACHABLE_ENV) or AUTO,
+                   help="whether the others can dial us at the advertised address: auto has the member answering our "
+                   "join dial us back, and prints one line if it cannot; yes and no take your word for it (default: "
+                   f"${REACHABLE_ENV}, else auto)")
     p.add_argument("--metrics", metavar="FILE",
                    help="append metrics as JSON lines to FILE, creating missing directories (default: none)")
     p.add_argument("--tensorboard", metavar="DIR",

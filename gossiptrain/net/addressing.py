@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import re
 import socket
 
@@ -65,6 +66,39 @@ async def connection_refused(url: str, timeout: float = 1.0) -> bool | None:
                 continue
             return False
     return True if infos and refused == len(infos) else None
+
+
+#: Hosts that mean "every interface" to bind(): what a listener may be bound to, never an address to dial.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` (brackets allowed) is a wildcard bind address (0.0.0.0, ::), not one anyone can dial."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def parse_host(text: str, what: str = "host") -> str:
+    """'10.0.0.5', 'fd00::5', '[fd00::5]' or a name -> the host as ``tcp_url`` takes it (IPv6 without brackets).
+
+    For an address others dial (``--advertise``): a wildcard is nobody's
+    address, and HOST:PORT is a mistake (the port is the bound one), so both
+    are a ConfigError that says so.
+    """
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if is_wildcard(host):
+        raise ConfigError(
+            f"{what} {text!r} is a wildcard, nobody's address: give an address of this machine the others can reach"
+        )
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{what} {text!r} must be a host (a name, an IPv4 or IPv6 address), not HOST:PORT: the port is the bound one"
+            ) from None
+    return host
 
 
 def tcp_url(host: str, port: int) -> str:
@@ -142,7 +176,7 @@ def with_host_if_wildcard(address: str, host: str) -> str:
         bound, port = parse_hostport(url.removeprefix("tcp://"), "address")
     except ConfigError:
         return address
-    if bound not in ("0.0.0.0", "::"):
+    if not is_wildcard(bound):
         return address
     return tcp_url(host, port) + sep + key
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 # Joining (gossiptrain.protocol.joining): a newcomer asks the coordinator or any member.
 JOIN, WELCOME, REFUSE = "join", "welcome", "refuse"
+# The member answering a join dials the newcomer back at its advertised address (gossiptrain.protocol.reachability).
+REACH = "reach"
 # A member's periodic report to the coordinator (gossiptrain.runtime.coordinator).
 REPORT = "report"
 # SWIM membership (gossiptrain.protocol.membership).
@@ -26,7 +28,7 @@ QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
 # A visitor asks one member how it is doing (gossiptrain.protocol.status): `gossiptrain status`, the dashboard.
 STATUS_ASK, STATUS = "status-ask", "status"
 
-JOINING = (JOIN, WELCOME, REFUSE)
+JOINING = (JOIN, WELCOME, REFUSE, REACH)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
 STATE = (SREQ, SREP, SNAK)

@@ -1,7 +1,8 @@
 """Admission control for joins, and the warning an open swarm gives at start.
 
 Answering a join costs the answerer a decode, a reply and, worse, a new
-connection to whatever address the newcomer claims. So the coordinator and
+connection to whatever address the newcomer claims (its reachability
+probe, ``gossiptrain.protocol.reachability``). So the coordinator and
 every peer give each *source* a token bucket (``JoinLimiter``): a source
 may send ``limits.join_burst`` joins at once and ``limits.join_rate_per_source``
 a second after that; the excess is dropped and counted, before any work.
@@ -58,6 +59,10 @@ class JoinLimiter:
     def __len__(self) -> int:
         """Sources tracked now (at most ``max_sources``)."""
         return len(self._buckets)
+
+    def sources(self) -> list[str]:
+        """The sources holding a bucket now, least recently seen first: what joins were charged to."""
+        return list(self._buckets)
 
     def allow(self, source: str, now: float) -> bool:
         """Take a token for ``source``; False (and counted) if it has none left."""

@@ -21,6 +21,7 @@ from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net.kinds import REFUSE, WELCOME
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.membership import Member, members_from_wire
+from gossiptrain.protocol.reachability import checked_nonce
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +39,33 @@ def new_member_id(rng: random.Random) -> str:
 # -- the request -------------------------------------------------------------------------
 
 
+_REQUEST_FIELDS = frozenset({"config", "spec", "shard"})
+
+
 @dataclass(frozen=True)
 class JoinRequest:
-    """What a newcomer asks with: optionally the run it expects and the model it brings."""
+    """What a newcomer asks with: optionally the run it expects, the model it brings, a nonce to be dialled back with."""
 
     config: RunConfig | None = None
     spec: ParamSpec | None = None
     shard: int = -1  # a wanted shard, or -1 to be assigned one
+    # Dial us back at our advertised address with this nonce (gossiptrain.protocol.reachability); None: do not.
+    reach: int | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "config": self.config.to_dict() if self.config else None,
             "spec": self.spec.to_wire() if self.spec else None,
             "shard": self.shard,
         }
+        if self.reach is not None:  # absent otherwise: a request without it is what answerers before it read
+            body["reach"] = self.reach
+        return body
 
     @classmethod
     def from_body(cls, body: Any) -> "JoinRequest":
-        if not isinstance(body, dict) or set(body) != {"config", "spec", "shard"}:
-            raise ProtocolError("join body must have exactly config, spec and shard")
+        if not isinstance(body, dict) or set(body) - {"reach"} != _REQUEST_FIELDS:
+            raise ProtocolError("join body must have exactly config, spec and shard (and optionally reach)")
         config = None
         if body["config"] is not None:
             try:
@@ -67,7 +76,8 @@ class JoinRequest:
         shard = body["shard"]
         if type(shard) is not int or shard < -1:
             raise ProtocolError("join shard must be an int >= -1")
-        return cls(config, spec, shard)
+        reach = checked_nonce(body["reach"]) if "reach" in body else None
+        return cls(config, spec, shard, reach)
 
 
 # -- the answer --------------------------------------------------------------------------

@@ -100,6 +100,24 @@ class Endpoint(Service):
             return False
         return True
 
+    def reply(self, received: Sequence[object], kind: str, body: dict[str, Any]) -> bool:
+        """Answer the sender of ``received`` (a message's raw frames) over the connection it came in on.
+
+        For answers that must reach a sender nobody can dial (a joiner behind
+        NAT, or one advertising an address where it does not listen): False
+        (counted as undeliverable) if that connection is gone.
+        """
+        msg = Message(kind, self.sender, self.sender_address, self.fingerprint, self.step, body)
+        try:
+            frames = encode(msg, self.limits, check=self.transport.check_sends)
+        except ProtocolError as e:
+            log.error("cannot send %s back: %s", kind, e)
+            return False
+        if not self.transport.reply(received, frames):
+            self.stats.undeliverable += 1
+            return False
+        return True
+
     # -- receiving -------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:

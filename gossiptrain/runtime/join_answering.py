@@ -5,6 +5,13 @@ rate (``gossiptrain.protocol.admission``), then decided by the pure
 ``gossiptrain.protocol.joining.answer_join``, answered, and the newcomer
 handed to the subclass (the coordinator records it, a peer adds it to its
 membership view as a placeholder until it starts).
+
+The answer goes back over the newcomer's own connection
+(``Endpoint.reply``), so a newcomer nobody can dial at the address it
+advertises (behind NAT, say) is answered all the same. A newcomer that asks
+(its request carries a nonce) is dialled back there with a ``reach`` probe:
+whether that arrives tells it whether others can start exchanges with it
+(``gossiptrain.protocol.reachability``).
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ from typing import Any, Callable, Sequence
 
 from gossiptrain.config import Limits, RunConfig
 from gossiptrain.net.addressing import CURVE_QUERY, key_id
-from gossiptrain.net.kinds import REFUSE, WELCOME
+from gossiptrain.net.kinds import REACH, REFUSE, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.joining import JoinRequest, answer_join
 from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.reachability import probe_body
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import Endpoint
 
@@ -64,7 +72,7 @@ class JoinAnsweringEndpoint(Endpoint):
         member_id = key_id(msg.addr) if CURVE_QUERY in self.sender_address else None
         if CURVE_QUERY in self.sender_address and member_id is None:
             self.stats.joins_refused += 1  # type: ignore[attr-defined]
-            self.send(msg.addr, REFUSE, {"reason": "this swarm is secure: a member's address must carry its CURVE key"})
+            self.reply(frames, REFUSE, {"reason": "this swarm is secure: a member's address must carry its CURVE key"})
             return
         sample, pick_shard = self._join_sample()
         kind, body = answer_join(
@@ -82,7 +90,9 @@ class JoinAnsweringEndpoint(Endpoint):
             newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
             self._welcomed(newcomer, request)
             log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
+            if request.reach is not None:  # first: its connection is being made while the welcome travels
+                self.send(msg.addr, REACH, probe_body(request.reach))
         else:
             self.stats.joins_refused += 1  # type: ignore[attr-defined]
             log.warning("refused a join from %s: %s", msg.addr, body["reason"])
-        self.send(msg.addr, kind, body)
+        self.reply(frames, kind, body)

@@ -1,7 +1,11 @@
 """A newcomer's side of joining: send the request, wait for a welcome or a refusal, retry a few times.
 
 The answer itself is decided by ``gossiptrain.protocol.joining.answer_join``
-on whichever member we asked (the coordinator or any peer).
+on whichever member we asked (the coordinator or any peer), and comes back
+over our own connection to it (``send(replies=True)``): a newcomer nobody can
+dial is answered too. Whether others can dial it is the ``reach`` probe's
+business (``gossiptrain.protocol.reachability``); one that arrives before
+the welcome is shown to the ``ReachCheck`` here.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import random
 from gossiptrain.config import Limits
 from gossiptrain.errors import JoinError, MismatchError, ProtocolError
 from gossiptrain.net.addressing import connection_refused, plain_address
-from gossiptrain.net.kinds import JOIN, REFUSE, WELCOME
+from gossiptrain.net.kinds import JOIN, REACH, REFUSE, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol.joining import JoinRequest, Welcome
+from gossiptrain.protocol.reachability import ReachCheck, Verdict, nonce_of
 from gossiptrain.runtime.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -26,6 +31,8 @@ log = logging.getLogger(__name__)
 PROBE_AFTER = 0.25
 #: Seconds between attempts while the target refuses connections (a member still starting up).
 REFUSED_PAUSE = 0.25
+#: Seconds between looks at whether our dial-back probe has come (it arrives on the node's receive loop).
+REACH_POLL = 0.02
 
 
 def plural_attempts(n: int) -> str:
@@ -44,6 +51,7 @@ async def join_swarm(
     attempts: int,
     attempt_timeout: float,
     rng: random.Random,
+    reach: ReachCheck | None = None,
 ) -> Welcome:
     """Ask the member at ``target`` to admit us; retry a bounded number of times.
 
@@ -75,7 +83,7 @@ async def join_swarm(
         now = clock.now()
         deadline = now + attempt_timeout * rng.uniform(1.0, 1.5)
         probe_at = now + PROBE_AFTER
-        sent = transport.send(target, frames)
+        sent = transport.send(target, frames, replies=True)
         while clock.now() < deadline:
             wait = 0.05 if not sent else min(0.25, deadline - clock.now())
             try:
@@ -92,11 +100,17 @@ async def join_swarm(
                         break
                     probing = False  # something listens (or we cannot tell): wait for its answer
                 if not sent:
-                    sent = transport.send(target, frames)
+                    sent = transport.send(target, frames, replies=True)
                 continue
             try:
                 msg = decode(got, limits)
             except ProtocolError:
+                continue
+            if msg.kind == REACH and reach is not None:  # dialled back before the welcome came: keep the proof
+                try:
+                    reach.on_probe(nonce_of(msg.body))
+                except ProtocolError:
+                    pass
                 continue
             if msg.kind == REFUSE:
                 reason = msg.body.get("reason") if isinstance(msg.body, dict) else None
@@ -124,6 +138,17 @@ async def join_swarm(
         )
     raise JoinError(
         f"no answer from {plain_address(target)} after {plural_attempts(attempts)} of {attempt_timeout:g}+ s each. "
-        f"Is a gossiptrain coordinator or peer running there, and can it reach this peer back at "
-        f"{plain_address(advertise)}? (set --advertise to an address it can reach)" + hint
+        "Is a gossiptrain coordinator or peer running there, on that port?" + hint
     )
+
+
+async def reach_verdict(check: ReachCheck, address: str, clock: Clock) -> Verdict:
+    """Whether others can dial us at ``address``: once our ``reach`` probe came, or its wait ran out.
+
+    Bounded by the wait ``check.welcomed`` set (``membership.join_timeout``);
+    a reachable newcomer's probe has usually arrived before it gets here
+    (while its model was built), so this returns at once.
+    """
+    while (verdict := check.verdict(address, clock.now())) is None:
+        await clock.sleep(REACH_POLL)
+    return verdict

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import random
 import threading
 import time
@@ -31,6 +32,8 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
 from gossiptrain.net.addressing import (
     curve_address,
+    is_wildcard,
+    parse_host,
     parse_hostport,
     plain_address,
     route_address,
@@ -48,12 +51,13 @@ from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
+from gossiptrain.protocol.reachability import AUTO, REACHABLE_ENV, ReachCheck, Verdict
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
-from gossiptrain.runtime.join_client import join_swarm
+from gossiptrain.runtime.join_client import join_swarm, reach_verdict
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
@@ -66,7 +70,6 @@ log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[RunConfig, int], torch.nn.Module]
 OptimizerFactory = Callable[[RunConfig, torch.nn.Module], torch.optim.Optimizer]
-_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class Peer:
@@ -101,7 +104,16 @@ class Peer:
     ``group``, a ``torch.distributed`` process group, makes one member of
     several workers training with DDP: call it on every rank; rank 0 joins,
     the others get a ``GroupWorker`` (``gossiptrain.runtime.peer_group``).
+    ``reachable`` (``auto``, ``yes`` or ``no``; default ``$GOSSIPTRAIN_REACHABLE``,
+    else ``auto``): ``auto`` has the member answering our join dial us back at
+    the advertised address (``gossiptrain.protocol.reachability``), waiting
+    up to ``membership.join_timeout`` seconds for it; ``yes`` and ``no`` take
+    the caller's word. ``reachability`` holds the verdict; one that says
+    others cannot reach us is logged as a warning, with what follows from it.
     """
+
+    #: Whether the others can dial us at our address, and how that is known; None until joined.
+    reachability: Verdict | None = None
 
     def __new__(cls, *args: Any, group: Any = None, **kwargs: Any) -> "Peer":
         if group is not None and cls is Peer:
@@ -129,6 +141,7 @@ class Peer:
         transfer_state: bool = True,
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
         group: Any = None,
+        reachable: str | None = None,
     ) -> None:
         self._closed = False
         self._group = PeerGroup(group) if group is not None else None  # the leader of several workers
@@ -145,9 +158,14 @@ class Peer:
         self._reported: dict[str, float] = {}  # the loop's latest numbers (``report``), replaced whole, never changed
         join_host, join_port = parse_hostport(join, "join address")
         bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
-        if advertise is None:
-            advertise = bind_host if bind_host not in (None, *_WILDCARDS) else route_address(join_host)
+        if advertise is not None:  # IPv6 with or without brackets; a wildcard or a HOST:PORT is refused, named
+            advertise = parse_host(advertise, "advertise address")
+        elif bind_host is not None and not is_wildcard(bind_host):
+            advertise = bind_host
+        else:  # bound to every interface (0.0.0.0, [::]) or not at all: the one that routes to the join host
+            advertise = route_address(join_host)
         local = config or RunConfig()
+        reach = ReachCheck((os.environ.get(REACHABLE_ENV) or AUTO) if reachable is None else reachable, random.SystemRandom())
         join_target = tcp_url(join_host, join_port)
         server_key: bytes | None = None
         if security is not None:
@@ -175,6 +193,7 @@ class Peer:
                 config=config,
                 spec=ParamSpec.of(dict(module.named_parameters())) if module is not None else None,
                 shard=-1 if shard is None else shard,
+                reach=reach.nonce,
             )
             welcome = self._loop.run(
                 join_swarm(
@@ -187,18 +206,26 @@ class Peer:
                     attempts=join_attempts or local.membership.join_attempts,
                     attempt_timeout=local.membership.join_timeout,
                     rng=self._rng,
+                    reach=reach,
                 )
             )
             if welcome.coordinator and welcome.answered_by == welcome.coordinator:  # we dialled the coordinator itself
-                reachable = with_host_if_wildcard(welcome.coordinator, join_host)
-                welcome = replace(welcome, coordinator=reachable, answered_by=reachable)
+                dialled = with_host_if_wildcard(welcome.coordinator, join_host)
+                welcome = replace(welcome, coordinator=dialled, answered_by=dialled)
+            reach.welcomed(plain_address(welcome.answered_by), clock.now(), local.membership.join_timeout)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
                 self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
                 self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
             except Exception:
                 self._withdraw(welcome)
                 raise
-            self._attach(welcome)
+            self._attach(welcome, reach)
+            wait = local.membership.join_timeout + 10  # it bounds itself; this only guards a bug
+            self.reachability = self._loop.run(reach_verdict(reach, plain_address(self.address), clock), timeout=wait)
+            if self.reachability.reachable:
+                log.info("%s", self.reachability.line(self.id))
+            else:
+                log.warning("%s", self.reachability.line(self.id))
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:
@@ -229,7 +256,7 @@ class Peer:
         """This peer's decision, e.g. to go on training: ``flag`` here, and on every worker of a group (rank 0's)."""
         return self._group.agree(flag) if self._group is not None else flag
 
-    def _attach(self, welcome: Welcome) -> None:
+    def _attach(self, welcome: Welcome, reach: ReachCheck | None = None) -> None:
         params = dict(self.model.named_parameters())
         spec = ParamSpec.of(params)
         if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
@@ -241,17 +268,26 @@ class Peer:
         self.shard = welcome.shard
         self.joined_via = welcome.answered_by
         assert self._transport is not None
-        node = self._node = node_for(
-            welcome,
-            address=self.address,
-            incarnation=time.time_ns() // 1000,  # wall-clock microseconds outrank an earlier process under this id
-            transport=self._transport,
-            clock=self._clock,
-            rng=self._rng,
-            spec=spec,
-            nonces=random.SystemRandom(),  # probe nonces stay unguessable whatever seed the run was given
-        )
-        self._loop.run(node.start(), timeout=10)
+        transport = self._transport
+
+        async def build() -> PeerNode:
+            # On the loop thread, where the transport lives: the constructor already probes the welcome's members.
+            node = node_for(
+                welcome,
+                address=self.address,
+                incarnation=time.time_ns() // 1000,  # wall-clock microseconds outrank an earlier process under this id
+                transport=transport,
+                clock=self._clock,
+                rng=self._rng,
+                spec=spec,
+                nonces=random.SystemRandom(),  # probe nonces stay unguessable whatever seed the run was given
+            )
+            node.reach = reach  # before it reads: a probe may be waiting in the inbox already
+            self._node = node  # closed at teardown, even if it fails to start
+            await node.start()
+            return node
+
+        node = self._loop.run(build(), timeout=10)
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
         node.state.offload = True
         side = training_side(

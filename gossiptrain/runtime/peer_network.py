@@ -59,6 +59,7 @@ from gossiptrain.protocol.membership import (
     Welcomed,
     members_from_wire,
 )
+from gossiptrain.protocol.reachability import ReachCheck, nonce_of
 from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
 from gossiptrain.protocol.status import JOINING, StatusAnswerer
 from gossiptrain.runtime.clock import Clock
@@ -154,6 +155,8 @@ class PeerNode(JoinAnsweringEndpoint):
         self.status_answerer = StatusAnswerer(config.limits, clock.now())
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
         self.ready_count = 0  # live members known ready, for the trainer thread to read
+        # Our join's dial-back, while we wait for it (gossiptrain.protocol.reachability); None: nobody asked.
+        self.reach: ReachCheck | None = None
         self.handlers = {
             kinds.JOIN: self._on_join,
             **dict.fromkeys(kinds.MEMBERSHIP, self._on_membership),
@@ -162,6 +165,7 @@ class PeerNode(JoinAnsweringEndpoint):
             kinds.READY: self._on_ready,
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
             kinds.STATUS_ASK: self._on_status_ask,
+            kinds.REACH: self._on_reach,
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
         self._started = me.incarnation  # members of a lower one were there before us: they did not join just now
@@ -317,6 +321,11 @@ class PeerNode(JoinAnsweringEndpoint):
 
     def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
         self.state.on_message(msg)
+
+    def _on_reach(self, msg: Message, frames: Sequence[object]) -> None:
+        nonce = nonce_of(msg.body)
+        if self.reach is not None:
+            self.reach.on_probe(nonce)
 
     def _on_ready(self, msg: Message, frames: Sequence[object]) -> None:
         ids, go = ready_from_wire(msg.body, self.config.limits.max_container_len)

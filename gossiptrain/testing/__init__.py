@@ -11,9 +11,11 @@
   ``schedules()`` generates them with hypothesis.
 - ``matchers``: ``match`` / ``only``, for assertions on the action lists that
   sans-IO state machines return.
-- ``netns``: ``Namespace`` and ``Lan`` (namespaces on one bridge), Linux
-  network namespaces as stand-in hosts with real addresses (root only; not
-  imported here).
+- ``netns``: ``Namespace`` and ``Lan`` (namespaces on one bridge, IPv4 and
+  optionally IPv6), Linux network namespaces as stand-in hosts with real
+  addresses, ``LinkShape`` (tc netem delay, jitter, loss; a tbf rate) and
+  ``NatRouter`` (hosts behind an iptables MASQUERADE router): the WAN
+  harness (root only; not imported here).
 
 This is the top layer (beside ``gossiptrain.cli``): it may import any part of
 the library, and the library never imports it.

@@ -352,6 +352,33 @@ def close_is_prompt_with_messages_queued_to_dead_and_slow_peers(backend: Backend
     run(main())
 
 
+def reply_goes_back_over_the_connection_a_message_came_on(backend: Backend, run: Runner = asyncio.run) -> None:
+    """``reply`` answers the sender of a received message; one whose sender is gone is dropped and counted.
+
+    Over tcp:// the answer travels the sender's own connection (``send(replies=True)``):
+    the replier opens none, so it reaches a sender nobody can dial.
+    """
+
+    async def main() -> None:
+        async with started(backend.make(), backend.make()) as (a, b):
+            assert a.send(b.address, [b"join?"], replies=True)
+            received = await asyncio.wait_for(b.recv(), 5.0)
+            assert [bytes(f) for f in received] == [b"join?"]
+            assert b.reply(received, [b"welcome", b""])
+            assert await receive(a) == [b"welcome", b""]
+            assert b.reply(received, [b"twice"])  # the connection stays for as long as its sender keeps it
+            assert await receive(a) == [b"twice"]
+            if isinstance(b, TcpTransport):
+                assert b.open_connections == 0, "the reply opened a connection of its own"
+            assert a.stats.messages_received == 2 and b.stats.messages_sent == 2
+            dropped = b.stats.send_dropped
+            await a.close()  # the sender gone: its connection with it
+            await until(lambda: not b.reply(received, [b"late"]), "a reply to a closed sender to fail")
+            assert b.stats.send_dropped > dropped
+
+    run(main())
+
+
 Check = Callable[[Backend, Runner], None]
 
 CHECKS: tuple[Check, ...] = (
@@ -365,6 +392,7 @@ CHECKS: tuple[Check, ...] = (
     recv_is_cancel_safe,
     forget_then_send_reconnects,
     close_is_prompt_with_messages_queued_to_dead_and_slow_peers,
+    reply_goes_back_over_the_connection_a_message_came_on,
 )
 """Every check, in a stable order (parametrise over it with ``ids=lambda c: c.__name__``)."""
 

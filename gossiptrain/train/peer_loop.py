@@ -73,6 +73,7 @@ class PeerOptions:
     security: SecurityConfig | None = None  # --secure: CURVE keys and allow-list (see SECURITY.md)
     final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here (or URL)
     workers: Workers | None = None  # one of several worker processes of this peer (--nproc-per-peer, torchrun)
+    reachable: str | None = None  # --reachable auto|yes|no (None: Peer's default, $GOSSIPTRAIN_REACHABLE or auto)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -149,7 +150,7 @@ def run_peer(
         build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
         join_attempts=options.join_attempts, security=options.security,
         transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
-        optimizer=lambda config, model: make_optimizer(config.train, model), group=group,
+        optimizer=lambda config, model: make_optimizer(config.train, model), group=group, reachable=options.reachable,
     ) as peer:
         workload = workloads["w"]
         if peer.taken_from_swarm:  # the run fields we did not set, as the swarm runs them

@@ -146,7 +146,7 @@ class Transport(Service, abc.ABC):
         self.stats = TransportStats()
         self.inbox = Inbox(limits.inbox_messages)
 
-    def send(self, address: str, frames: Sequence[bytes | memoryview]) -> bool:
+    def send(self, address: str, frames: Sequence[bytes | memoryview], *, replies: bool = False) -> bool:
         """Queue one message for the transport listening at ``address``; never blocks.
 
         True if queued. A destination not yet connected holds the message
@@ -157,7 +157,40 @@ class Transport(Service, abc.ABC):
         unreachable or malformed peer address; raises TransportClosed if this
         transport is closed. Frames are not copied: do not modify a buffer
         after passing it here.
+
+        ``replies``: also take what the destination sends back over this
+        connection (``reply``) into our inbox, checked like everything else:
+        the way back for a sender nobody can dial (a joiner behind NAT).
         """
+        checked = self._checked(frames, address)
+        if checked is None:
+            return False
+        sent = self._send(address, *checked)
+        if replies:
+            self._take_replies(address)
+        if not sent:
+            self.stats.send_dropped += 1
+        return sent
+
+    def reply(self, received: Sequence[object], frames: Sequence[bytes | memoryview]) -> bool:
+        """Send one message back to the sender of ``received`` over the connection it came in on; never blocks.
+
+        No new connection is made, so the answer reaches a sender whose own
+        address nobody can dial (behind NAT, or advertising a wrong one),
+        provided it sent with ``replies=True``. False, counted in
+        ``send_dropped``, if that connection is gone or its queue is full;
+        the checks and errors are ``send``'s.
+        """
+        checked = self._checked(frames, "a sender")
+        if checked is None:
+            return False
+        if not self._reply(received, *checked):
+            self.stats.send_dropped += 1
+            return False
+        return True
+
+    def _checked(self, frames: Sequence[bytes | memoryview], to: str) -> tuple[list[bytes | memoryview], int] | None:
+        """(the frames as one message, its bytes) to hand a backend; None (counted) if it breaks our own limits."""
         self._check_open()
         message = list(frames)
         if not message:
@@ -165,16 +198,20 @@ class Transport(Service, abc.ABC):
         sizes = [frame_nbytes(f) for f in message]
         if oversize(self.limits, sizes):
             self.stats.oversize_dropped += 1
-            log.debug("not sending to %s: %d frames, %d bytes break the limits", address, len(sizes), sum(sizes))
-            return False
-        if not self._send(address, message, sum(sizes)):
-            self.stats.send_dropped += 1
-            return False
-        return True
+            log.debug("not sending to %s: %d frames, %d bytes break the limits", to, len(sizes), sum(sizes))
+            return None
+        return message, sum(sizes)
 
     @abc.abstractmethod
     def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
         """Hand over a message that passed the checks; False if it was dropped (``send`` counts it)."""
+
+    @abc.abstractmethod
+    def _reply(self, received: Sequence[object], message: list[bytes | memoryview], nbytes: int) -> bool:
+        """Hand over a message for the sender of ``received``, over its connection; False if dropped (counted)."""
+
+    def _take_replies(self, address: str) -> None:
+        """Read what ``address`` sends back over our connection to it (backends whose replies arrive anyway: nothing)."""
 
     @abc.abstractmethod
     def forget(self, address: str) -> None:

@@ -9,7 +9,9 @@ network's own seeded RNG a run is reproducible.
 
 Messages are copied at send and checked against the receiver's limits at
 delivery, as tcp:// does, so nothing above the transport can tell the two
-apart except by timing.
+apart except by timing. There are no connections: ``reply`` sends back along
+the link to the sender's address (every simulated transport can be dialled,
+and a partition cuts both ways).
 
 Fate of a message sent with ``SimTransport.send`` (each outcome is counted
 once in ``SimNetwork.stats``):
@@ -112,10 +114,17 @@ class NetworkStats:
         return self.delivered + self.lost + self.partitioned + self.unreachable + self.inbox_full + self.oversize
 
 
+class Arrived(list):  # type: ignore[type-arg]
+    """One message's frames as the receiver gets them, and the address that sent them (what ``reply`` answers)."""
+
+    __slots__ = ("origin",)
+    origin: str
+
+
 @dataclass(eq=False)
 class _InFlight:
     target: SimTransport
-    frames: list[bytes]
+    frames: Arrived
     nbytes: int
     sender: SimTransport | None
 
@@ -248,7 +257,8 @@ class SimNetwork:
         arrival = link.last_arrival = max(arrival, link.last_arrival)
         # What arrives is a copy as of now (the sender may reuse a tensor's memory once sent); a bytes frame
         # (every header) is immutable already.
-        copies = [f if type(f) is bytes else bytes(f) for f in frames]
+        copies = Arrived(f if type(f) is bytes else bytes(f) for f in frames)
+        copies.origin = src
         link.wire.append(_InFlight(target, copies, nbytes, sender))
         loop.call_at(arrival, self._arrive, link)
         return True
@@ -352,11 +362,17 @@ class SimTransport(Transport):
         self.stats.bytes_sent += nbytes
         return True
 
+    def _reply(self, received: Sequence[object], message: list[bytes | memoryview], nbytes: int) -> bool:
+        # No connections: an answer travels the link back to the sender's address, which every
+        # simulated peer can be dialled at (a partition cuts both ways).
+        origin = received.origin if isinstance(received, Arrived) else None
+        return origin is not None and self._send(origin, message, nbytes)
+
     def forget(self, address: str) -> None:
         # No connection to tear down: links hold no per-destination state worth dropping.
         pass
 
-    def _accept(self, frames: list[bytes], nbytes: int) -> Outcome:
+    def _accept(self, frames: Arrived, nbytes: int) -> Outcome:
         """Take one arriving message; the ``NetworkStats`` field that says what became of it."""
         if oversize(self.limits, [len(f) for f in frames]):
             self.stats.oversize_dropped += 1

@@ -6,7 +6,10 @@ recently used is closed first). ZeroMQ gives us framing, reconnection and per-pi
 queues; this module adds what it lacks for untrusted peers: limits checked
 frame by frame, drops counted instead of raised, and a bounded wait for a
 new destination to connect (ZMQ_IMMEDIATE would otherwise refuse the first
-message to every new peer).
+message to every new peer). An answer that must reach a sender nobody can
+dial (``reply``: a joiner behind NAT) goes back through the ROUTER over the
+connection the message came on, and the sender's DEALER reads it when it
+asked to (``send(replies=True)``), with the same checks.
 
 With a ``SecurityConfig`` the transport is secure (CURVE): the ROUTER is a
 CURVE server that admits only client keys in the allow-list directory
@@ -67,14 +70,21 @@ _Message = tuple[list[bytes | memoryview], int]  # frames, total bytes
 
 
 class ReceivedFrames(list):  # type: ignore[type-arg]
-    """The frames of one received message, and the IP its connection came from (ZeroMQ's Peer-Address)."""
+    """The frames of one received message, the IP its connection came from (ZeroMQ's Peer-Address), and its route.
 
-    __slots__ = ("source", "key")
+    ``route``: the ROUTER's id of the connection it came in on, which ``reply``
+    answers over; None for a reply that came back to one of our DEALERs.
+    """
 
-    def __init__(self, frames: list[memoryview], source: str | None, key: bytes | None = None) -> None:
+    __slots__ = ("source", "key", "route")
+
+    def __init__(
+        self, frames: list[memoryview], source: str | None, key: bytes | None = None, route: bytes | None = None
+    ) -> None:
         super().__init__(frames)
         self.source = source
         self.key = key  # the sender's CURVE public key (Z85), as the handshake proved it; None when not secure
+        self.route = route
 
 
 @dataclass(eq=False)
@@ -86,6 +96,7 @@ class _Destination:
     connecting: asyncio.Task[None] | None = None
     monitor: zmq.asyncio.Socket | None = None  # handshake events, while connecting
     failure: str | None = None  # why the handshake failed, if it did
+    replies: asyncio.Task[None] | None = None  # reads what the destination sends back (``send(replies=True)``)
 
 
 def check_url(url: str) -> None:
@@ -191,6 +202,7 @@ class TcpTransport(Transport):
         router.setsockopt(zmq.RCVHWM, self.limits.inbox_messages)
         router.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + MAXMSGSIZE_SLACK)
         router.setsockopt(zmq.HANDSHAKE_IVL, int(self.limits.handshake_seconds * 1000))
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply over a connection that is gone fails, and is counted
         if self.curve is not None:
             self._start_curve_server(router, self.curve)
         try:
@@ -265,6 +277,17 @@ class TcpTransport(Transport):
             return True
         return self._push(dest.socket, item)
 
+    def _reply(self, received: Sequence[object], message: list[bytes | memoryview], nbytes: int) -> bool:
+        route = received.route if isinstance(received, ReceivedFrames) else None
+        if route is None or self._router is None:
+            return False
+        return self._push(self._router, ([route, *message], nbytes))
+
+    def _take_replies(self, address: str) -> None:
+        dest = self._destinations.get(address)
+        if dest is not None and dest.replies is None:
+            dest.replies = self.spawn(self._read_replies(address, dest), f"replies from {address.partition(CURVE_QUERY)[0]}")
+
     def forget(self, address: str) -> None:
         # A short linger, not 0: closing with LINGER 0 while the I/O thread is halfway through a
         # multipart message aborted the process inside libzmq 4.3.5 ("Resource temporarily
@@ -280,6 +303,8 @@ class TcpTransport(Transport):
         dest.pending = None
         if dest.connecting is not None:
             dest.connecting.cancel()
+        if dest.replies is not None:  # before the socket closes under its pending receive
+            dest.replies.cancel()
         if dest.monitor is not None:  # closed now: the context's termination waits for every socket
             dest.monitor.close(linger=0)
         dest.socket.close(linger=linger_ms)
@@ -315,6 +340,9 @@ class TcpTransport(Transport):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.limits.send_queue_messages)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+            # What it may send back (``send(replies=True)``) is bounded as the ROUTER's input is.
+            sock.setsockopt(zmq.RCVHWM, self.limits.inbox_messages)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes + MAXMSGSIZE_SLACK)
             if self.curve is not None and server_key is not None:
                 sock.curve_secretkey = self.curve.secret
                 sock.curve_publickey = self.curve.public
@@ -397,7 +425,8 @@ class TcpTransport(Transport):
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
-            log.warning("send failed: %s", e.strerror)
+            if e.errno != zmq.EHOSTUNREACH:  # a reply whose connection is gone: counted, nothing to say
+                log.warning("send failed: %s", e.strerror)
             return False
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
@@ -408,50 +437,90 @@ class TcpTransport(Transport):
     async def _read(self) -> None:
         """Move whole messages from the ROUTER to the inbox, dropping those over the limits.
 
-        Frames are checked one at a time so that an oversize message is
-        discarded as it is read. While the inbox is full nothing is read and
-        ZeroMQ's own queues push back on senders.
+        While the inbox is full nothing is read and ZeroMQ's own queues push
+        back on senders.
         """
         assert self._router is not None
-        router, limits, stats = self._router, self.limits, self.stats
+        router = self._router
         while True:
             await self.inbox.wait_not_full()
-            routing_id = await router.recv(copy=False)  # added by the ROUTER; the header names the sender
-            more = routing_id.more
-            frames: list[zmq.Frame] = []
-            total = 0
-            dropped = False
-            while more:
-                frame = await router.recv(copy=False)
-                more = frame.more
-                if dropped:
-                    continue
-                size = len(frame)
-                total += size
-                if len(frames) == limits.max_frames or size > limits.max_frame_bytes or total > limits.max_message_bytes:
-                    dropped = True
-                    frames.clear()
-                    continue
-                frames.append(frame)
-            if dropped:
-                stats.oversize_dropped += 1
-                log.debug("dropped an incoming message over the limits")
+            got = await self._recv_checked(router, routed=True)
+            if got is None:
                 continue
-            if not frames:
-                continue
-            try:
-                source: str | None = frames[0].get("Peer-Address")
-            except zmq.ZMQError:  # no connection metadata (cannot happen over tcp://; never fatal)
-                source = None
+            frames, total, route = got
             key: bytes | None = None
             if self.curve is not None:
                 try:
                     key = frames[0].get("User-Id").encode("ascii")  # pyzmq's ZAP handler: the client's Z85 key
                 except (zmq.ZMQError, UnicodeEncodeError):
                     key = None
-            self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source, key))
-            stats.messages_received += 1
-            stats.bytes_received += total
+            self._deliver(frames, total, key, route)
+
+    async def _read_replies(self, address: str, dest: _Destination) -> None:
+        """Move what ``address`` sends back over our DEALER to the inbox, checked as the ROUTER's input is.
+
+        Its key, in a secure swarm, is the server key we dialled it with: the
+        CURVE handshake proved the other end holds it. Ends (quietly) when the
+        destination is dropped.
+        """
+        try:
+            _, server_key = split_curve_address(address)
+        except ValueError:
+            return
+        try:
+            while True:
+                await self.inbox.wait_not_full()
+                got = await self._recv_checked(dest.socket, routed=False)
+                if got is not None:
+                    self._deliver(got[0], got[1], server_key, None)
+        except zmq.ZMQError:  # the socket closed under us (the transport closing)
+            return
+
+    async def _recv_checked(
+        self, sock: zmq.asyncio.Socket, *, routed: bool
+    ) -> tuple[list[zmq.Frame], int, bytes | None] | None:
+        """One whole message from ``sock``: (frames, bytes, the ROUTER's route if ``routed``); None if dropped.
+
+        Frames are checked one at a time, so that an oversize message is
+        discarded (and counted) as it is read, and a message without frames
+        is skipped.
+        """
+        limits = self.limits
+        route: bytes | None = None
+        if routed:
+            head = await sock.recv(copy=False)  # added by the ROUTER; the header names the sender
+            route, more = head.bytes, head.more
+        else:
+            more = True
+        frames: list[zmq.Frame] = []
+        total = 0
+        dropped = False
+        while more:
+            frame = await sock.recv(copy=False)
+            more = frame.more
+            if dropped:
+                continue
+            size = len(frame)
+            total += size
+            if len(frames) == limits.max_frames or size > limits.max_frame_bytes or total > limits.max_message_bytes:
+                dropped = True
+                frames.clear()
+                continue
+            frames.append(frame)
+        if dropped:
+            self.stats.oversize_dropped += 1
+            log.debug("dropped an incoming message over the limits")
+            return None
+        return (frames, total, route) if frames else None
+
+    def _deliver(self, frames: list[zmq.Frame], total: int, key: bytes | None, route: bytes | None) -> None:
+        try:
+            source: str | None = frames[0].get("Peer-Address")
+        except zmq.ZMQError:  # no connection metadata (cannot happen over tcp://; never fatal)
+            source = None
+        self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source, key, route))
+        self.stats.messages_received += 1
+        self.stats.bytes_received += total
 
     async def _count_handshake_failures(self) -> None:
         assert self._monitor is not None
