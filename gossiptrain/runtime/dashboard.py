@@ -108,6 +108,13 @@ class Dashboard:
         return {"status": latest.to_dict() if latest else None, "error": self.error, "history": list(self.history)}
 
     async def _poll_forever(self) -> None:
+        try:
+            await self._polls()
+        except Exception as e:  # the page says so, rather than waiting for a first poll forever
+            self.error = f"the dashboard stopped polling: {e!r}"
+            log.exception("the dashboard stopped polling")
+
+    async def _polls(self) -> None:
         async with SwarmClient(self.join, advertise=self._advertise, security=self._security) as client:
             board = StatusBoard(client, timeout=self.timeout)
             while True:

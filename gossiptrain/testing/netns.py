@@ -57,7 +57,6 @@ def why_not(*tools: str, need: str = "a network namespace") -> str | None:
     return None
 
 
-
 def unique_name(prefix: str) -> str:
     """``prefix-PID-N``: unique on this machine while this process lives."""
     return f"{prefix}-{os.getpid()}-{next(_names)}"

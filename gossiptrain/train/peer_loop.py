@@ -188,8 +188,8 @@ def _run_worker(options: PeerOptions, workers: Workers, group: Any) -> dict[str,
     with Peer(build, join=options.join, group=group, optimizer=lambda config, model: make_optimizer(config.train, model)) as peer:
         cfg = peer.config.train
         try:  # the same collectives in the same order as rank 0's run_peer and _train
-            if options.wait_for:
-                peer.wait_for_peers(options.wait_for)
+            if options.wait_for and peer.wait_for_peers(options.wait_for) < options.wait_for:
+                return {"event": "stopped", "peer": peer.id, "worker": workers.rank, "step": 0}  # as rank 0 did
             trainer = LocalTrainer(workloads["w"], peer.model, cfg, peer.shard, optimizer=peer.optimizer,
                                    worker=(workers.rank, workers.size), forward=_data_parallel(peer.model, group))
             while peer.agree(False):
