@@ -181,3 +181,39 @@ def test_peers_report_a_crashed_member_and_the_coordinator_stops_handing_it_out_
     declared, gone = run_virtual(main())
     assert gone <= declared + m.report_interval + 0.2  # at the next report after the verdict
     assert gone < expiry  # ...not after the registry's expiry
+
+
+def test_a_member_that_reports_itself_unreachable_is_handed_to_nobody() -> None:
+    """Behind NAT its address cannot be dialled: newcomers and lonely reporters would only probe it in vain."""
+    run = RunConfig()
+    limits = run.limits
+
+    async def main() -> tuple[list[str], list[str], list[str], int]:
+        network = SimNetwork(LinkProfile(latency=0.001, bandwidth=float("inf")))
+        with network.activate():
+            c_t = SimTransport("sim://coordinator", limits, network=network)
+            a_t, n_t, x_t = (SimTransport(f"sim://{n}:1", limits, network=network) for n in "anx")
+            coordinator = Coordinator(run, c_t, clock=LoopClock(), seed=1)
+
+            def report(t: SimTransport, mid: str, **extra: object) -> None:
+                body = {"member": Member(mid, t.address, 0, 1).to_wire(), "spec": None, **extra}
+                t.send(c_t.address, encode(Message(REPORT, mid, t.address, run.fingerprint(), 0, body), limits))
+
+            async with c_t, a_t, n_t, x_t, coordinator:
+                report(n_t, "pn", unreachable=True)
+                await asyncio.sleep(0.01)
+                report(a_t, "pa")
+                await asyncio.sleep(0.01)
+                assert a_t.stats.messages_received == 0  # pn is not introduced to it: nobody dialable to introduce
+                sample, _ = coordinator._join_sample()
+                bad = coordinator.stats.bad_messages
+                report(x_t, "px", unreachable="yes")  # not a bool: refused
+                await asyncio.sleep(0.01)
+                reported = [m.id for m in coordinator.registry.reported(coordinator.clock.now())]
+                members = sorted(m.id for m in coordinator.members())
+                return [m.id for m in sample], members, reported, coordinator.stats.bad_messages - bad
+
+    sample, members, reported, refused = run_virtual(main())
+    assert sample == ["pa"] and reported == ["pa"]  # newcomers are handed the dialable member only
+    assert members == ["pa", "pn"]  # still a member: a roster (status, export) lists it
+    assert refused == 1

@@ -69,10 +69,12 @@ class Registry:
         self.capacity = capacity
         self._seen: dict[str, tuple[Member, float]] = {}  # oldest first
         self._reported: set[str] = set()  # ids that reported themselves (not only joined through us)
+        self._unreachable: set[str] = set()  # ids whose own reports say nobody can dial them (behind NAT)
         self._alive: list[Member] | None = None  # the live members, until the next change
 
-    def update(self, member: Member, now: float, *, reported: bool = False) -> bool:
-        """Record ``member`` as heard from now (``reported``: by itself); False if new and the registry is full."""
+    def update(self, member: Member, now: float, *, reported: bool = False, reachable: bool = True) -> bool:
+        """Record ``member`` as heard from now (``reported``: by itself, which says whether it is ``reachable``);
+        False if new and the registry is full."""
         if member.state != ALIVE:
             self._forget(member.id)
             return True
@@ -85,11 +87,16 @@ class Registry:
             self._alive = None
         if reported:
             self._reported.add(member.id)
+            (self._unreachable.discard if reachable else self._unreachable.add)(member.id)
         return True
 
     def reported(self, now: float) -> list[Member]:
-        """The live members that reported themselves: the ones worth handing to a newcomer."""
-        return [m for m in self.alive(now) if m.id in self._reported]
+        """The live members that reported themselves and can be dialled: the ones worth handing to a newcomer."""
+        return [m for m in self.alive(now) if m.id in self._reported and m.id not in self._unreachable]
+
+    def dialable(self, now: float) -> list[Member]:
+        """The live members, less those that said nobody can dial them: what a probe or an exchange can reach."""
+        return [m for m in self.alive(now) if m.id not in self._unreachable]
 
     def seen_dead(self, member_id: str, now: float, fresh_for: float) -> bool:
         """A member reported dead: forget it unless it was heard from itself within ``fresh_for`` seconds."""
@@ -122,6 +129,7 @@ class Registry:
         if self._seen.pop(member_id, None) is not None:
             self._alive = None
         self._reported.discard(member_id)
+        self._unreachable.discard(member_id)
 
 
 class Coordinator(JoinAnsweringEndpoint):
@@ -191,7 +199,10 @@ class Coordinator(JoinAnsweringEndpoint):
         self._learn_spec(msg.body.get("spec"))
         self.stats.reports += 1
         now = self.clock.now()
-        if not self.registry.update(member, now, reported=True):
+        unreachable = msg.body.get("unreachable", False)
+        if type(unreachable) is not bool:
+            raise ProtocolError("a report's unreachable must be a bool")
+        if not self.registry.update(member, now, reported=True, reachable=not unreachable):
             self.stats.registry_full += 1
             return
         self._forget_dead(msg.body.get("dead"), member.id, now)
@@ -232,7 +243,7 @@ class Coordinator(JoinAnsweringEndpoint):
         at their next report.
         """
         now = self.clock.now()
-        alive = self.registry.alive(now)
+        alive = self.registry.dialable(now)  # members nobody can dial would only be probed in vain
         if not any(m.id != reporter.id for m in alive[:2]):
             return  # nobody else (the reporter is at most one of them)
         # One introduction per address per half report interval, whoever claims it: an honest member
@@ -261,7 +272,7 @@ class Coordinator(JoinAnsweringEndpoint):
         does not crowd them out), else whoever joined; shards assigned over all of them."""
         now = self.clock.now()
         alive = self.registry.alive(now)
-        pool = self.registry.reported(now) or alive
+        pool = self.registry.reported(now) or self.registry.dialable(now)
         sample = self.rng.sample(pool, min(self.config.membership.sample_size, len(pool)))
         return sample, lambda shards: least_loaded_shard((m.shard for m in alive), shards)
 

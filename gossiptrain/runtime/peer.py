@@ -226,6 +226,8 @@ class Peer:
                 log.info("%s", self.reachability.line(self.id))
             else:
                 log.warning("%s", self.reachability.line(self.id))
+                assert self._node is not None
+                self._node.reachable = False  # our reports say so: the coordinator hands us to no newcomer
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:

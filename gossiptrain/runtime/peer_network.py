@@ -151,6 +151,7 @@ class PeerNode(JoinAnsweringEndpoint):
             gone=self._gone,
         )
         self.released = threading.Event()  # the rendezvous's count is reached: the trainer may start (its thread waits)
+        self.reachable = True  # False once our join's check found nobody can dial us (gossiptrain.protocol.reachability)
         # `gossiptrain status`: what the training side last left for it (Peer sets a richer source), read when asked.
         self.status_answerer = StatusAnswerer(config.limits, clock.now())
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
@@ -303,7 +304,10 @@ class PeerNode(JoinAnsweringEndpoint):
                 break
             if mid not in self._view and mid not in dead:
                 dead.append(mid)
-        return {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None, "dead": dead}
+        body = {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None, "dead": dead}
+        if not self.reachable:  # the coordinator then hands us to nobody: their probes would fail (behind NAT)
+            body["unreachable"] = True
+        return body
 
     # -- handling --------------------------------------------------------------------------
 
