@@ -8,6 +8,7 @@ on synthetic token ids, each joining an in-process coordinator on its own
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 from gossiptrain.errors import ConfigError, GossipError
 
 from .conftest import fast_config
-from .swarm import next_host
+from .swarm import Procs, next_host
 
 needs_hf = pytest.mark.skipif(
     find_spec("transformers") is None or find_spec("accelerate") is None,
@@ -54,13 +55,13 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=SEQ))
 
 
-def trainer(tmp: Path, stride: int, max_steps: int, callbacks: list[Any]) -> Any:
+def trainer(tmp: Path, stride: int, max_steps: int, callbacks: list[Any], **more: Any) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
         output_dir=str(tmp), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-2,
         report_to=[], save_strategy="no", logging_steps=5, use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, **more,
     )
     return Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(stride), callbacks=callbacks)
 
@@ -186,15 +187,29 @@ def test_a_trainer_that_raises_inside_the_with_block_leaves_the_swarm(coordinato
 
 
 @needs_hf
-def test_a_multi_process_trainer_is_refused_with_the_reason() -> None:
+def test_a_two_process_trainer_is_one_member_whose_ranks_end_with_the_same_model(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path
+) -> None:
+    """As under torchrun: rank 0 joins, rank 1 follows it; beside a single-process Trainer they gossip."""
+    import socket
+
     from gossiptrain.integrations import GossipCallback
 
-    cb = GossipCallback("127.0.0.1:1")  # never dialled: the refusal comes first
-    torchrun = SimpleNamespace(world_size=2, process_index=0)
-    for event in (cb.on_init_end, cb.on_train_begin):
-        with pytest.raises(ConfigError, match=r"args.world_size=2.*not supported by the callback yet"):
-            event(torchrun, SimpleNamespace(global_step=0), SimpleNamespace(), model=torch.nn.Linear(2, 2))
-    assert cb.peer is None
+    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120}))
+    join = coord.address.removeprefix("tcp://")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    ranks = [procs.start(str(r), str(port), join, str(outs[r]), "20", name=f"rank{r}", module="tests.hf_ranks")
+             for r in range(2)]
+    with GossipCallback(join, bind=f"{next_host()}:0", wait_for_peers=2, wait_timeout=60) as solo:  # another member
+        train_both([trainer(tmp_path / "solo", 3, 100, [solo])])
+    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
+    leader, worker = (json.loads(o.read_text()) for o in outs)
+    assert (leader["kind"], worker["kind"]) == ("Peer", "GroupWorker") and leader["id"] == worker["id"]
+    assert leader["steps"] == worker["steps"] == 20 and leader["digest"] == worker["digest"]
+    assert leader["exchanges"] > 0
 
 
 @needs_hf

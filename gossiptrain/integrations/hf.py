@@ -72,11 +72,11 @@ class GossipCallback(TrainerCallback):
     After training, ``peer`` is the (closed) peer, for ``peer.stats()``, and
     ``final_report`` says how the final phase went (None when it did not run).
 
-    TODO: multi-process Trainers (torchrun/DDP, ``args.world_size > 1``) are
-    refused. Only rank 0 should be the member, and every parameter change a
-    merge makes on rank 0 must reach the other ranks at the same step, or
-    their replicas drift apart; that is ``Peer(group=...)``, being built
-    separately. Use it here once it lands.
+    A multi-process Trainer (torchrun, DDP: ``args.world_size > 1``) is one
+    member: every rank's callback makes ``Peer(..., group=...)`` over the
+    Trainer's process group, rank 0 joins, and after each optimizer step the
+    other ranks receive rank 0's parameters (``gossiptrain.runtime.peer_group``);
+    all ranks stop at the same step when the swarm asks (``Peer.agree``).
     """
 
     def __init__(
@@ -109,26 +109,22 @@ class GossipCallback(TrainerCallback):
 
     # -- the Trainer's events ---------------------------------------------------------------
 
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Refuse a multi-process Trainer when it is built, not minutes later when training begins."""
-        _require_one_process(args)
-
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
         model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any,
     ) -> None:
         """Join the swarm: the Trainer's model and optimizer exist from here on (its scheduler too)."""
-        _require_one_process(args)
+        group = _process_group(args)
         if model is None:
             raise GossipError("GossipCallback.on_train_begin got no model: is this a transformers Trainer?")
         if self._open:  # an earlier train() raised without a `with` or close(): that member is stale
             log.warning("closing the peer of an earlier train() that did not end")
             self.close()
         self.final_report = None
-        self.peer = Peer(model, join=self.join, optimizer=_unwrapped(optimizer), **self._peer_kwargs)
+        self.peer = Peer(model, join=self.join, optimizer=_unwrapped(optimizer), group=group, **self._peer_kwargs)
         self._open = True
-        # The samples one optimizer step trains on, as the Trainer counts its total batch (one process).
-        self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps
+        # The samples one optimizer step trains on: the Trainer's total batch, over all its processes.
+        self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
         if state.global_step > 0 and self.peer.steps == 0:  # resumed from a checkpoint, no step from a donor
             self.peer.resume_at(state.global_step)
         if self.wait_for_peers:
@@ -138,7 +134,7 @@ class GossipCallback(TrainerCallback):
         """After each optimizer step: the peer's safe point; stop training when the swarm was asked to."""
         peer = self._live_peer()
         peer.step(samples_seen=state.global_step * self._samples_per_step)
-        if peer.finish_requested:
+        if peer.agree(peer.finish_requested):  # rank 0's word on every rank: they stop at the same step
             control.should_training_stop = True
         return control
 
@@ -192,14 +188,18 @@ class GossipCallback(TrainerCallback):
         return self.peer
 
 
-def _require_one_process(args: TrainingArguments) -> None:
-    world = getattr(args, "world_size", 1)
-    if world > 1:
+def _process_group(args: TrainingArguments) -> Any:
+    """The Trainer's process group when it runs several processes (None: one), initialised by then."""
+    if getattr(args, "world_size", 1) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
-            f"GossipCallback: this Trainer runs {world} processes (args.world_size={world}, torchrun/DDP); "
-            "a multi-process member is not supported by the callback yet. Run single-process Trainers instead, "
-            "each with its own GossipCallback (e.g. one per GPU, without torchrun): each is a member."
+            f"GossipCallback: args.world_size is {args.world_size} but torch.distributed is not initialised: "
+            "start the Trainer with torchrun (or accelerate launch)"
         )
+    return dist.group.WORLD
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
