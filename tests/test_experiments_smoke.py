@@ -79,6 +79,7 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     assert "| 2 peers x 2 workers |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow  # the whole exchange benchmark in miniature, 7 s: `make test-slow`; test_experiment_scripts.py checks it starts
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_exchange_quick(tmp_path: Path) -> None:
     heads = run_script("exchange", tmp_path)

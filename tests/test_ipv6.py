@@ -173,6 +173,7 @@ def hosts() -> Iterator[Hosts]:
         lan.__exit__()
 
 
+@pytest.mark.slow  # 7 s: `make test-slow`; the dual-stack swarm on loopback stays in the default run
 @pytest.mark.timeout(180)
 def test_on_namespace_addresses_an_ipv6_and_an_ipv4_peer_meet_through_a_dual_stack_coordinator(
     hosts: Hosts, tmp_path: Path

@@ -262,6 +262,7 @@ def test_the_agent_names_what_it_cannot_start(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real launches on loopback
 
 
+@pytest.mark.slow  # 5 s: `make test-slow`; the launcher's reports are unit-tested in test_launch_plan.py
 def test_a_failing_peer_is_named_and_the_launch_exits_1(tmp_path: Path) -> None:
     hosts = [next_host() for _ in range(3)]
     path = hostfile(tmp_path, f"{hosts[0]} slots=0\n{hosts[1]}\n{hosts[2]}\n")

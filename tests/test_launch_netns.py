@@ -115,6 +115,7 @@ def test_ctrl_c_stops_every_remote_process_and_leaves_nothing_behind(lan: netns.
     wait_for(lambda: not any(lan.pids().values()), 5, "the namespaces to be empty", state=lambda: str(lan.pids()))
 
 
+@pytest.mark.slow  # `make test-slow`; the Ctrl+C test beside it checks that nothing is left, in the default run
 def test_a_killed_launcher_leaves_nothing_running_on_any_host(lan: netns.Lan, tmp_path: Path) -> None:
     # SIGKILL: the launcher passes nothing on. Each agent sees its input end (the pipe ssh would carry) and ends its process.
     log = open(tmp_path / "launch.out", "w")

@@ -153,6 +153,7 @@ def test_advertised_address_is_what_the_coordinator_and_the_other_peer_record_an
 # -- --wait-for ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 7 s of real peers: `make test-slow`; the rendezvous is in the default run in tests/test_sim.py and test_rendezvous.py
 @pytest.mark.timeout(150)
 def test_wait_for_holds_training_until_the_count_is_reached_counting_the_peer_itself(
     procs: Procs, coordinator_factory: Any
