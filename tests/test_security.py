@@ -11,6 +11,7 @@ a receiver paused with SIGSTOP costs its sender little memory and no steps.
 from __future__ import annotations
 
 import logging
+import json
 import os
 import re
 import shutil
@@ -278,9 +279,9 @@ def test_an_open_swarm_warns_at_start(coordinators: Any, caplog: Any) -> None:
     assert [m.split(" at ")[0] for m in warned] == ["coordinator", "peer"], warned
 
 
-def test_secure_swarm_from_the_command_line(ring: Keyring, procs: Procs) -> None:
-    """The commands SECURITY.md gives, run as a user would."""
-    run = ["--workload", "logreg", "--shards", "2", "--steps", "0", "--seconds", "4",
+def test_secure_swarm_from_the_command_line(ring: Keyring, procs: Procs, capsys: pytest.CaptureFixture[str]) -> None:
+    """The commands SECURITY.md gives, run as a user would; `gossiptrain status` answers allowed keys only."""
+    run = ["--workload", "logreg", "--shards", "2", "--steps", "0", "--seconds", "6",
            "--set", "membership.heartbeat_interval=0.25", "--set", "train.eval_every_seconds=0.3"]
     secure = ["--secure", "--allow", str(ring.allow)]
     coord = procs.start("coordinator", "--bind", f"{next_host()}:0", *secure, "--key", str(ring.keys / "coordinator.key_secret"),
@@ -288,6 +289,17 @@ def test_secure_swarm_from_the_command_line(ring: Keyring, procs: Procs) -> None
     found = procs.wait_for(lambda: re.search(r"listening on tcp://([\d.]+:\d+)\?curve=", coord.output()), 30, "the coordinator")
     join = found.group(1)
     peers = [procs.peer(join, *secure, "--key", str(ring.keys / f"{n}.key_secret"), name=n) for n in ("alice", "bob")]
+
+    def status(key: str) -> tuple[int, str]:
+        rc = main(["status", "--join", join, "--json", "--timeout", "1", *secure, "--key", str(ring.keys / f"{key}.key_secret")])
+        return rc, capsys.readouterr().out
+
+    def both_listed() -> bool:
+        rc, out = status("alice")  # a visitor with an allowed key (not a member id: it may use a member's key)
+        return rc == 0 and sum(m.get("step", 0) > 0 for m in json.loads(out.splitlines()[-1])["members"]) == 2
+
+    procs.wait_for(both_listed, 60, "status to list both secure members training")
+    assert status("mallory")[0] == 1  # its key is not in the allow-list: the handshake is refused, nobody answers
     procs.wait_for(lambda: all(p.records("done") for p in peers) or not all(p.alive() for p in peers), 90, "both peers to finish")
     for p in peers:
         assert p.wait(30) == 0, p.output()
