@@ -19,7 +19,7 @@ from typing import Any, Callable
 from gossiptrain.cli.common import EXIT_FAILED, setup_logging
 from gossiptrain.cli.status import positive_seconds
 from gossiptrain.errors import ConfigError
-from gossiptrain.net.addressing import parse_hostport
+from gossiptrain.net.addressing import parse_listen
 
 
 def add_parser(
@@ -42,8 +42,7 @@ def cmd_dashboard(args: argparse.Namespace, security: Any, ready: Callable[[str]
     from gossiptrain.runtime.dashboard import Dashboard
 
     setup_logging(args.verbose)
-    spec = args.listen if not (args.listen.isascii() and args.listen.isdigit()) else f"127.0.0.1:{args.listen}"
-    host, port = parse_hostport(spec, "--listen")
+    host, port = parse_listen(args.listen, "--listen")
     try:
         dashboard = Dashboard(args.join, host=host, port=port, every=args.every, advertise=args.advertise, security=security)
     except OSError as e:

@@ -164,6 +164,16 @@ def is_key_id(member_id: str) -> bool:
     return _KEY_ID.fullmatch(member_id) is not None
 
 
+def parse_listen(spec: str, flag: str) -> tuple[str, int]:
+    """Where a local service listens (``--prometheus``, ``--listen``): ``PORT`` or ``HOST:PORT`` -> (host, port).
+
+    The host is 127.0.0.1 unless given: nothing is served beyond this machine unless asked for.
+    """
+    if spec.isascii() and spec.isdigit():
+        spec = f"127.0.0.1:{spec}"
+    return parse_hostport(spec, flag)
+
+
 def with_host_if_wildcard(address: str, host: str) -> str:
     """``address`` with ``host`` in place of a wildcard one (0.0.0.0, ::), its port and CURVE key kept.
 

@@ -129,8 +129,11 @@ class StatusAnswerer:
             limits.join_rate_per_source, limits.join_burst, limits.join_sources_tracked, what="status asks",
         )
         self._rate = RecentRate(started)
-        self.answered = 0
-        self.throttled = 0
+
+    @property
+    def throttled(self) -> int:
+        """Asks dropped over their source's rate (the limiter counts them)."""
+        return self._limiter.dropped
 
     def answer(self, source: str, now: float, status: Mapping[str, Any]) -> dict[str, Any] | None:
         """The ``status`` body for an ask from ``source``, or None to drop it (over its rate).
@@ -139,9 +142,7 @@ class StatusAnswerer:
         (``id`` and ``addr`` aside); the rate and the uptime are added here.
         """
         if not self._limiter.allow(source, now):
-            self.throttled += 1
             return None
-        self.answered += 1
         fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in status.items()}  # 4 decimals say enough
         fields["exchanges_per_s"] = round(self._rate.update(now, int(fields.get("exchanges", 0))), 3)
         fields["uptime_s"] = round(max(0.0, now - self.started), 3)

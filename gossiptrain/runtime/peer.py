@@ -22,6 +22,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -45,7 +46,7 @@ from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
 from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.averaging import ParamSpec, mean_staleness
 from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
@@ -471,7 +472,7 @@ class Peer:
         reported = self._reported
         return {
             "phase": self._phase, "step": self._step, "samples": self.samples_seen,
-            "exchanges": stats.completed + stats.served, "staleness_mean": stats.to_dict()["staleness_mean"],
+            "exchanges": stats.completed + stats.served, "staleness_mean": mean_staleness(Counter(dict(stats.staleness))),
             "rtt_ms": stats.rtt_ms, "idle_s": 0.0 if last is None else round(max(0.0, self._clock.now() - last), 3),
             **{k: v for k, v in reported.items() if v == v and abs(v) != float("inf")},  # finite only
         }

@@ -359,9 +359,11 @@ class PeerNode(JoinAnsweringEndpoint):
             "bytes_received": stats.bytes_received, "partners": tuple(self.partners(self.step)),
         }
         body = self.status_answerer.answer(join_source(self.transport.source_of(frames), msg.addr), now, status)
-        self.stats.status_answered, self.stats.status_throttled = self.status_answerer.answered, self.status_answerer.throttled
-        if body is not None:
-            self.send(msg.addr, kinds.STATUS, body)
+        if body is None:
+            self.stats.status_throttled += 1
+            return
+        self.stats.status_answered += 1
+        self.send(msg.addr, kinds.STATUS, body)
 
     def on_finish(self, event: finish.Event) -> None:
         """Feed the end-of-run machine (a message's event, or a local stop or announce) and send what it says."""

@@ -21,7 +21,7 @@ import math
 from typing import Any, Callable, Iterable, Iterator
 
 from gossiptrain.errors import ConfigError
-from gossiptrain.net.addressing import parse_hostport
+from gossiptrain.net.addressing import parse_listen as listen_at
 from gossiptrain.protocol.staleness import bucket_bounds
 
 #: record field -> (metric name, help); totals since the peer started.
@@ -50,10 +50,8 @@ GAUGES: dict[str, tuple[str, str]] = {
 
 
 def parse_listen(spec: str, flag: str = "--prometheus") -> tuple[str, int]:
-    """``PORT`` or ``HOST:PORT`` -> (host, port); host 127.0.0.1 unless given. ConfigError naming ``flag``."""
-    if spec.isascii() and spec.isdigit():
-        spec = f"127.0.0.1:{spec}"
-    return parse_hostport(spec, flag)
+    """``PORT`` or ``HOST:PORT`` -> (host, port), host 127.0.0.1 unless given (``net.addressing.parse_listen``)."""
+    return listen_at(spec, flag)
 
 
 def check_available(flag: str = "--prometheus") -> None:
@@ -167,37 +165,33 @@ def coordinator_families(stats: Callable[[], dict[str, Any]], members: Callable[
 
 def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
     """Buckets as peers count them ("0", "1", "2-3", "4-7", ...) as a cumulative Prometheus histogram (le = upper end)."""
-    from prometheus_client.core import HistogramMetricFamily
-
-    uppers = sorted((bucket_bounds(k)[1], v) for k, v in hist.items() if isinstance(v, int))
-    buckets, running = [], 0
-    for upper, count in uppers:
-        running += count
-        buckets.append((str(upper), running))
-    buckets.append(("+Inf", running))
-    family = HistogramMetricFamily("gossiptrain_staleness_steps", "staleness of merged updates, in steps", labels=labels)
-    family.add_metric(values, buckets, sum_value=None)
-    return family
+    counts = [(float(bucket_bounds(k)[1]), v) for k, v in hist.items() if isinstance(v, int)]
+    return _histogram("gossiptrain_staleness_steps", "staleness of merged updates, in steps", counts, labels, values)
 
 
 def _round_trips(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
     """Round trips as peers count them (upper bound in seconds -> count; "inf" past the last) as a Prometheus histogram."""
-    from prometheus_client.core import HistogramMetricFamily
-
-    counts: dict[float, int] = {}
+    counts = []
     for key, n in hist.items():
         try:
-            counts[float(key)] = counts.get(float(key), 0) + int(n)
+            counts.append((float(key), int(n)))
         except (TypeError, ValueError):
             continue
+    return _histogram("gossiptrain_exchange_round_trip_seconds",
+                      "exchange round trips: request to reply, or push to receipt", counts, labels, values)
+
+
+def _histogram(name: str, text: str, counts: list[tuple[float, int]], labels: list[str], values: list[str]) -> Any:
+    """(upper bound, count) pairs, in any order, an infinite bound past the last, as one cumulative histogram."""
+    from prometheus_client.core import HistogramMetricFamily
+
     buckets, running = [], 0
-    for upper in sorted(b for b in counts if math.isfinite(b)):
-        running += counts[upper]
-        buckets.append((f"{upper:g}", running))
-    buckets.append(("+Inf", running + counts.get(math.inf, 0)))
-    family = HistogramMetricFamily(
-        "gossiptrain_exchange_round_trip_seconds", "exchange round trips: request to reply, or push to receipt", labels=labels
-    )
+    for upper, count in sorted(counts):
+        running += count
+        if math.isfinite(upper):
+            buckets.append((f"{upper:g}", running))
+    buckets.append(("+Inf", running))
+    family = HistogramMetricFamily(name, text, labels=labels)
     family.add_metric(values, buckets, sum_value=None)
     return family
 
