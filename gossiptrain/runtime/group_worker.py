@@ -49,7 +49,8 @@ class GroupWorker(Peer):
         self._follow()
 
     def _follow(self) -> None:
-        self._control = control_dict(self._group.sync(self.model) if self._group is not None else [])
+        assert self._group is not None
+        self._control = control_dict(self._group.sync(self.model))
         self._step = int(self._control.get("steps", self._step))
 
     # -- what a loop calls --------------------------------------------------------------------------

@@ -253,7 +253,7 @@ class Peer:
     def _sync_group(self) -> None:
         """Our parameters and buffers, and the swarm's news, to the other workers of this peer (``PeerGroup.sync``)."""
         assert self._group is not None
-        self._group.sync(self.model, (0.0, float(self.finish_requested), float(self.members), float(self._step)))
+        self._group.sync(self.model, (float(self.finish_requested), float(self.members), float(self._step)))
 
     def agree(self, flag: bool) -> bool:
         """This peer's decision, e.g. to go on training: ``flag`` here, and on every worker of a group (rank 0's)."""

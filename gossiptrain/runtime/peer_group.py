@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from gossiptrain.errors import GossipError
 
-CONTROL_FIELDS = ("flag", "finish_requested", "members", "steps")
+CONTROL_FIELDS = ("finish_requested", "members", "steps")  # what the leader tells the workers at each sync
 
 
 class PeerGroup:
@@ -54,6 +54,7 @@ class PeerGroup:
         self.leader_rank = dist.get_global_rank(group, 0)  # broadcasts name the source by its global rank
         self.leader = self.rank == 0
         self._control = torch.zeros(len(CONTROL_FIELDS), dtype=torch.float64)
+        self._flag = torch.zeros(1, dtype=torch.uint8)
         self._views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []  # (flat, views, tensors)
         self._model: torch.nn.Module | None = None
 
@@ -76,11 +77,9 @@ class PeerGroup:
 
     def agree(self, flag: bool) -> bool:
         """The leader's ``flag`` on every rank (whether to go on training, say)."""
-        control = self._control
-        control.zero_()
-        control[0] = float(flag)
-        dist.broadcast(control, self.leader_rank, group=self.group)
-        return bool(control[0])
+        self._flag.fill_(int(flag))
+        dist.broadcast(self._flag, self.leader_rank, group=self.group)
+        return bool(self._flag)
 
     def sync(self, model: torch.nn.Module, control: Sequence[float] = ()) -> list[float]:
         """The leader's parameters and buffers into every rank's ``model``, and the leader's ``control`` numbers."""
