@@ -339,6 +339,7 @@ def sshd(tmp_path: Path) -> Iterator[str]:
         daemon.wait(10)
 
 
+@pytest.mark.slow  # the same launch path runs in the default run across namespaces (test_launch_netns.py); 8 s
 def test_over_real_ssh_a_peer_trains_and_a_killed_launcher_leaves_nothing_running(sshd: str, tmp_path: Path) -> None:
     path = hostfile(tmp_path, f"127.0.0.1 slots=0\n{getpass.getuser()}@127.0.0.1\n")
     argv = [sys.executable, "-m", "gossiptrain", "launch", "--hosts", path, "--ssh", sshd, "--remote-command", REMOTE,

@@ -1,13 +1,14 @@
-"""The WAN harness on real network stacks: a NAT router, shaped links, and a peer behind NAT told it is unreachable.
+"""The WAN harness on real network stacks, and peers behind NAT training in a swarm as client-mode members.
 
 The world of these tests (``gossiptrain.testing.netns``): two public hosts
 on a Lan (198.18.0.1, .2) and a home router on it (198.18.0.3) with one host
 behind it (198.19.N.2), masqueraded by ``iptables``. The first tests check
 the harness itself, as properties of the setup (a connection out works and
 arrives from the router's address; nothing gets in; a netem delay shows in a
-round trip; a tbf rate bounds a transfer), the last that a `gossiptrain
-peer` behind the router is told, when it joins a public coordinator, that
-nobody can dial it, and a public one that it is reachable.
+round trip; a tbf rate bounds a transfer); the last runs a swarm of two
+public peers and two behind their own routers (``two_homes``): those behind
+NAT are told nobody can dial them, join as client-mode members, and train
+with the others over connections they open.
 
 Needs root, iproute2 and iptables; delay needs a kernel with netem. Each
 missing piece skips the tests that need it, saying which. Names carry the
@@ -18,17 +19,19 @@ them killed) at teardown, pass or fail.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from gossiptrain.testing import netns
 
+from . import zygote
 from .swarm import ROOT, wait_for
 
 # A TCP server for one test: it tells each client the address it came from, then reads until the client is done.
@@ -66,7 +69,8 @@ PORT = 9000
 class World:
     lan: netns.Lan
     nat: netns.NatRouter
-    started: list[subprocess.Popen[str]]  # killed, and their pipes closed, at teardown
+    started: list[subprocess.Popen[str] | zygote.ForkedProcess]  # killed, and their pipes closed, at teardown
+    homes: list[netns.NatRouter] = field(default_factory=list)  # every router, one host behind each (nat: the first)
 
     @property
     def behind(self) -> netns.Namespace:
@@ -90,18 +94,26 @@ def entered(stack: contextlib.ExitStack, network: netns.Lan | netns.NatRouter) -
         raise
 
 
-@pytest.fixture
-def world() -> Iterator[World]:
+@contextlib.contextmanager
+def nat_world(public: int, homes: int, prefix: str) -> Iterator[World]:
+    """``public`` hosts on a Lan and ``homes`` routers on it, one host behind each; all gone on the way out."""
     if (why := netns.why_not("iptables", need="network namespaces and a NAT router")) is not None:
         pytest.skip(f"the NAT harness {why}")
     with contextlib.ExitStack() as stack:
-        lan = netns.Lan(2, prefix="gt-wan")
+        lan = netns.Lan(public, prefix=prefix)
         entered(stack, lan)
-        nat = netns.NatRouter(lan)
-        entered(stack, nat)
-        world = World(lan, nat, [])
+        routers = [netns.NatRouter(lan) for _ in range(homes)]
+        for router in routers:
+            entered(stack, router)
+        world = World(lan, routers[0], [], routers)
         stack.callback(world.close)  # first, while the namespaces still exist
         yield world
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    with nat_world(2, 1, "gt-wan") as w:
+        yield w
 
 
 def serve(world: World, ns: netns.Namespace, host: str, port: int = PORT) -> None:
@@ -170,42 +182,78 @@ def test_link_shapes_say_what_they_ask_of_tc() -> None:
         netns.LinkShape(jitter="5ms")
 
 
-# -- reachability, measured: gossiptrain.protocol.reachability ----------------------------------------------
+# -- peers behind NAT: gossiptrain.protocol.reachability, client-mode members ---------------------------------
 
 
 def gossiptrain(world: World, ns: netns.Namespace, log: Path, *args: str) -> None:
-    """`gossiptrain ARGS` inside ``ns``, its output to ``log``."""
+    """`gossiptrain ARGS` inside ``ns``, its output to ``log``: forked from the test fork server, which imported
+    torch once (tests/zygote.py), and moved into the namespace as `ip netns exec` would."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
+    if zygote.enabled():
+        log.touch()
+        world.started.append(zygote.ForkedProcess("gossiptrain", list(args), log, env, ROOT, netns=ns.name))
+        return
     with open(log, "w") as out:
-        world.started.append(ns.popen(
-            [sys.executable, "-m", "gossiptrain", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"},
-        ))
+        world.started.append(ns.popen([sys.executable, "-m", "gossiptrain", *args], stdout=out, stderr=subprocess.STDOUT,
+                                      cwd=ROOT, env=env))
 
 
-@pytest.mark.timeout(120)
-def test_a_peer_behind_nat_is_told_nobody_can_dial_it_and_a_public_peer_that_it_is_reachable(
-    world: World, tmp_path: Path
+@pytest.fixture
+def two_homes() -> Iterator[World]:
+    """Three public hosts (a coordinator and two peers) and two home routers, one host behind each."""
+    with nat_world(3, 2, "gt-home") as w:
+        yield w
+
+
+@pytest.mark.timeout(180)
+def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connections_they_open(
+    two_homes: World, tmp_path: Path
 ) -> None:
-    head, public = world.lan.hosts
-    gossiptrain(world, head, tmp_path / "coordinator.log", "coordinator", "--bind", f"{world.lan.addresses[0]}:{PORT}",
-                              "--workload", "digits-small", "--shards", "2", "--seconds", "60")
+    """The issue's swarm: a coordinator and 2 peers on public hosts, 2 peers each behind its own NAT router,
+    label-skewed shards. The two behind NAT find out they cannot be dialled and join as client-mode members;
+    every member's view holds all 4 (the clients each other's too, verified through public members), nobody is
+    declared dead, and the swarm learns. Everything a client receives comes back over connections it opened
+    (counted by its transport), and the public peers send to the clients over those routes."""
+    world = two_homes
+    coordinator, *public = world.lan.hosts
+    behind = [home.hosts[0] for home in world.homes]
+    run = ["--workload", "digits-small", "--shards", "4", "--partition", "classes-per-peer", "--partition-classes", "3",
+           "--seconds", "8"]
+    gossiptrain(world, coordinator, tmp_path / "coordinator.log", "coordinator", "--bind",
+                f"{world.lan.addresses[0]}:{PORT}", *run)
     join = f"{world.lan.addresses[0]}:{PORT}"
     wait_for(lambda: "join with:" in (tmp_path / "coordinator.log").read_text(), 60, "the coordinator to listen",
              state=lambda: (tmp_path / "coordinator.log").read_text()[-2000:])
-    gossiptrain(world, public, tmp_path / "public.log", "peer", "--join", join, "--quiet", "-v")
-    gossiptrain(world, world.behind, tmp_path / "behind.log", "peer", "--join", join, "--quiet", "-v")
-    logs = {name: tmp_path / f"{name}.log" for name in ("public", "behind")}
+    names = ["public0", "public1", "home0", "home1"]
+    for name, ns in zip(names, [*public, *behind]):
+        gossiptrain(world, ns, tmp_path / f"{name}.log", "peer", "--join", join, "--quiet", "-v", "--wait-for", "4",
+                    "--metrics", str(tmp_path / f"{name}.jsonl"))
+    procs = world.started[1:]
+    state = lambda: "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-1500:]}" for n in names)  # noqa: E731
+    wait_for(lambda: all(p.poll() is not None for p in procs), 150, "the four peers to finish", state=state)
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], state()
 
-    def said(name: str, text: str) -> bool:
-        return text in logs[name].read_text()
+    def records(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if line.strip()]
 
-    state = lambda: "\n".join(f"--- {n}\n{p.read_text()[-2000:]}" for n, p in logs.items())  # noqa: E731
-    behind = f"tcp://{world.nat.addresses[0]}:"
-    wait_for(lambda: said("behind", "is not reachable from the member that answered its join"), 60,
-             "the peer behind NAT to be told it is not reachable", state=state)
-    wait_for(lambda: said("public", "is reachable"), 60, "the public peer to be told it is reachable", state=state)
-    lines = [line for line in logs["behind"].read_text().splitlines() if "is not reachable" in line]
-    assert len(lines) == 1, lines  # one line, naming it, its address, who dialled it, and what to do
-    assert behind in lines[0] and f"tcp://{join} dialled it back" in lines[0] and "set --advertise" in lines[0], lines[0]
-    assert f"at tcp://{world.lan.addresses[1]}:" in logs["public"].read_text()
-    assert not said("public", "is not reachable")
+    done = {n: next(r for r in records(n) if r.get("event") == "done") for n in names}
+    for n in names[2:]:
+        assert done[n]["address"].endswith("/client"), done[n]["address"]
+        # One line, naming it, its address, who dialled it, what follows and what to do.
+        lines = [line for line in (tmp_path / f"{n}.log").read_text().splitlines() if "is not reachable" in line]
+        assert len(lines) == 1, lines
+        assert f"at tcp://{world.homes[names.index(n) - 2].addresses[0]}:" in lines[0], lines[0]
+        assert f"tcp://{join} dialled it back" in lines[0] and "it trains as a client-mode member" in lines[0], lines[0]
+        assert "set --advertise" in lines[0], lines[0]
+        # Probes, exchange requests and replies, gossip: all of it came over connections the client opened.
+        assert done[n]["messages_received"] == done[n]["received_over_own"] > 0, done[n]
+    for n in names[:2]:
+        assert not done[n]["address"].endswith("/client") and done[n]["sent_over_routes"] > 0, done[n]
+        assert "is reachable" in (tmp_path / f"{n}.log").read_text() and "is not reachable" not in (tmp_path / f"{n}.log").read_text()
+    for n in names:
+        evals = [r for r in records(n) if r.get("event") == "eval"]
+        assert evals and all(r["members"] == 4 for r in evals), (n, [r["members"] for r in evals])
+        assert done[n]["members_dead"] == 0 and done[n]["exchanges"] > 0, done[n]
+        assert done[n]["final_all_done"], done[n]  # the clients heard of each other's end through the public peers
+    mean = sum(done[n]["test_acc"] for n in names) / 4
+    assert mean >= 0.8, {n: done[n]["test_acc"] for n in names}

@@ -67,8 +67,9 @@ def test_yes_and_no_take_the_users_word_without_a_probe() -> None:
 def test_the_line_says_who_dialled_what_follows_and_what_to_do() -> None:
     line = Verdict(False, "tcp://10.0.0.5:4242", "measured", "tcp://198.18.0.1:7070", 2.0).line("p1")
     assert line.startswith("peer p1 at tcp://10.0.0.5:4242 is not reachable from the member that answered its join "
-                           "(tcp://198.18.0.1:7070 dialled it back and nothing arrived within 2 s): others cannot start")
-    assert "set --advertise to an address they can reach" in line and "\n" not in line
+                           "(tcp://198.18.0.1:7070 dialled it back and nothing arrived within 2 s): it trains as a "
+                           "client-mode member (its address now ends in /client)")
+    assert "set --advertise to an address others can dial" in line and "\n" not in line
     assert "(--reachable no)" in Verdict(False, "tcp://10.0.0.5:4242", "--reachable no").line("p1")
     assert Verdict(True, "tcp://a:1", "measured", "tcp://b:2").line("p1") == "peer p1 at tcp://a:1 is reachable: tcp://b:2 dialled it back"
 

@@ -10,6 +10,7 @@ a receiver paused with SIGSTOP costs its sender little memory and no steps.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import json
 import os
@@ -32,7 +33,7 @@ from gossiptrain.cli.main import main
 from gossiptrain.config import Limits, RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, JoinError
 from gossiptrain.net import kinds
-from gossiptrain.net.addressing import key_id, key_id_of, split_curve_address
+from gossiptrain.net.addressing import client_address, key_id, key_id_of, split_curve_address
 from gossiptrain.net.keys import read_keypair, read_public_key
 from gossiptrain.net.transport.tcp import ReceivedFrames, TcpTransport
 from gossiptrain.net.wire import Message, decode, encode
@@ -136,6 +137,35 @@ def test_bad_security_settings_fail_at_start_naming_the_field(
     (ring.keys.parent / "garbled" / "x.key").write_text('curve\n    public-key = "not a key"\n')
     with pytest.raises(ConfigError, match=re.escape(field)):
         TcpTransport(f"tcp://{next_host()}:0", Limits(), security=setup(ring))
+
+
+def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None:
+    """Behind NAT, alice is reached over the connection she opened; bob, allowed too, cannot take her route by
+    naming her client address: a route is learned only from the key in the address (and what goes over it is
+    CURVE-encrypted, as everything in a secure swarm)."""
+
+    async def main() -> None:
+        made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
+        for t in made:
+            await t.start()
+        try:
+            member, alice, bob = made
+            alice_at = client_address(alice.address)
+            assert "/client?curve=" in alice_at
+            alice.become_client(alice_at)
+            bob.become_client(alice_at)  # bob claims alice's client address, over his own key
+            assert bob.send(member.address, [b"i am alice"])
+            assert [bytes(f) for f in await asyncio.wait_for(member.recv(), 5)] == [b"i am alice"]
+            assert not member.can_reach(alice_at), "a route was learned from a key that is not the address's"
+            assert alice.send(member.address, [b"hello"])
+            assert [bytes(f) for f in await asyncio.wait_for(member.recv(), 5)] == [b"hello"]
+            assert member.can_reach(alice_at) and member.send(alice_at, [b"for alice"])
+            assert [bytes(f) for f in await asyncio.wait_for(alice.recv(), 5)] == [b"for alice"]
+        finally:
+            for t in made:
+                await t.close()
+
+    asyncio.run(main())
 
 
 def test_a_join_target_key_outside_the_allow_list_is_refused_before_joining(ring: Keyring) -> None:

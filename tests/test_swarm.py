@@ -55,6 +55,7 @@ def train_three_peers(procs: Procs, coordinator_factory: Any, steps: int, **over
     return [p.records("done")[0] for p in peers]
 
 
+@pytest.mark.slow  # the same command-line path trains 4 peers to 0.95 in the default run (test_cli's demo test); 8 s
 def test_three_peers_train_digits_to_093(procs: Procs, coordinator_factory: Any) -> None:
     done = train_three_peers(procs, coordinator_factory, 500)
     for d in done:

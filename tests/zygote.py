@@ -50,10 +50,26 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def _run_module(module: str, args: list[str], log: str, env: dict[str, str], cwd: str) -> None:
-    """In the forked child: become ``python -m module args`` writing to ``log``."""
+def _enter_netns(name: str) -> None:
+    """Move this (forked, single-threaded) process into the network namespace ``ip netns`` calls ``name``."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def _run_module(module: str, args: list[str], log: str, env: dict[str, str], cwd: str, netns: str | None = None) -> None:
+    """In the forked child: become ``python -m module args`` writing to ``log`` (inside ``netns``, if named)."""
     import runpy
     import sys
+
+    if netns is not None:  # as `ip netns exec NAME`, without an interpreter's start and torch's import
+        _enter_netns(netns)
 
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
@@ -81,10 +97,13 @@ def _run_module(module: str, args: list[str], log: str, env: dict[str, str], cwd
 class ForkedProcess:
     """The part of ``subprocess.Popen`` the tests use, for a process forked from the fork server."""
 
-    def __init__(self, module: str, args: list[str], log: Path, env: Mapping[str, str], cwd: Path) -> None:
+    def __init__(
+        self, module: str, args: list[str], log: Path, env: Mapping[str, str], cwd: Path, netns: str | None = None
+    ) -> None:
         self.args = [module, *args]
+        self.stdout = None  # as a Popen whose output went to a file
         self._process = _forkserver().Process(
-            target=_run_module, args=(module, list(args), str(log), dict(env), str(cwd)), daemon=False
+            target=_run_module, args=(module, list(args), str(log), dict(env), str(cwd), netns), daemon=False
         )
         self._process.start()
         self.pid: int = self._process.pid  # type: ignore[assignment]

@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "to --join)")
     p.add_argument("--reachable", choices=MODES, default=os.environ.get(REACHABLE_ENV) or AUTO,
                    help="whether the others can dial us at the advertised address: auto has the member answering our "
-                   "join dial us back, and prints one line if it cannot; yes and no take your word for it (default: "
+                   "join dial us back; if it cannot, we print one line and train as a client-mode member (behind NAT: "
+                   "every connection opened by us); yes and no take your word for it (default: "
                    f"${REACHABLE_ENV}, else auto)")
     p.add_argument("--metrics", metavar="FILE",
                    help="append metrics as JSON lines to FILE, creating missing directories (default: none)")

@@ -79,6 +79,9 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
     p.add_argument("--rogue", metavar="PEERS[:SCALE]", default="",
                    help="peers (comma-separated indexes) that send valid parameters scaled by SCALE (default 100)")
+    p.add_argument("--behind-nat", metavar="PEERS", default="",
+                   help="peers (comma-separated indexes) nobody can dial: they train as client-mode members, reached "
+                        "only over connections they open (as behind NAT)")
     p.add_argument("--system", choices=["gossip", "ddp", "ps-sync", "ps-async"], default="gossip",
                    help="what to simulate on the same compute and links: the swarm (default), DDP with a ring "
                         "all-reduce, or a parameter server, synchronous or asynchronous")
@@ -113,7 +116,12 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         rogue_scale = float(scale or 100.0)
     except ValueError:
         raise ConfigError(f"--rogue {args.rogue!r} must look like PEERS[:SCALE], e.g. 0,3:100") from None
+    try:
+        behind_nat = tuple(int(i) for i in args.behind_nat.split(",") if i.strip())
+    except ValueError:
+        raise ConfigError(f"--behind-nat {args.behind_nat!r} must be peer indexes, e.g. 0,3") from None
     return SimConfig(
+        behind_nat=behind_nat,
         rogue=rogue,
         rogue_scale=rogue_scale,
         peers=args.peers,

@@ -3,7 +3,8 @@
 A secure member's address carries its CURVE public key
 (``tcp://host:port?curve=<64 hex digits>``), so whoever dials it can
 authenticate the answer; people read addresses without the key
-(``plain_address``).
+(``plain_address``). A client-mode member's (one nobody can dial) ends its
+URL in ``/client``: ``tcp://host:port/client``, with the key after it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ import socket
 from zmq.utils import z85
 
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.address_forms import (  # noqa: F401  (re-exported: the string forms, in their own module)
+    CLIENT_PATH,
+    CURVE_QUERY,
+    client_address,
+    is_client_address,
+    plain_address,
+)
 
-#: A secure member's address ends in this, then its CURVE public key in hex.
-CURVE_QUERY = "?curve="
 _CURVE_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -189,8 +195,3 @@ def with_host_if_wildcard(address: str, host: str) -> str:
     if not is_wildcard(bound):
         return address
     return tcp_url(host, port) + sep + key
-
-
-def plain_address(address: str) -> str:
-    """An address without its CURVE key, for messages people read."""
-    return address.partition(CURVE_QUERY)[0]

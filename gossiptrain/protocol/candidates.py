@@ -47,6 +47,7 @@ class Candidate:
     deadline: float = 0.0  # our probe's answer is due by then
     attempts: int = 0  # probes sent
     wants_view: bool = False  # it asked for our full view (a sync): sent once it is verified
+    via: str = ""  # the member asked to probe it for us (a client we cannot reach ourselves); "": probed directly
 
 
 @dataclass
@@ -119,9 +120,10 @@ class Candidates:
         self._by_seq[seq] = c.claim.id
 
     def answered(self, seq: int, sender: str) -> Candidate | None:
-        """The candidate that ``seq`` probed, if the ack is its own (then it leaves the table); else None."""
+        """The candidate that ``seq`` probed, if the ack is its own or relayed by the member we asked (then it
+        leaves the table); else None."""
         mid = self._by_seq.get(seq)
-        if mid is None or mid != sender:
+        if mid is None or (mid != sender and (not sender or self._by_id[mid].via != sender)):
             return None
         c = self._remove(mid)
         self._charge(c.introducer, -1)

@@ -29,10 +29,15 @@ Messages (bodies checked; nothing but small msgpack values):
   flood: every live member hears it within a hop or two); the coordinator
   relays it to the members it knows. A sender outside the view (the tool)
   gets a ``roster`` back as its acknowledgement.
-- ``fin`` {phase, writer}: the sender is ``done`` (its final phase began;
-  ``writer``: it will write the merged model) or has ``written`` it.
-  Sent to every member of the view, and again every heartbeat interval of
-  the final phase, so that a lost message costs one interval.
+- ``fin`` {phase, writer, done}: the sender is ``done`` (its final phase
+  began; ``writer``: it will write the merged model) or has ``written`` it;
+  ``done`` (optional): other members it knows to be done. Sent to every
+  member of the view, and again every heartbeat interval of the final
+  phase, so that a lost message costs one interval. Two client-mode
+  members (behind NAT) cannot send each other anything: a done member that
+  hears a member is done passes that on to the clients it knows (done or
+  not: a done one waits for the rest), and every ``fin`` carries the
+  sender's done list.
 
 ``FinishEndpoint`` keeps this state for a ``PeerNode`` (or the coordinator)
 on the network thread; the training thread only reads it. It is sans-IO,
@@ -51,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.net.kinds import FIN, ROSTER, STOP
 from gossiptrain.protocol.admission import JoinLimiter
 from gossiptrain.protocol.membership import ALIVE, SUSPECT, Member
@@ -63,6 +69,8 @@ _ID_LIMIT = 1 << 63
 _REASON_CHARS = 200
 _REMEMBERED = 4096  # stop ids and member notices kept (bounded state)
 _ROSTER_ENTRY_BYTES = 128  # a generous bound on one member's entry in a roster, for the header limit
+_DONE_LISTED = 256  # other members a fin names as done, at most (a client needs those it cannot hear from)
+_MAX_ID = 64  # as membership's member ids
 
 
 def new_stop_id(rng: random.Random | None = None) -> int:
@@ -212,7 +220,7 @@ class FinishEndpoint:
             if isinstance(event, StopNotice):
                 self._on_stop(event, out)
             else:
-                self._on_fin(event)
+                self._on_fin(event, out)
         elif isinstance(event, RequestStop):
             self._request_stop(event.reason, event.origin, event.stop_id, event.came_from, out)
         elif isinstance(event, Announce):
@@ -233,12 +241,30 @@ class FinishEndpoint:
             out.append(Send(event.addr, ROSTER, roster_body(self.config, members, True)))
         self._request_stop(reason[:_REASON_CHARS], event.sender or event.addr, sid, event.sender, out)
 
-    def _on_fin(self, event: FinNotice) -> None:
-        phase, writer = event.body.get("phase"), event.body.get("writer")
+    def _on_fin(self, event: FinNotice, out: list[Action]) -> None:
+        phase, writer, listed = event.body.get("phase"), event.body.get("writer"), event.body.get("done", [])
         if phase not in (DONE, WRITTEN) or type(writer) is not bool or not event.sender:
             raise ProtocolError("fin needs phase done or written and a bool writer")
+        if not isinstance(listed, list) or len(listed) > _DONE_LISTED or not all(
+            type(i) is str and 0 < len(i) <= _MAX_ID for i in listed
+        ):
+            raise ProtocolError(f"a fin's done lists at most {_DONE_LISTED} member ids")
         self.stats.notices_received += 1
+        news = [] if event.sender in self.done else [event.sender]
         self._note(event.sender, phase, writer)
+        for member in listed:
+            if member not in self.done and member != self.me:
+                news.append(member)
+                self._note(member, DONE, False)
+        if news and self.me in self.done:
+            # Clients that cannot hear it from those (behind NAT, as they may be) hear it from us.
+            self._pass_on(news, skip=event.sender, out=out)
+
+    def _pass_on(self, news: list[str], skip: str, out: list[Action]) -> None:
+        body = {"phase": DONE, "writer": self.done[self.me], "done": news[:_DONE_LISTED]}
+        for m in self._members():  # done ones too: they wait for everyone else to be done
+            if m.state == ALIVE and m.id != skip and m.id not in news and is_client_address(m.addr):
+                out.append(Send(m.addr, FIN, body))
 
     def _note(self, member: str, phase: str, writer: bool) -> None:
         self.done[member] = self.done.get(member, False) or writer
@@ -276,7 +302,9 @@ class FinishEndpoint:
         """
         self._note(self.me, phase, writer)
         targets = [m for m in self._members() if m.state == ALIVE and m.id != self.me and (everyone or m.id not in self.done)]
+        others = [m for m in self.done if m != self.me][-_DONE_LISTED:]
+        body: dict[str, Any] = {"phase": phase, "writer": writer, **({"done": others} if others else {})}
         for m in targets:
-            out.append(Send(m.addr, FIN, {"phase": phase, "writer": writer}))
+            out.append(Send(m.addr, FIN, body))
             if self.stop is not None:  # the stop again, for members that joined since or missed it
                 out.append(Send(m.addr, STOP, {"id": self.stop.id, "reason": self.stop.reason}))

@@ -151,6 +151,10 @@ class Member:
         return cls(mid, addr, shard, inc, state, by)
 
 
+def _anyone(address: str) -> bool:
+    return True
+
+
 def members_from_wire(raw: Any, limit: int) -> list[Member]:
     if not isinstance(raw, list):
         raise ProtocolError("members must be a list")
@@ -336,6 +340,7 @@ class Membership:
         candidates: int = 128,
         nonces: random.Random | None = None,
         id_of: Callable[[str], str | None] | None = None,
+        can_reach: Callable[[str], bool] | None = None,
     ) -> None:
         """``candidates``: members heard of but not verified yet that we hold at once (``limits.candidates``).
 
@@ -346,6 +351,12 @@ class Membership:
 
         ``id_of`` (a secure swarm): the member id an address entitles its
         holder to; a claim of any other id at that address is refused.
+
+        ``can_reach``: whether a message to an address can leave now (the
+        transport's ``can_reach``). A client-mode member (behind NAT) can be
+        reached only by members it has sent to; the others neither probe it
+        nor ask it to probe, so it is never suspected for what nobody could
+        send it, and its liveness is judged by those it talks to.
         """
         self.me = me
         self.config = config
@@ -353,6 +364,7 @@ class Membership:
         self._rng = rng
         self._nonces = nonces or rng
         self._id_of = id_of
+        self._can_reach = can_reach or _anyone
         self._records: dict[str, _Record] = {}
         self._by_addr: dict[str, dict[str, None]] = {}  # address -> ids seen there (ordered: runs repeat); see _at_addr
         self._version = 0  # one more at every change of _records (see _index), for alive()'s cache
@@ -555,7 +567,7 @@ class Membership:
             # Swarms start together: the first views swapped are partial, so swap again soon, then less often.
             self._sync_gap = min(2 * self._sync_gap, self.config.sync_interval)
             self._next_sync = now + self._sync_gap
-            others = [m for m in self.alive() if m.id != self.me.id]
+            others = [m for m in self.alive() if m.id != self.me.id and self._can_reach(m.addr)]
             if others:
                 peer = self._rng.choice(others)
                 actions.append(Send(peer.addr, SYNC, self._digest(peer.id)))
@@ -583,7 +595,8 @@ class Membership:
         for _ in range(2):  # what is left of this round, then a fresh one
             while self._probe_order:
                 m = self.get(self._probe_order.pop())
-                if m is not None and m.state in (ALIVE, SUSPECT) and m.id != self.me.id and m.incarnation > 0:
+                if m is not None and m.state in (ALIVE, SUSPECT) and m.id != self.me.id and m.incarnation > 0 \
+                        and self._can_reach(m.addr):
                     return m
             self._probe_order = [m.id for m in self.alive() if m.id != self.me.id and m.incarnation > 0]
             self._rng.shuffle(self._probe_order)
@@ -592,7 +605,9 @@ class Membership:
     def _ask_others(self, p: _Probe, now: float, actions: list[Action]) -> None:
         p.indirect_sent = True
         target = self.get(p.target)
-        helpers = [m for m in self.alive() if m.id not in (self.me.id, p.target) and m.state == ALIVE]
+        helpers = [
+            m for m in self.alive() if m.id not in (self.me.id, p.target) and m.state == ALIVE and self._can_reach(m.addr)
+        ]
         if target is None or not helpers:
             return
         self.stats.indirect_probes += 1
@@ -950,16 +965,49 @@ class Membership:
             actions.append(Send(addr, ACK, self._piggyback(ack.sender), seq=ack.challenge))
 
     def _probe_candidate(self, c: Candidate, now: float, actions: list[Action]) -> None:
+        """Probe ``c`` at the address it claims; a client we cannot reach, through a member that may (ping-req).
+
+        A client-mode member (behind NAT) is reached only over connections
+        it opened, and it never opens one to another client: two clients
+        verify each other through a reachable member, the introducer first,
+        then others at random, as SWIM's indirect probes do.
+        """
+        direct = self._can_reach(c.claim.addr)
+        relay = None if direct else self._relay_for(c)
+        if not direct and relay is None:
+            if c.seq:  # asked before, nobody to ask now: forget it (gossip brings it back); else it waits
+                self.candidates.drop(c.claim.id)
+            return
         self._candidate_budget -= 1
         seq = self._nonce()
         self.candidates.probing(c, seq, now + self.period())
-        actions.append(Send(c.claim.addr, PING, (self.me,), seq=seq))
+        if relay is None:
+            c.via = ""
+            actions.append(Send(c.claim.addr, PING, (self.me,), seq=seq))
+        else:
+            c.via = relay.id
+            actions.append(
+                Send(relay.addr, PING_REQ, self._piggyback(relay.id), seq=seq, target=c.claim.id, target_addr=c.claim.addr)
+            )
+
+    def _relay_for(self, c: Candidate) -> Member | None:
+        """Whom to ask to probe candidate ``c`` for us: its introducer at the first attempt, else anyone we reach."""
+        rec = self._records.get(c.introducer)
+        if c.attempts == 0 and rec is not None and rec.member.state == ALIVE and self._can_reach(rec.member.addr):
+            return rec.member
+        helpers = [
+            m for m in self.alive()
+            if m.id not in (self.me.id, c.claim.id) and m.state == ALIVE and m.incarnation > 0 and self._can_reach(m.addr)
+        ]
+        return self._rng.choice(helpers) if helpers else None
 
     def _expire_candidates(self, now: float, actions: list[Action]) -> None:
         for c in self.candidates:
             if c.seq and now >= c.deadline:
                 if c.attempts < _CANDIDATE_ATTEMPTS and self._candidate_budget > 0:
                     self._probe_candidate(c, now, actions)  # a lost probe, or a newcomer still starting: once more
+                elif c.attempts >= _CANDIDATE_ATTEMPTS and c.via:
+                    self.candidates.drop(c.claim.id)  # the members asked could not reach it: nobody lied, tried later
                 elif c.attempts >= _CANDIDATE_ATTEMPTS:
                     self.candidates.unanswered(c, now)
             elif c.claim.incarnation == 0 and now - c.heard_at >= self.config.newcomer_grace:

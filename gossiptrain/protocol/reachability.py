@@ -16,8 +16,10 @@ learns why nobody will start an exchange with it: its probe never comes.
 
 ``ReachCheck`` is the newcomer's side; ``probe_body`` and ``nonce_of`` the
 two ends of the message. Sans-IO, like the other protocol cores: the caller
-passes the time, sends, and waits. The verdict is the newcomer's own for now;
-recording it in the membership state others gossip is a later step.
+passes the time, sends, and waits. A newcomer found unreachable joins again as
+a client-mode member: its address ends in ``/client``
+(``gossiptrain.net.addressing.client_address``), which is how every member
+learns, with the rest of its membership entry, that it cannot be dialled.
 """
 
 from __future__ import annotations
@@ -91,10 +93,10 @@ class Verdict:
         else:
             why = f"is not reachable ({self.how})"
         return (
-            f"peer {member_id} at {at} {why}: others cannot start exchanges, probes or state transfers with it, "
-            "so it trains alone and they do not keep it as a member; set --advertise to an address they can reach "
-            "(a public address, a forwarded port), or run it on a host that accepts incoming connections "
-            "(peers behind NAT cannot train in a swarm yet)"
+            f"peer {member_id} at {at} {why}: it trains as a client-mode member (its address now ends in /client), opening every "
+            "connection itself; members answer, probe and exchange with it over those, and it averages with "
+            "reachable members only. To be reachable, set --advertise to an address others can dial (a public "
+            "address, a forwarded port)"
         )
 
 

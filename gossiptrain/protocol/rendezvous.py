@@ -12,8 +12,10 @@ Each member keeps the set of members it knows to be ready, itself included
 once it is. The set only grows and merging is a union, so every member's set
 converges whatever the order of messages. A waiting member sends its set to
 up to ``fanout`` members not known to be ready when it arrives and again
-every ``interval`` seconds; a ready member answers a set that lacks it with
-its own. The first member whose set reaches its count tells every live
+every ``interval`` seconds (``alive``: the members it can send to); a ready
+member answers a set that lacks it, or any member it knows to be ready, with
+its own, so that members who cannot reach each other (two behind NAT) learn
+of each other through those who can reach both. The first member whose set reaches its count tells every live
 member at once (``go``), so the others start one message later rather than
 one gossip round later; a member released by a ``go`` does not repeat it.
 A ready member known to have died or left is not counted; one we have not
@@ -109,7 +111,9 @@ class Rendezvous:
             self.ready.add(i)
         out: list[SendReady] = []
         broadcast = self._waiting() and self._reached() and not go  # our go below reaches the sender too
-        if self.arrived and self.me not in ids and not broadcast:
+        # Answered when it lacks us, or anyone we know ready: members that cannot reach each other (two behind
+        # NAT) learn of each other through those that can reach both.
+        if self.arrived and not broadcast and (self.me not in ids or not self.ready.issubset(ids)):
             out.append(SendReady(sender, self._set()))
         return out + self._progress(now, alive, announce=False, told=go)
 
@@ -155,8 +159,11 @@ class Rendezvous:
     def _ask(self, now: float, alive: Sequence[str]) -> list[SendReady]:
         self._next = now + self.interval
         unknown = [m for m in alive if m not in self.ready]
+        # Every member we can ask is ready and we still wait: those we count on are ones we cannot send to
+        # (behind NAT); whoever we ask answers with what it knows.
+        pool = unknown or [m for m in alive if m != self.me]
         ids = self._set()
-        return [SendReady(m, ids) for m in self._rng.sample(unknown, min(self.fanout, len(unknown)))]
+        return [SendReady(m, ids) for m in self._rng.sample(pool, min(self.fanout, len(pool)))]
 
     def _set(self) -> tuple[str, ...]:
         return tuple(sorted(self.ready))

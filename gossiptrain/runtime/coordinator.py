@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
+from gossiptrain.net.addressing import is_client_address
 from gossiptrain.net.kinds import GOSSIP
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
@@ -92,11 +93,14 @@ class Registry:
 
     def reported(self, now: float) -> list[Member]:
         """The live members that reported themselves and can be dialled: the ones worth handing to a newcomer."""
-        return [m for m in self.alive(now) if m.id in self._reported and m.id not in self._unreachable]
+        return [
+            m for m in self.alive(now)
+            if m.id in self._reported and m.id not in self._unreachable and not is_client_address(m.addr)
+        ]
 
     def dialable(self, now: float) -> list[Member]:
         """The live members, less those that said nobody can dial them: what a probe or an exchange can reach."""
-        return [m for m in self.alive(now) if m.id not in self._unreachable]
+        return [m for m in self.alive(now) if m.id not in self._unreachable and not is_client_address(m.addr)]
 
     def seen_dead(self, member_id: str, now: float, fresh_for: float) -> bool:
         """A member reported dead: forget it unless it was heard from itself within ``fresh_for`` seconds."""

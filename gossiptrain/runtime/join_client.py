@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PROBE_AFTER = 0.25
 #: Seconds between attempts while the target refuses connections (a member still starting up).
 REFUSED_PAUSE = 0.25
-#: Seconds between looks at whether our dial-back probe has come (it arrives on the node's receive loop).
+#: Seconds between looks at whether our dial-back probe has come (read from the transport before the node runs).
 REACH_POLL = 0.02
 
 
@@ -142,13 +142,33 @@ async def join_swarm(
     )
 
 
-async def reach_verdict(check: ReachCheck, address: str, clock: Clock) -> Verdict:
+async def reach_verdict(transport: Transport, check: ReachCheck, address: str, limits: Limits, clock: Clock) -> Verdict:
     """Whether others can dial us at ``address``: once our ``reach`` probe came, or its wait ran out.
 
-    Bounded by the wait ``check.welcomed`` set (``membership.join_timeout``);
-    a reachable newcomer's probe has usually arrived before it gets here
-    (while its model was built), so this returns at once.
+    Read from ``transport`` itself, before this peer's node runs (its
+    address depends on the answer: a peer nobody can dial joins again as a
+    client). Anything else that arrives meanwhile is dropped: we are a
+    placeholder in the answerer's view, which nobody probes or sends
+    exchanges to. Bounded by the wait ``check.welcomed`` set
+    (``membership.join_timeout``); a reachable newcomer's probe has usually
+    arrived while its model was built, so this returns at once.
     """
-    while (verdict := check.verdict(address, clock.now())) is None:
-        await clock.sleep(REACH_POLL)
-    return verdict
+    while True:
+        # What has arrived first (a slow model build may outlast the wait), then the verdict.
+        while len(transport.inbox) and not check.probed:
+            _take_probe(check, await transport.recv(), limits)
+        if (verdict := check.verdict(address, clock.now())) is not None:
+            return verdict
+        try:
+            _take_probe(check, await asyncio.wait_for(transport.recv(), timeout=REACH_POLL), limits)
+        except TimeoutError:
+            pass
+
+
+def _take_probe(check: ReachCheck, frames: list[memoryview], limits: Limits) -> None:
+    try:
+        msg = decode(frames, limits)
+        if msg.kind == REACH:
+            check.on_probe(nonce_of(msg.body))
+    except ProtocolError:
+        pass

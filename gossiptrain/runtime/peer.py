@@ -32,6 +32,7 @@ import torch
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
 from gossiptrain.net.addressing import (
+    client_address,
     curve_address,
     is_wildcard,
     parse_host,
@@ -52,7 +53,7 @@ from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.membership import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
-from gossiptrain.protocol.reachability import AUTO, REACHABLE_ENV, ReachCheck, Verdict
+from gossiptrain.protocol.reachability import AUTO, NO, REACHABLE_ENV, ReachCheck, Verdict
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
@@ -190,29 +191,32 @@ class Peer:
             if security is None:
                 warn_open("peer", self.address)
             module = model if isinstance(model, torch.nn.Module) else None
-            request = JoinRequest(
-                config=config,
-                spec=ParamSpec.of(dict(module.named_parameters())) if module is not None else None,
-                shard=-1 if shard is None else shard,
-                reach=reach.nonce,
-            )
-            welcome = self._loop.run(
-                join_swarm(
-                    self._transport,
-                    join_target,
-                    request,
-                    advertise=self.address,
-                    limits=local.limits,
-                    clock=clock,
-                    attempts=join_attempts or local.membership.join_attempts,
-                    attempt_timeout=local.membership.join_timeout,
-                    rng=self._rng,
-                    reach=reach,
+            spec = ParamSpec.of(dict(module.named_parameters())) if module is not None else None
+            if reach.mode == NO:  # the caller knows nobody can dial us: a client from the start
+                self._become_client()
+
+            def join_once(check: ReachCheck | None, shard: int) -> Welcome:
+                request = JoinRequest(config=config, spec=spec, shard=shard, reach=check.nonce if check else None)
+                welcome = self._loop.run(
+                    join_swarm(
+                        self._transport,
+                        join_target,
+                        request,
+                        advertise=self.address,
+                        limits=local.limits,
+                        clock=clock,
+                        attempts=join_attempts or local.membership.join_attempts,
+                        attempt_timeout=local.membership.join_timeout,
+                        rng=self._rng,
+                        reach=check,
+                    )
                 )
-            )
-            if welcome.coordinator and welcome.answered_by == welcome.coordinator:  # we dialled the coordinator itself
-                dialled = with_host_if_wildcard(welcome.coordinator, join_host)
-                welcome = replace(welcome, coordinator=dialled, answered_by=dialled)
+                if welcome.coordinator and welcome.answered_by == welcome.coordinator:  # we dialled the coordinator itself
+                    dialled = with_host_if_wildcard(welcome.coordinator, join_host)
+                    welcome = replace(welcome, coordinator=dialled, answered_by=dialled)
+                return welcome
+
+            welcome = join_once(reach, -1 if shard is None else shard)
             reach.welcomed(plain_address(welcome.answered_by), clock.now(), local.membership.join_timeout)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
                 self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
@@ -220,15 +224,16 @@ class Peer:
             except Exception:
                 self._withdraw(welcome)
                 raise
-            self._attach(welcome, reach)
             wait = local.membership.join_timeout + 10  # it bounds itself; this only guards a bug
-            self.reachability = self._loop.run(reach_verdict(reach, plain_address(self.address), clock), timeout=wait)
-            if self.reachability.reachable:
-                log.info("%s", self.reachability.line(self.id))
-            else:
-                log.warning("%s", self.reachability.line(self.id))
-                assert self._node is not None
-                self._node.reachable = False  # our reports say so: the coordinator hands us to no newcomer
+            self.reachability = self._loop.run(
+                reach_verdict(self._transport, reach, plain_address(self.address), local.limits, clock), timeout=wait
+            )
+            if not self.reachability.reachable and reach.mode == AUTO:  # measured: join again, as the client we are
+                self._withdraw(welcome)
+                self._become_client()
+                welcome = join_once(None, welcome.shard)  # the shard our model was built for
+            log.log(logging.INFO if self.reachability.reachable else logging.WARNING, "%s", self.reachability.line(welcome.member_id))
+            self._attach(welcome)
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:
@@ -259,7 +264,7 @@ class Peer:
         """This peer's decision, e.g. to go on training: ``flag`` here, and on every worker of a group (rank 0's)."""
         return self._group.agree(flag) if self._group is not None else flag
 
-    def _attach(self, welcome: Welcome, reach: ReachCheck | None = None) -> None:
+    def _attach(self, welcome: Welcome) -> None:
         params = dict(self.model.named_parameters())
         spec = ParamSpec.of(params)
         if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
@@ -285,7 +290,6 @@ class Peer:
                 spec=spec,
                 nonces=random.SystemRandom(),  # probe nonces stay unguessable whatever seed the run was given
             )
-            node.reach = reach  # before it reads: a probe may be waiting in the inbox already
             self._node = node  # closed at teardown, even if it fails to start
             await node.start()
             return node
@@ -303,6 +307,23 @@ class Peer:
         self._momentum = side.momentum
         node.training_status = self._training_status
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+
+    def _become_client(self) -> None:
+        """Nobody can dial us (behind NAT): from now on we are the client-mode member at our address + /client.
+
+        Every message of ours names that address, so whoever we send to
+        answers, probes and exchanges over the connection we opened
+        (``Transport.become_client``); we average with reachable members only.
+        """
+        transport = self._transport
+        assert transport is not None
+        self.address = client_address(self.address)
+        address = self.address
+
+        async def become() -> None:  # on the loop thread, where the transport lives
+            transport.become_client(address)
+
+        self._loop.run(become(), timeout=5)
 
     def _withdraw(self, welcome: Welcome) -> None:
         """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.

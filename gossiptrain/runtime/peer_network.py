@@ -35,7 +35,7 @@ import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.addressing import CURVE_QUERY, key_id
+from gossiptrain.net.addressing import CURVE_QUERY, is_client_address, key_id
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership, push_sum
@@ -59,7 +59,7 @@ from gossiptrain.protocol.membership import (
     Welcomed,
     members_from_wire,
 )
-from gossiptrain.protocol.reachability import ReachCheck, nonce_of
+from gossiptrain.protocol.reachability import nonce_of
 from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
 from gossiptrain.protocol.status import JOINING, StatusAnswerer
 from gossiptrain.runtime.clock import Clock
@@ -124,7 +124,8 @@ class PeerNode(JoinAnsweringEndpoint):
         self.coordinator = coordinator
         secure = CURVE_QUERY in me.addr  # a secure swarm's ids are derived from keys (gossiptrain.net.addressing)
         self.membership = Membership(
-            me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces, id_of=key_id if secure else None
+            me, config.membership, rng, candidates=config.limits.candidates, nonces=nonces, id_of=key_id if secure else None,
+            can_reach=transport.can_reach,
         )
         self.topology = topologies.parse(config.gossip.topology_spec)
         self._fallback = topologies.get("complete")
@@ -151,13 +152,11 @@ class PeerNode(JoinAnsweringEndpoint):
             gone=self._gone,
         )
         self.released = threading.Event()  # the rendezvous's count is reached: the trainer may start (its thread waits)
-        self.reachable = True  # False once our join's check found nobody can dial us (gossiptrain.protocol.reachability)
         # `gossiptrain status`: what the training side last left for it (Peer sets a richer source), read when asked.
         self.status_answerer = StatusAnswerer(config.limits, clock.now())
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
         self.ready_count = 0  # live members known ready, for the trainer thread to read
-        # Our join's dial-back, while we wait for it (gossiptrain.protocol.reachability); None: nobody asked.
-        self.reach: ReachCheck | None = None
+        self._clients_looked_at: tuple[tuple[str, ...] | None, bool] = (None, False)  # (view, it holds a client)
         self.handlers = {
             kinds.JOIN: self._on_join,
             **dict.fromkeys(kinds.MEMBERSHIP, self._on_membership),
@@ -185,7 +184,7 @@ class PeerNode(JoinAnsweringEndpoint):
         return self._view
 
     def partners(self, round: int) -> list[str]:
-        """Our topology neighbours among the alive members at ``round``."""
+        """Our topology neighbours among the alive members at ``round``, those we can send to."""
         view = self._view
         try:
             i = view.index(self.me.id)
@@ -200,7 +199,25 @@ class PeerNode(JoinAnsweringEndpoint):
                 log.warning("topology %s: %s; using the complete graph at %d members", self.topology.spec, e, len(view))
                 self._warned_fallback = True
             chosen = self._fallback.neighbours(len(view), i, round)
-        return [view[j] for j in chosen]
+        # A client-mode member (behind NAT) that has not opened a connection to us yet cannot be sent to; two
+        # clients never can. It reaches us when its own turn comes, or its probes and exchanges open the way.
+        return [view[j] for j in chosen if self._can_reach_id(view[j])]
+
+    def _sendable(self) -> tuple[str, ...]:
+        """The members in our view we can send to now (all of them, unless some are behind NAT).
+
+        Asked at every heartbeat tick: whether the view holds a client at all is looked at once per view.
+        """
+        view = self._view
+        if view is not self._clients_looked_at[0]:
+            self._clients_looked_at = (view, any(is_client_address(self._address_of(m) or "") for m in view))
+        if not self._clients_looked_at[1]:
+            return view
+        return tuple(m for m in view if self._can_reach_id(m))
+
+    def _can_reach_id(self, member_id: str) -> bool:
+        addr = self._address_of(member_id)
+        return addr is None or self.transport.can_reach(addr)
 
     def take_on_network(self, kinds_: frozenset[str], handler: Callable[[averaging.Event], None]) -> None:
         """Hand exchange messages of ``kinds_`` to ``handler`` as they arrive, on this node's thread.
@@ -228,12 +245,12 @@ class PeerNode(JoinAnsweringEndpoint):
     def mark_ready(self) -> None:
         """Our model is final (state downloaded, or none to download): donors may serve it, rendezvous count us."""
         self.state.mark_ready()
-        self._send_ready(self.rendezvous.arrive(self.clock.now(), self._view))
+        self._send_ready(self.rendezvous.arrive(self.clock.now(), self._sendable()))
 
     def wait_for(self, count: int) -> None:
         """Start a rendezvous for ``count`` ready members (us included); ``released`` is set when they are there."""
         self.released.clear()
-        self._send_ready(self.rendezvous.wait(count, self.clock.now(), self._view))
+        self._send_ready(self.rendezvous.wait(count, self.clock.now(), self._sendable()))
 
     async def seeds_verified(self) -> None:
         """Wait until one of the members our welcome named has answered our probe (or none is left to answer).
@@ -280,7 +297,7 @@ class PeerNode(JoinAnsweringEndpoint):
             now = self.clock.now()
             self._apply(self.membership.handle(Tick(), now))
             self.state.tick(now)
-            self._send_ready(self.rendezvous.tick(now, self._view))
+            self._send_ready(self.rendezvous.tick(now, self._sendable()))
             wake = min(self.membership.next_timer(), self.rendezvous.next_timer())
             await self.clock.sleep(max(floor, wake - self.clock.now()))
 
@@ -305,7 +322,7 @@ class PeerNode(JoinAnsweringEndpoint):
             if mid not in self._view and mid not in dead:
                 dead.append(mid)
         body = {"member": self.me.to_wire(), "spec": self.spec.to_wire() if self.spec else None, "dead": dead}
-        if not self.reachable:  # the coordinator then hands us to nobody: their probes would fail (behind NAT)
+        if is_client_address(self.me.addr):  # behind NAT: the coordinator hands us to no newcomer, introduces us to none
             body["unreachable"] = True
         return body
 
@@ -327,14 +344,12 @@ class PeerNode(JoinAnsweringEndpoint):
         self.state.on_message(msg)
 
     def _on_reach(self, msg: Message, frames: Sequence[object]) -> None:
-        nonce = nonce_of(msg.body)
-        if self.reach is not None:
-            self.reach.on_probe(nonce)
+        nonce_of(msg.body)  # our join's dial-back, come after its verdict (join_client.reach_verdict): checked, nothing more
 
     def _on_ready(self, msg: Message, frames: Sequence[object]) -> None:
         ids, go = ready_from_wire(msg.body, self.config.limits.max_container_len)
         self._remember_addr(msg.sender, msg.addr)  # our answer reaches a sender not yet in our view
-        self._send_ready(self.rendezvous.handle(msg.sender, ids, go, self.clock.now(), self._view))
+        self._send_ready(self.rendezvous.handle(msg.sender, ids, go, self.clock.now(), self._sendable()))
 
     def _send_ready(self, actions: list[SendReady]) -> None:
         for a in actions:
@@ -400,7 +415,9 @@ class PeerNode(JoinAnsweringEndpoint):
     # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
 
     def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
-        return self.membership.sample(self.config.membership.sample_size), self.membership.free_shard
+        # Not a client-mode member: a newcomer could not reach it before it happens to send to the newcomer.
+        sample = [m for m in self.membership.sample(self.config.membership.sample_size) if not is_client_address(m.addr)]
+        return sample, self.membership.free_shard
 
     def _coordinator_address(self) -> str:
         return self.coordinator
@@ -444,7 +461,7 @@ class PeerNode(JoinAnsweringEndpoint):
                     self._now(averaging.MemberGone(a.member.id))
         if changed:
             self._view = self.membership.alive_ids()
-            self._send_ready(self.rendezvous.tick(self.clock.now(), self._view))  # a member we counted may be gone
+            self._send_ready(self.rendezvous.tick(self.clock.now(), self._sendable()))  # a member we counted may be gone
             self._send_ready(self.rendezvous.met(met))
 
     def _tell(self, a: MemberUp | MemberDown) -> None:

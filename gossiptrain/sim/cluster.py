@@ -82,6 +82,7 @@ class SimConfig:
     restart_cost: float = 30.0  # synchronous baselines: virtual seconds a crash costs (timeout, restart, reload)
     checkpoint_every: float = 0.0  # ...and they resume from a checkpoint this often (0: after every step)
     allreduce: str = "ring"  # ddp: ring, halving-doubling or best (gossiptrain.sim.collectives)
+    behind_nat: tuple[int, ...] = ()  # peers (by index) nobody can dial: client-mode members (Transport.become_client)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -116,6 +117,8 @@ class SimConfig:
         need(0 <= self.target_accuracy <= 1, "target_accuracy", "is an accuracy in [0, 1]")
         need(self.target_hold >= 1, "target_hold", "must be >= 1")
         need(all(0 <= i < self.peers for i in self.rogue), "rogue", f"names a peer outside 0..{self.peers - 1}")
+        need(all(0 <= i < self.peers for i in self.behind_nat), "behind_nat", f"names a peer outside 0..{self.peers - 1}")
+        need(self.system == "gossip" or not self.behind_nat, "behind_nat", "is simulated for gossip only")
         for e in self.churn_trace:
             need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
         if not self.membership_only:
@@ -223,6 +226,7 @@ class Cluster:
             step_jitter=self.config.step_jitter,
             step_sigma=self.config.step_sigma,
             wait_for=self.config.wait_for,
+            client=slot in self.config.behind_nat,
         )
         peer = SimPeer(
             spec,

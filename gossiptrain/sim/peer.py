@@ -23,6 +23,7 @@ import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.net.transport import listen
+from gossiptrain.net.addressing import client_address
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 from gossiptrain.protocol.averaging import Averaging, ParamSpec
 from gossiptrain.protocol.joining import JoinRequest
@@ -54,6 +55,7 @@ class SimPeerSpec:
     step_sigma: float = 0.0  # or lognormal step times with this sigma (mean 1): gossiptrain.sim.compute
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation (a real peer evaluates on its training thread)
     wait_for: int = 0  # train only once this many members (itself included) are ready, as `peer --wait-for`
+    client: bool = False  # behind NAT: nobody can dial it, it joins as a client-mode member
 
     @property
     def name(self) -> str:
@@ -102,6 +104,8 @@ class SimPeer:
         limits = self.local.limits
         transport = self.transport = listen(f"sim://{self.spec.name}:0", limits, network=self.network)
         async with transport:
+            if self.spec.client:  # as Peer does once it knows nobody can dial it (gossiptrain.protocol.reachability)
+                transport.become_client(client_address(transport.address))
             welcome = await join_swarm(
                 transport,
                 self.join,

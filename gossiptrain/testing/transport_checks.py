@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import TransportClosed
+from gossiptrain.net.addressing import client_address
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
 from gossiptrain.net.transport.tcp import TcpTransport
@@ -379,6 +380,35 @@ def reply_goes_back_over_the_connection_a_message_came_on(backend: Backend, run:
     run(main())
 
 
+def a_client_is_reached_only_over_connections_it_opened(backend: Backend, run: Runner = asyncio.run) -> None:
+    """A client-mode transport (a peer behind NAT) hears from those it sent to, over its own connections, only.
+
+    Nobody can dial it: a member it never sent to cannot reach it
+    (``can_reach`` is False, ``send`` refuses); one it sent to can, as long
+    as it lives, and each such message is counted at both ends.
+    """
+
+    async def main() -> None:
+        async with started(backend.make(), backend.make(), backend.make()) as (client, a, b):
+            me = client_address(client.address)
+            client.become_client(me)
+            assert client.address == me or backend.name == "tcp"  # tcp keeps its bound address; others see ``me``
+            assert not a.can_reach(me) and not a.send(me, [b"unasked"]), "a client was reached before it sent"
+            assert client.can_reach(a.address)
+            assert client.send(a.address, [b"hello", b"1"])
+            assert await receive(a) == [b"hello", b"1"], "the route frame was not stripped"
+            assert a.can_reach(me) and not b.can_reach(me)
+            assert a.send(me, [b"probe"]) and a.send(me, [b"exchange", b"x" * 70_000])
+            assert await receive(client) == [b"probe"]
+            assert await receive(client) == [b"exchange", b"x" * 70_000]
+            assert not b.send(me, [b"stranger"])
+            assert a.stats.sent_over_routes == 2 and client.stats.received_over_own == 2
+            await client.close()
+            await until(lambda: not a.send(me, [b"late"]), "a send to a closed client to fail")
+
+    run(main())
+
+
 Check = Callable[[Backend, Runner], None]
 
 CHECKS: tuple[Check, ...] = (
@@ -393,6 +423,7 @@ CHECKS: tuple[Check, ...] = (
     forget_then_send_reconnects,
     close_is_prompt_with_messages_queued_to_dead_and_slow_peers,
     reply_goes_back_over_the_connection_a_message_came_on,
+    a_client_is_reached_only_over_connections_it_opened,
 )
 """Every check, in a stable order (parametrise over it with ``ids=lambda c: c.__name__``)."""
 

@@ -364,6 +364,10 @@ class _Report:
             "bytes_received": stats["bytes_received"],
             "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],
             "handshake_failures": stats["handshake_failures"],
+            # Behind NAT (a client-mode member) everything comes back over connections it opened: the two are equal.
+            "messages_received": stats["messages_received"],
+            "received_over_own": stats["received_over_own"],
+            "sent_over_routes": stats["sent_over_routes"],  # to client-mode members, over the connections they opened
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
             # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import TransportClosed
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.service import Service, Status
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class TransportStats:
     handshake_failures: int = 0  # a connection that never became a valid peer (e.g. garbage bytes)
     connections_closed: int = 0  # outgoing connections closed as the least recently used (limits.max_connections)
     incoming_refused: int = 0  # incoming connections shut down at once: over limits.incoming_per_source or max_incoming
+    sent_over_routes: int = 0  # messages for a client-mode member, sent back over the connection it opened to us
+    received_over_own: int = 0  # messages that came back over connections we opened (replies; a client's everything)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -145,6 +148,38 @@ class Transport(Service, abc.ABC):
         self.limits = limits
         self.stats = TransportStats()
         self.inbox = Inbox(limits.inbox_messages)
+        self.client_as: str | None = None  # our client-mode address, once ``become_client``
+
+    def become_client(self, address: str) -> None:
+        """From now on, be the client-mode member at ``address``, which nobody can dial (behind NAT).
+
+        Every message we send names ``address`` to its receiver, which then
+        sends whatever it has for ``address`` back over the connection the
+        message came on (its route to us), and we read what comes back over
+        every connection we open. So a member we have sent to can probe us,
+        exchange with us and answer us; one we never sent to cannot
+        (``can_reach`` says so).
+        """
+        if not is_client_address(address):
+            raise ValueError(f"{address!r} is not a client-mode address (gossiptrain.net.addressing.client_address)")
+        self._check_open()
+        self.client_as = address
+        self._became_client(address)
+
+    def _became_client(self, address: str) -> None:
+        """What a backend does when it becomes the client at ``address`` (nothing, by default)."""
+
+    def can_reach(self, address: str) -> bool:
+        """Whether a message for ``address`` can leave now.
+
+        A member's address can be dialled; a client-mode member's only over a
+        connection it opened to us, once a message of its has come over it.
+        """
+        return not is_client_address(address) or self._routed(address)
+
+    def _routed(self, address: str) -> bool:
+        """Whether we have a route (a connection it opened) to the client-mode member at ``address``."""
+        return False
 
     def send(self, address: str, frames: Sequence[bytes | memoryview], *, replies: bool = False) -> bool:
         """Queue one message for the transport listening at ``address``; never blocks.
@@ -166,7 +201,7 @@ class Transport(Service, abc.ABC):
         if checked is None:
             return False
         sent = self._send(address, *checked)
-        if replies:
+        if replies or self.client_as is not None:  # a client hears everything over its own connections
             self._take_replies(address)
         if not sent:
             self.stats.send_dropped += 1

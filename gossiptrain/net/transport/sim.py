@@ -11,13 +11,16 @@ Messages are copied at send and checked against the receiver's limits at
 delivery, as tcp:// does, so nothing above the transport can tell the two
 apart except by timing. There are no connections: ``reply`` sends back along
 the link to the sender's address (every simulated transport can be dialled,
-and a partition cuts both ways).
+and a partition cuts both ways). A client-mode transport (``become_client``,
+a peer behind NAT) is the exception: it is reached only from addresses it
+has sent to, as over the connections a real one opens (its routes).
 
 Fate of a message sent with ``SimTransport.send`` (each outcome is counted
 once in ``SimNetwork.stats``):
 
 - refused at send (``send`` returns False, sender's ``send_dropped``):
-  nothing listens at the destination now, or the link's send queue is full;
+  nothing listens at the destination now, the link's send queue is full,
+  or the destination is a client that never sent to the sender;
 - ``partitioned``: sender and destination are on different sides of a
   partition at send time; the message never leaves;
 - ``lost``: dropped on the wire with the link's ``loss`` probability (it
@@ -51,6 +54,7 @@ from typing import Collection, Iterator, Literal, Mapping, Sequence
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError
+from gossiptrain.net.address_forms import CLIENT_PATH, is_client_address
 from gossiptrain.net.transport.base import Transport, oversize
 
 log = logging.getLogger(__name__)
@@ -149,6 +153,7 @@ class SimNetwork:
         self._profiles: dict[tuple[str, str], LinkProfile] = {}
         self._links: dict[tuple[str, str], _Link] = {}
         self._transports: dict[str, SimTransport] = {}
+        self._routes: set[tuple[str, str]] = set()  # (address, client address): the client has sent to address
         self._groups: dict[str, int] = {}
         self._next_port = FIRST_PORT
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,6 +235,11 @@ class SimNetwork:
             self.stats.refused += 1
             return False
         key = (src, dst)
+        if CLIENT_PATH in dst and is_client_address(dst) and key not in self._routes:
+            self.stats.refused += 1  # nobody dials a client: only what it sent to can answer it
+            return False
+        if CLIENT_PATH in src and is_client_address(src):
+            self._routes.add((dst, src))
         link = self._links.get(key)
         if link is None:
             link = self._links[key] = _Link(free_at=now, last_arrival=now)
@@ -293,6 +303,7 @@ class SimNetwork:
         # what was on the wire is lost, and their addresses are free again.
         self.stats.unreachable += sum(len(link.wire) for link in self._links.values())
         self._links.clear()
+        self._routes.clear()
         self._transports.clear()
         self._loop = loop
         self._thread = threading.get_ident()
@@ -319,6 +330,17 @@ class SimNetwork:
     def _unregister(self, transport: SimTransport) -> None:
         if self._transports.get(transport.address) is transport:
             del self._transports[transport.address]
+
+    def _move(self, transport: SimTransport, address: str) -> None:
+        """``transport`` is known at ``address`` from now on (it became a client); its old address is free."""
+        if address in self._transports:
+            raise ConfigError(f"cannot become {address}: address in use")
+        self._unregister(transport)
+        self._transports[address] = transport
+
+    def routed(self, src: str, client: str) -> bool:
+        """Whether the client-mode transport at ``client`` has sent to ``src`` (so ``src`` can reach it)."""
+        return (src, client) in self._routes
 
 
 class SimTransport(Transport):
@@ -360,6 +382,8 @@ class SimTransport(Transport):
             return False
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
+        if CLIENT_PATH in address and is_client_address(address):
+            self.stats.sent_over_routes += 1
         return True
 
     def _reply(self, received: Sequence[object], message: list[bytes | memoryview], nbytes: int) -> bool:
@@ -372,6 +396,13 @@ class SimTransport(Transport):
         # No connection to tear down: links hold no per-destination state worth dropping.
         pass
 
+    def _became_client(self, address: str) -> None:
+        self.network._move(self, address)
+        self.address = address
+
+    def _routed(self, address: str) -> bool:
+        return self.network.routed(self.address, address)
+
     def _accept(self, frames: Arrived, nbytes: int) -> Outcome:
         """Take one arriving message; the ``NetworkStats`` field that says what became of it."""
         if oversize(self.limits, [len(f) for f in frames]):
@@ -381,4 +412,6 @@ class SimTransport(Transport):
             return "inbox_full"
         self.stats.messages_received += 1
         self.stats.bytes_received += nbytes
+        if self.client_as is not None:  # nobody could have dialled us: it came over a route of ours
+            self.stats.received_over_own += 1
         return "delivered"

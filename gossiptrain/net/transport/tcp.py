@@ -11,6 +11,16 @@ dial (``reply``: a joiner behind NAT) goes back through the ROUTER over the
 connection the message came on, and the sender's DEALER reads it when it
 asked to (``send(replies=True)``), with the same checks.
 
+A client-mode transport (``become_client``: behind NAT, nobody can dial it)
+puts one more frame in front of every message, ``ROUTE_PREFIX`` and its
+client address. A ROUTER that reads one remembers the connection it came on
+as its route to that address (in a secure swarm only where the connection's
+CURVE key is the key in the address), strips the frame, and from then on
+sends whatever it has for that address over the route instead of dialling.
+The frame rides on every message, so a route follows the client across a
+reconnection at its first message; a route whose connection has gone fails
+its sends (ROUTER_MANDATORY), which is how a dead client is noticed.
+
 With a ``SecurityConfig`` the transport is secure (CURVE): the ROUTER is a
 CURVE server that admits only client keys in the allow-list directory
 (checked by pyzmq's ZAP authenticator, with ZAP_ENFORCE_DOMAIN so that a
@@ -39,7 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gossiptrain.config import Limits, SecurityConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.net.addressing import CURVE_QUERY, curve_address, split_curve_address
+from gossiptrain.net.addressing import CURVE_QUERY, curve_address, is_client_address, split_curve_address
 from gossiptrain.net.keys import CurveKeys, load_curve
 from gossiptrain.net.transport.base import Transport
 from gossiptrain.net.transport.incoming import IncomingGuard, descriptor_budget, peer_of, shut_down
@@ -57,6 +67,12 @@ CLOSE_LINGER_MS = 200
 
 #: Seconds a new destination has to connect before its first messages are dropped.
 DEFAULT_CONNECT_TIMEOUT = 2.0
+
+#: The first frame of a client-mode member's messages starts with this, then its client address (UTF-8):
+#: not a wire header, whose first byte is a msgpack map or array.
+ROUTE_PREFIX = b"\x00route\x00"
+#: Longest client address a route frame may name (as membership's addresses).
+MAX_ROUTE_ADDRESS = 512
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -164,6 +180,9 @@ class TcpTransport(Transport):
         # Outgoing connections, least recently used first (at most limits.max_connections)
         self._destinations: OrderedDict[str, _Destination] = OrderedDict()
         self._monitors = itertools.count()
+        # Client-mode members' routes: their address -> the ROUTER id of the connection they last sent on.
+        self._routes: OrderedDict[str, bytes] = OrderedDict()
+        self._route_frame: bytes | None = None  # ours, once we are a client (``become_client``)
         self.incoming = IncomingGuard(limits.incoming_per_source, limits.max_incoming)  # bounds set again at start
 
     def source_of(self, frames: Sequence[object]) -> str | None:
@@ -261,7 +280,24 @@ class TcpTransport(Transport):
 
     # -- sending ---------------------------------------------------------------------------
 
+    def _became_client(self, address: str) -> None:
+        self._route_frame = ROUTE_PREFIX + address.encode()
+
+    def _routed(self, address: str) -> bool:
+        return address in self._routes
+
     def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        if is_client_address(address):  # nobody can dial it: over the connection it opened to us, or not at all
+            route = self._routes.get(address)
+            if route is None or self._router is None:
+                return False
+            if not self._push(self._router, ([route, *message], nbytes)):
+                return False
+            self.stats.sent_over_routes += 1
+            return True
+        if self._route_frame is not None:
+            message = [self._route_frame, *message]
+            nbytes += len(self._route_frame)
         item = (message, nbytes)
         dest = self._destinations.get(address)
         if dest is not None:
@@ -289,6 +325,7 @@ class TcpTransport(Transport):
             dest.replies = self.spawn(self._read_replies(address, dest), f"replies from {address.partition(CURVE_QUERY)[0]}")
 
     def forget(self, address: str) -> None:
+        self._routes.pop(address, None)
         # A short linger, not 0: closing with LINGER 0 while the I/O thread is halfway through a
         # multipart message aborted the process inside libzmq 4.3.5 ("Resource temporarily
         # unavailable (src/session_base.cpp:233)"), seen when members left as others pushed to them.
@@ -454,6 +491,11 @@ class TcpTransport(Transport):
                     key = frames[0].get("User-Id").encode("ascii")  # pyzmq's ZAP handler: the client's Z85 key
                 except (zmq.ZMQError, UnicodeEncodeError):
                     key = None
+            if _is_route(frames[0]):
+                self._learn_route(frames[0].bytes, key, route)
+                frames = frames[1:]
+                if not frames:
+                    continue
             self._deliver(frames, total, key, route)
 
     async def _read_replies(self, address: str, dest: _Destination) -> None:
@@ -472,7 +514,12 @@ class TcpTransport(Transport):
                 await self.inbox.wait_not_full()
                 got = await self._recv_checked(dest.socket, routed=False)
                 if got is not None:
-                    self._deliver(got[0], got[1], server_key, None)
+                    frames = got[0]
+                    if _is_route(frames[0]):  # only clients send one, and nobody dials a client
+                        frames = frames[1:]
+                    if frames:
+                        self.stats.received_over_own += 1
+                        self._deliver(frames, got[1], server_key, None)
         except zmq.ZMQError:  # the socket closed under us (the transport closing)
             return
 
@@ -502,7 +549,9 @@ class TcpTransport(Transport):
                 continue
             size = len(frame)
             total += size
-            if len(frames) == limits.max_frames or size > limits.max_frame_bytes or total > limits.max_message_bytes:
+            # A client's route frame (ROUTE_PREFIX) comes on top of what the limits allow.
+            too_many = len(frames) >= limits.max_frames and (len(frames) > limits.max_frames or not _is_route(frames[0]))
+            if too_many or size > limits.max_frame_bytes or total > limits.max_message_bytes:
                 dropped = True
                 frames.clear()
                 continue
@@ -512,6 +561,24 @@ class TcpTransport(Transport):
             log.debug("dropped an incoming message over the limits")
             return None
         return (frames, total, route) if frames else None
+
+    def _learn_route(self, frame: bytes, key: bytes | None, route: bytes | None) -> None:
+        """Remember ``route`` as the way to the client-mode member a route frame names, if it may claim it."""
+        raw = frame[len(ROUTE_PREFIX):]
+        if route is None or len(raw) > MAX_ROUTE_ADDRESS:
+            return
+        try:
+            address = raw.decode()
+            _, claimed = split_curve_address(address)
+        except (UnicodeDecodeError, ValueError):
+            return
+        if not is_client_address(address) or claimed != key:  # secure: only the holder of the address's key
+            return
+        if self._routes.get(address) != route:
+            self._routes[address] = route
+            while len(self._routes) > self.limits.max_incoming:
+                self._routes.popitem(last=False)
+        self._routes.move_to_end(address)
 
     def _deliver(self, frames: list[zmq.Frame], total: int, key: bytes | None, route: bytes | None) -> None:
         try:
@@ -542,6 +609,11 @@ class TcpTransport(Transport):
                                     self.incoming.per_source, self.incoming.total, refused)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.incoming.disconnected(value)
+
+
+def _is_route(frame: zmq.Frame) -> bool:
+    """Whether ``frame`` is a client's route frame (compared in place: no copy of a large frame)."""
+    return len(frame) >= len(ROUTE_PREFIX) and frame.buffer[: len(ROUTE_PREFIX)] == ROUTE_PREFIX
 
 
 def _describe_handshake_failure(address: str, kind: int, value: int, secure: bool) -> str:

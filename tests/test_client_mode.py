@@ -1,0 +1,137 @@
+"""Client-mode members: peers nobody can dial (behind NAT) train in the swarm over connections they open.
+
+In the simulator (``SimConfig.behind_nat``) a client is reached only from
+addresses it has sent to, as over a real NAT; the real thing, on network
+namespaces with a masquerading router, is in test_netns_nat.py, and the
+transport's side (routes, CURVE keys) in the transport conformance suite
+and test_security.py.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from gossiptrain.config import MembershipConfig, RunConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.net.addressing import client_address, is_client_address, plain_address
+from gossiptrain.net.kinds import FIN, PING, PING_REQ
+from gossiptrain.protocol.finish import DONE, Announce, FinishEndpoint, FinNotice
+from gossiptrain.protocol.membership import Ack, Digest, Member, Membership, Send, Tick
+from gossiptrain.protocol.reachability import Verdict
+from gossiptrain.sim.cluster import Cluster, SimConfig, simulate
+from gossiptrain.sim.faults import ChurnEvent
+from gossiptrain.sim.vtime import run_virtual
+
+BEHIND_NAT = (0, 3, 5)
+
+
+def members_only() -> RunConfig:
+    return RunConfig().with_overrides({"train.workload": "external", "membership.heartbeat_interval": 0.5})
+
+
+def test_client_addresses_keep_their_key_and_read_plainly() -> None:
+    assert client_address("tcp://10.0.0.2:7070") == "tcp://10.0.0.2:7070/client"
+    key = "?curve=" + "ab" * 32
+    assert client_address("tcp://10.0.0.2:7070" + key) == "tcp://10.0.0.2:7070/client" + key
+    assert client_address(client_address("tcp://h:1")) == "tcp://h:1/client"  # once is enough
+    assert is_client_address("tcp://h:1/client" + key) and not is_client_address("tcp://h:1" + key)
+    assert not is_client_address("tcp://client:1") and plain_address("tcp://h:1/client" + key) == "tcp://h:1/client"
+    line = Verdict(False, "tcp://h:1", "--reachable no").line("p1")
+    assert "client-mode member (its address now ends in /client)" in line
+
+
+def test_a_candidate_nobody_can_dial_is_verified_through_a_member_that_can() -> None:
+    """Membership's side: a member we can send to is probed directly, as ever; a client it introduces, which
+    we cannot send to, through that member (a ping-req), whose relayed ack verifies it. Nobody probes it
+    directly, so nothing is sent that could only fail."""
+    me = Member("pa", "sim://a", 0, incarnation=1)
+    relay = Member("pr", "sim://r", 1, incarnation=1)
+    client = Member("pc", "sim://c/client", 2, incarnation=1)
+    m = Membership(me, MembershipConfig(), random.Random(0), can_reach=lambda addr: not is_client_address(addr))
+    [ping] = [a for a in m.handle(Digest([relay], sender="pr", reply_to=relay.addr), 0.0) if isinstance(a, Send)]
+    assert (ping.addr, ping.kind) == (relay.addr, PING)
+    m.handle(Ack("pr", ping.seq), 0.01)
+    assert "pr" in m.alive_ids()
+    sent = [a for a in m.handle(Digest([relay, client], sender="pr", reply_to=relay.addr), 0.02) if isinstance(a, Send)]
+    [ask] = [a for a in sent if a.kind == PING_REQ]
+    assert (ask.addr, ask.target, ask.target_addr) == (relay.addr, "pc", client.addr)
+    assert not [a for a in sent if a.addr == client.addr], "a client we cannot reach was sent to"
+    m.handle(Ack("px", ask.seq), 0.03)  # an ack relayed by someone we did not ask proves nothing
+    assert "pc" not in m.alive_ids()
+    m.handle(Ack("pr", ask.seq), 0.03)
+    assert "pc" in m.alive_ids()
+    for now in (0.5 * i for i in range(1, 40)):  # periods pass: probes go to the relay only, never the client
+        assert all(a.addr != client.addr for a in m.handle(Tick(), now) if isinstance(a, Send))
+
+
+def test_clients_see_everyone_and_nobody_is_declared_dead() -> None:
+    """8 members, 3 of them behind NAT: within 5 virtual seconds every view holds all 8, clients included,
+    and it stays so (a client is never probed by a member it could not answer, so never suspected in vain)."""
+    result = simulate(SimConfig(peers=8, run=members_only(), duration=30, membership_only=True, sample_every=1,
+                                behind_nat=BEHIND_NAT))
+    later = [r for r in result.rows if r["time"] >= 5]
+    assert later and all(r["members"] == 8 for r in later), sorted({(r["time"], r["members"]) for r in later})[:10]
+
+
+def test_a_crashed_client_leaves_every_view_judged_by_those_it_talked_to() -> None:
+    run = members_only()
+    trace = (ChurnEvent(8.0, 3, "crash"),)
+    cluster = Cluster(SimConfig(peers=6, run=run, duration=30, membership_only=True, churn_trace=trace, behind_nat=(2, 3)))
+    seen: dict[float, dict[int, tuple[str, ...]]] = {}
+    crashed: list[str] = []
+
+    def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
+        seen[now] = {s: p.node.view() for s, p in cluster.peers.items() if p.node is not None}
+        if now == 7.0:
+            crashed.append(cluster.peers[3].node.me.id)
+            assert is_client_address(cluster.peers[3].node.me.addr)
+
+    cluster.on_sample = on_sample
+    run_virtual(cluster.run())
+    assert all(len(v) == 6 for v in seen[7.0].values()), seen[7.0]
+    bound = 8.0 + run.membership.dead_within(6)
+    for now, views in seen.items():
+        if now >= bound:
+            assert all(crashed[0] not in v and len(v) == 5 for s, v in views.items() if s != 3), (now, views)
+
+
+def test_a_swarm_mostly_behind_nat_learns_from_skewed_shards() -> None:
+    """4 peers on label-skewed shards, 2 behind NAT (they average only with the 2 reachable ones, never with
+    each other), starting together (``--wait-for 4``: the two behind NAT learn that each other is ready through
+    the others): the swarm still reaches a mean test accuracy of 0.9, as a fully reachable one does."""
+    run = RunConfig().with_overrides({"train.workload": "digits-small", "train.partition": "classes-per-peer",
+                                      "train.partition_classes": 3, "train.shards": 4})
+    result = simulate(SimConfig(peers=4, run=run, duration=6, step_time=0.01, behind_nat=(1, 2), target_accuracy=0.9,
+                                wait_for=4))
+    assert result.summary["mean_test_acc"] >= 0.9, result.summary
+
+
+def test_a_done_member_tells_clients_who_else_is_done_as_they_cannot_hear_each_other() -> None:
+    """The final phase: two clients cannot send each other their ``fin``. A done member that hears one is
+    done passes it on to the other clients (once), and every fin carries the sender's done list, so a client
+    waits for no one who has finished."""
+    run = RunConfig()
+    fp = run.fingerprint()
+    members = [Member("pub", "sim://pub", 0, 1), Member("ca", "sim://a/client", 1, 1), Member("cb", "sim://b/client", 2, 1),
+               Member("pub2", "sim://pub2", 3, 1)]
+    public = FinishEndpoint(run, me="pub", members=lambda: members)
+    assert public.handle(FinNotice("ca", "sim://a/client", fp, {"phase": DONE, "writer": False}), 0.0) == []  # we train on
+    announced = public.handle(Announce(DONE, False), 1.0)
+    assert {a.addr for a in announced} == {"sim://a/client", "sim://b/client", "sim://pub2"}
+    assert all(a.body["done"] == ["ca"] for a in announced)  # who else is done, with our own notice
+    [to_a] = public.handle(FinNotice("cb", "sim://b/client", fp, {"phase": DONE, "writer": False}), 2.0)
+    assert (to_a.addr, to_a.body["done"]) == ("sim://a/client", ["cb"])  # done itself, it waits for the others
+    relayed = FinishEndpoint(run, me="pub2", members=lambda: members)
+    relayed.handle(Announce(DONE, False), 0.0)
+    [to_b] = relayed.handle(FinNotice("ca", "sim://a/client", fp, {"phase": DONE, "writer": False}), 1.0)
+    assert (to_b.addr, to_b.kind, to_b.body["done"]) == ("sim://b/client", FIN, ["ca"])
+    assert relayed.handle(FinNotice("ca", "sim://a/client", fp, {"phase": DONE, "writer": False}), 1.5) == []  # once
+    client_b = FinishEndpoint(run, me="cb", members=lambda: members)
+    client_b.handle(FinNotice("pub2", "sim://pub2", fp, to_b.body), 2.0)
+    assert set(client_b.done) == {"pub2", "ca"}
+    for bad in ("ca", ["x" * 65], [1], ["ok"] * 257):
+        with pytest.raises(ProtocolError, match="done lists"):
+            client_b.handle(FinNotice("pub", "sim://pub", fp, {"phase": DONE, "writer": False, "done": bad}), 3.0)
