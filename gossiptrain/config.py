@@ -71,12 +71,16 @@ class Limits:
     # Members heard of through gossip but not yet verified (probed at the address claimed), at most a quarter
     # of them from one introducer: a liar's made-up members cost a bounded table, never a place in views.
     candidates: int = 128
+    # What a relay (the coordinator, for two client-mode members behind NAT: gossiptrain.net.transport) forwards:
+    # bytes per second on average, and at once; past them a relayed message is dropped (the exchange times out).
+    relay_bytes_per_second: float = 32e6
+    relay_burst_bytes: int = 64 << 20
 
     def check(self, section: str = "limits") -> None:
         for f in fields(self):
             _require(getattr(self, f.name) > 0, f"{section}.{f.name}", "must be > 0")
         _require(self.max_frames >= 1, f"{section}.max_frames", "must be >= 1")
-        for name in ("join_rate_per_source", "report_rate_per_source"):
+        for name in ("join_rate_per_source", "report_rate_per_source", "relay_bytes_per_second"):
             rate = getattr(self, name)
             _require(math.isfinite(rate), f"{section}.{name}", f"must be a finite number, got {rate}")
         _require(

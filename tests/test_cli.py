@@ -81,7 +81,7 @@ def test_the_coordinator_runs_exactly_the_budget_given(
     from gossiptrain.cli.main import main
 
     served: list[gossiptrain.RunConfig] = []
-    monkeypatch.setattr(coordinator_process, "run_coordinator_forever", lambda config, *rest: served.append(config))
+    monkeypatch.setattr(coordinator_process, "run_coordinator_forever", lambda config, *rest, **options: served.append(config))
     assert main(["coordinator", "--bind", "127.0.0.1:0", *flags]) == 0
     expected = [budget]
     if not flags:  # and a file that gives only a time budget

@@ -213,7 +213,9 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
     label-skewed shards. The two behind NAT find out they cannot be dialled and join as client-mode members;
     every member's view holds all 4 (the clients each other's too, verified through public members), nobody is
     declared dead, and the swarm learns. Everything a client receives comes back over connections it opened
-    (counted by its transport), and the public peers send to the clients over those routes."""
+    (counted by its transport), the public peers send to the clients over those routes, and the clients
+    average with each other through the coordinator's relay until it is killed; then they go on with the
+    public peers."""
     world = two_homes
     coordinator, *public = world.lan.hosts
     behind = [home.hosts[0] for home in world.homes]
@@ -230,11 +232,22 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
                     "--metrics", str(tmp_path / f"{name}.jsonl"))
     procs = world.started[1:]
     state = lambda: "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-1500:]}" for n in names)  # noqa: E731
-    wait_for(lambda: all(p.poll() is not None for p in procs), 150, "the four peers to finish", state=state)
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], state()
 
     def records(name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        path = tmp_path / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def relayed(name: str) -> int:
+        return max((r.get("received_relayed", 0) for r in records(name) if r.get("event") == "eval"), default=0)
+
+    # The two clients average with each other through the coordinator's relay; then the relay dies (the
+    # coordinator killed mid-run): both carry on with the public peers, and nobody waits on it.
+    wait_for(lambda: relayed("home0") > 0 and relayed("home1") > 0, 60, "the clients to exchange through the relay",
+             state=state)
+    world.started[0].kill()
+    killed_at = time.time()
+    wait_for(lambda: all(p.poll() is not None for p in procs), 150, "the four peers to finish", state=state)
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], state()
 
     done = {n: next(r for r in records(n) if r.get("event") == "done") for n in names}
     for n in names[2:]:
@@ -250,6 +263,9 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
     for n in names[:2]:
         assert not done[n]["address"].endswith("/client") and done[n]["sent_over_routes"] > 0, done[n]
         assert "is reachable" in (tmp_path / f"{n}.log").read_text() and "is not reachable" not in (tmp_path / f"{n}.log").read_text()
+    for n in names[2:]:  # exchanges went on once the relay was gone
+        at_kill = max((r["exchanges"] for r in records(n) if r.get("event") == "eval" and r["time"] <= killed_at), default=0)
+        assert done[n]["exchanges"] > at_kill, (n, at_kill, done[n]["exchanges"])
     for n in names:
         evals = [r for r in records(n) if r.get("event") == "eval"]
         assert evals and all(r["members"] == 4 for r in evals), (n, [r["members"] for r in evals])

@@ -142,7 +142,7 @@ def test_bad_security_settings_fail_at_start_naming_the_field(
 def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None:
     """Behind NAT, alice is reached over the connection she opened; bob, allowed too, cannot take her route by
     naming her client address: a route is learned only from the key in the address (and what goes over it is
-    CURVE-encrypted, as everything in a secure swarm)."""
+    CURVE-encrypted, as everything in a secure swarm). A secure member relays nothing."""
 
     async def main() -> None:
         made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
@@ -161,6 +161,15 @@ def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None
             assert [bytes(f) for f in await asyncio.wait_for(member.recv(), 5)] == [b"hello"]
             assert member.can_reach(alice_at) and member.send(alice_at, [b"for alice"])
             assert [bytes(f) for f in await asyncio.wait_for(alice.recv(), 5)] == [b"for alice"]
+            # A relay would read what passes (CURVE protects each connection, not the path): a secure one passes
+            # nothing on, even asked to serve.
+            member.serve_as_relay(0.0)
+            alice.use_relay(member.address)
+            assert alice.send(alice_at, [b"through you"])  # to a client the relay has a route to: alice herself
+            deadline = time.monotonic() + 5
+            while member.stats.relay_dropped == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert member.stats.relay_dropped == 1 and member.stats.relayed == 0
         finally:
             for t in made:
                 await t.close()

@@ -219,7 +219,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             )
 
     try:
-        run_coordinator_forever(config, args.bind, ready, security, spec)
+        run_coordinator_forever(config, args.bind, ready, security, spec, relay=args.relay)
     finally:
         for exporter in metrics:
             exporter.close()
@@ -411,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus", metavar="[HOST:]PORT",
                    help="serve /metrics for Prometheus there: joins, reports, queries, members (host 127.0.0.1 unless "
                    "given; needs prometheus-client; default: none)")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                   help="pass exchanges between peers behind NAT, which cannot reach each other, within "
+                   "limits.relay_bytes_per_second (default: on in an open swarm; a secure swarm's coordinator never "
+                   "relays)")
     _add_security_flags(p, peer=False)
     _add_run_flags(p)
     p.set_defaults(func=cmd_coordinator)

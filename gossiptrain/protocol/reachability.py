@@ -93,10 +93,10 @@ class Verdict:
         else:
             why = f"is not reachable ({self.how})"
         return (
-            f"peer {member_id} at {at} {why}: it trains as a client-mode member (its address now ends in /client), opening every "
-            "connection itself; members answer, probe and exchange with it over those, and it averages with "
-            "reachable members only. To be reachable, set --advertise to an address others can dial (a public "
-            "address, a forwarded port)"
+            f"peer {member_id} at {at} {why}: it trains as a client-mode member (its address now ends in "
+            "/client), opening every connection itself; members answer, probe and exchange with it over those, "
+            "other clients through the coordinator's relay (open swarms). To be reachable, set --advertise to an "
+            "address others can dial (a public address, a forwarded port)"
         )
 
 

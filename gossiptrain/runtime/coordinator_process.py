@@ -22,16 +22,22 @@ async def serve_coordinator(
     on_ready: Callable[[Coordinator], None] | None = None,
     security: SecurityConfig | None = None,
     spec: ParamSpec | None = None,
+    relay: bool = True,
 ) -> None:
     """Listen on ``bind`` (HOST:PORT) and answer joins until ``stop`` is set; CURVE with ``security``.
 
     ``spec`` is the swarm's model when the caller knows it (a named workload): joins with another are refused.
+    ``relay``: pass messages between client-mode members (peers behind NAT, which cannot reach each other),
+    within ``limits.relay_*``. Every client holds a connection to the coordinator (its reports), so the
+    coordinator has a way to each; a secure swarm's coordinator relays nothing (it would read what passes).
     """
     host, port = parse_hostport(bind, "bind address")
     transport = listen(tcp_url(host, port), config.limits, security=security)
     async with transport, Coordinator(config, transport, spec=spec) as coordinator:
         if security is None:
             warn_open("coordinator", transport.address)
+            if relay:
+                transport.serve_as_relay(asyncio.get_running_loop().time())
         if on_ready:
             on_ready(coordinator)
         stopped = asyncio.create_task(stop.wait())
@@ -50,6 +56,7 @@ def run_coordinator_forever(
     on_ready: Callable[[Coordinator], None],
     security: SecurityConfig | None = None,
     spec: ParamSpec | None = None,
+    relay: bool = True,
 ) -> None:
     """Serve on this thread until SIGINT or SIGTERM (the CLI's `gossiptrain coordinator`)."""
 
@@ -58,7 +65,7 @@ def run_coordinator_forever(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_coordinator(config, bind, stop, on_ready, security, spec)
+        await serve_coordinator(config, bind, stop, on_ready, security, spec, relay)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())

@@ -234,6 +234,8 @@ class Peer:
                 welcome = join_once(None, welcome.shard)  # the shard our model was built for
             log.log(logging.INFO if self.reachability.reachable else logging.WARNING, "%s", self.reachability.line(welcome.member_id))
             self._attach(welcome)
+            if self._transport.client_as is not None and security is None and welcome.coordinator:
+                self._use_relay(welcome.coordinator)
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:
@@ -313,7 +315,7 @@ class Peer:
 
         Every message of ours names that address, so whoever we send to
         answers, probes and exchanges over the connection we opened
-        (``Transport.become_client``); we average with reachable members only.
+        (``Transport.become_client``); other clients we reach through the coordinator's relay (``_use_relay``).
         """
         transport = self._transport
         assert transport is not None
@@ -324,6 +326,17 @@ class Peer:
             transport.become_client(address)
 
         self._loop.run(become(), timeout=5)
+
+    def _use_relay(self, coordinator: str) -> None:
+        """Average with other clients through the coordinator, which relays between peers behind NAT (open
+        swarms: a relay reads what passes through it). One that does not relay drops; those exchanges time out."""
+        transport = self._transport
+        assert transport is not None
+
+        async def use() -> None:  # on the loop thread, where the transport lives
+            transport.use_relay(coordinator)
+
+        self._loop.run(use(), timeout=5)
 
     def _withdraw(self, welcome: Welcome) -> None:
         """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.

@@ -200,8 +200,9 @@ class PeerNode(JoinAnsweringEndpoint):
                 self._warned_fallback = True
             chosen = self._fallback.neighbours(len(view), i, round)
         # A client-mode member (behind NAT) that has not opened a connection to us yet cannot be sent to; two
-        # clients never can. It reaches us when its own turn comes, or its probes and exchanges open the way.
-        return [view[j] for j in chosen if self._can_reach_id(view[j])]
+        # clients only through a relay. It reaches us when its own turn comes, or its probes and exchanges open
+        # the way.
+        return [view[j] for j in chosen if self._can_reach_id(view[j], relayed=True)]
 
     def _sendable(self) -> tuple[str, ...]:
         """The members in our view we can send to now (all of them, unless some are behind NAT).
@@ -215,9 +216,10 @@ class PeerNode(JoinAnsweringEndpoint):
             return view
         return tuple(m for m in view if self._can_reach_id(m))
 
-    def _can_reach_id(self, member_id: str) -> bool:
+    def _can_reach_id(self, member_id: str, *, relayed: bool = False) -> bool:
+        """Whether we can send to ``member_id``: directly, or (``relayed``: exchanges) through our relay."""
         addr = self._address_of(member_id)
-        return addr is None or self.transport.can_reach(addr)
+        return addr is None or self.transport.can_reach(addr) or (relayed and self.transport.can_relay(addr))
 
     def take_on_network(self, kinds_: frozenset[str], handler: Callable[[averaging.Event], None]) -> None:
         """Hand exchange messages of ``kinds_`` to ``handler`` as they arrive, on this node's thread.

@@ -360,6 +360,7 @@ class Cluster:
         with self.network.activate():
             transport = listen(COORDINATOR, self.config.run.limits, network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
+                transport.serve_as_relay(loop.time())  # between clients (behind_nat), as `gossiptrain coordinator` does
                 try:
                     # Peers start evenly over join_spread, as machines do: not all in the same instant.
                     gap = self.config.join_spread / self.config.peers

@@ -118,6 +118,8 @@ class SimPeer:
                 rng=self.rng,
             )
             config = welcome.config
+            if self.spec.client and welcome.coordinator:  # as Peer does: other clients through the coordinator
+                transport.use_relay(welcome.coordinator)
             model = self.make_model() if self.make_model else None
             params = dict(model.named_parameters()) if model is not None else {}
             node = self.node = node_for(

@@ -409,6 +409,39 @@ def a_client_is_reached_only_over_connections_it_opened(backend: Backend, run: R
     run(main())
 
 
+def two_clients_talk_through_a_relay_within_its_budget(backend: Backend, run: Runner = asyncio.run) -> None:
+    """Two client-mode transports (each behind its own NAT) reach each other only through a relay both sent to:
+    the relay passes the message on, the receiver reads it as sent (the relay's frames gone) and answers the
+    same way; a relay that does not serve, or is past its byte budget, drops and counts."""
+
+    async def main() -> None:
+        async with started(backend.make(), backend.make(), backend.make()) as (relay, a, b):
+            a_at, b_at = client_address(a.address), client_address(b.address)
+            a.become_client(a_at)
+            b.become_client(b_at)
+            a.use_relay(relay.address)
+            b.use_relay(relay.address)
+            assert a.can_relay(b_at) and not a.can_reach(b_at)
+            for client in (a, b):  # each opens its connection to the relay (a report to the coordinator, say)
+                assert client.send(relay.address, [b"report"])
+                assert await receive(relay) == [b"report"]
+            assert a.send(b_at, [b"not served", b""])  # accepted by the relay, which does not relay yet
+            await until(lambda: relay.stats.relay_dropped == 1, "the relay to drop what it does not serve")
+            relay.serve_as_relay(asyncio.get_running_loop().time())
+            assert a.send(b_at, [b"xreq", b"x" * 50_000])
+            assert await receive(b) == [b"xreq", b"x" * 50_000]
+            assert b.send(a_at, [b"xrep"])
+            assert await receive(a) == [b"xrep"]
+            assert relay.stats.relayed == 2 and a.stats.received_relayed == 1 and b.stats.received_relayed == 1
+            assert relay.relaying is not None
+            relay.relaying.tokens = -1e12  # its budget spent, for longer than this check runs
+            assert a.send(b_at, [b"over budget"])
+            await until(lambda: relay.stats.relay_dropped == 2, "the relay to drop what is over its budget")
+            assert relay.stats.relayed == 2
+
+    run(main())
+
+
 Check = Callable[[Backend, Runner], None]
 
 CHECKS: tuple[Check, ...] = (
@@ -424,6 +457,7 @@ CHECKS: tuple[Check, ...] = (
     close_is_prompt_with_messages_queued_to_dead_and_slow_peers,
     reply_goes_back_over_the_connection_a_message_came_on,
     a_client_is_reached_only_over_connections_it_opened,
+    two_clients_talk_through_a_relay_within_its_budget,
 )
 """Every check, in a stable order (parametrise over it with ``ids=lambda c: c.__name__``)."""
 

@@ -368,6 +368,7 @@ class _Report:
             "messages_received": stats["messages_received"],
             "received_over_own": stats["received_over_own"],
             "sent_over_routes": stats["sent_over_routes"],  # to client-mode members, over the connections they opened
+            "received_relayed": stats["received_relayed"],  # from another client-mode member, through the coordinator
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
             # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts

@@ -40,9 +40,39 @@ class TransportStats:
     incoming_refused: int = 0  # incoming connections shut down at once: over limits.incoming_per_source or max_incoming
     sent_over_routes: int = 0  # messages for a client-mode member, sent back over the connection it opened to us
     received_over_own: int = 0  # messages that came back over connections we opened (replies; a client's everything)
+    relayed: int = 0  # as a relay: messages passed from one client-mode member to another
+    relay_dropped: int = 0  # as a relay: messages not passed on (no route to the target, over the budget, not relaying)
+    received_relayed: int = 0  # as a client: messages from another client that came through our relay
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+#: The first frame (after a client's route frame) of a message for a relay: then the client address it is for.
+RELAY_PREFIX = b"\x00relay\x00"
+#: The first frame of a message a relay passed on: then the client address it came from.
+RELAYED_PREFIX = b"\x00relayed\x00"
+
+
+class RelayBudget:
+    """What a relay may pass on: ``rate`` bytes a second on average and ``burst`` at once.
+
+    A token bucket that may go into debt by one message, so that a message
+    larger than the burst still passes when the bucket is full; then nothing
+    passes until the debt is paid off at ``rate``.
+    """
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = burst, now
+
+    def take(self, nbytes: int, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        if self.tokens <= 0:
+            return False
+        self.tokens -= nbytes
+        return True
 
 
 def frame_nbytes(frame: bytes | memoryview) -> int:
@@ -149,6 +179,8 @@ class Transport(Service, abc.ABC):
         self.stats = TransportStats()
         self.inbox = Inbox(limits.inbox_messages)
         self.client_as: str | None = None  # our client-mode address, once ``become_client``
+        self.relay: str | None = None  # a client's relay (``use_relay``): the way to clients it has no route to
+        self.relaying: RelayBudget | None = None  # we relay for clients (``serve_as_relay``), within this budget
 
     def become_client(self, address: str) -> None:
         """From now on, be the client-mode member at ``address``, which nobody can dial (behind NAT).
@@ -168,6 +200,27 @@ class Transport(Service, abc.ABC):
 
     def _became_client(self, address: str) -> None:
         """What a backend does when it becomes the client at ``address`` (nothing, by default)."""
+
+    def use_relay(self, address: str) -> None:
+        """As a client, send what we have for another client-mode member, which we cannot reach, through the
+        member at ``address`` (which must ``serve_as_relay`` and hold a route to it); it says where it came from.
+
+        The relay sees what passes through it: a secure swarm uses none
+        (CURVE protects each connection, not the path between two clients).
+        """
+        if self.client_as is None:
+            raise ValueError("only a client-mode member uses a relay (become_client first)")
+        if is_client_address(address):
+            raise ValueError(f"a relay must be reachable, not a client-mode member: {address!r}")
+        self.relay = address
+
+    def serve_as_relay(self, now: float) -> None:
+        """Pass messages between client-mode members (both with a route to us), within ``limits.relay_*``."""
+        self.relaying = RelayBudget(self.limits.relay_bytes_per_second, self.limits.relay_burst_bytes, now)
+
+    def can_relay(self, address: str) -> bool:
+        """Whether a message for the client-mode member at ``address`` can go through our relay."""
+        return self.relay is not None and is_client_address(address)
 
     def can_reach(self, address: str) -> bool:
         """Whether a message for ``address`` can leave now.

@@ -55,7 +55,7 @@ from typing import Collection, Iterator, Literal, Mapping, Sequence
 from gossiptrain.config import Limits
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.address_forms import CLIENT_PATH, is_client_address
-from gossiptrain.net.transport.base import Transport, oversize
+from gossiptrain.net.transport.base import RELAY_PREFIX, RELAYED_PREFIX, Transport, oversize
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +378,9 @@ class SimTransport(Transport):
         self.inbox.close()
 
     def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
+        if self.relay is not None and CLIENT_PATH in address and not self._routed(address) and is_client_address(address):
+            target = RELAY_PREFIX + address.encode()  # another client: through our relay, as tcp:// does
+            message, nbytes, address = [target, *message], nbytes + len(target), self.relay
         if not self.network.deliver(self.address, address, message, nbytes):
             return False
         self.stats.messages_sent += 1
@@ -400,6 +403,23 @@ class SimTransport(Transport):
         self.network._move(self, address)
         self.address = address
 
+    def _pass_on(self, frames: Arrived, nbytes: int) -> None:
+        """As a relay: pass a client's message on to the client its relay frame names (see tcp://'s)."""
+        target = bytes(frames[0][len(RELAY_PREFIX):]).decode(errors="replace")
+        origin = frames.origin
+        budget = self.relaying
+        now = asyncio.get_running_loop().time()
+        if (
+            budget is None
+            or not is_client_address(origin)
+            or not self._routed(target)
+            or not budget.take(nbytes, now)
+            or not self.network.deliver(self.address, target, [RELAYED_PREFIX + origin.encode(), *frames[1:]], nbytes)
+        ):
+            self.stats.relay_dropped += 1
+            return
+        self.stats.relayed += 1
+
     def _routed(self, address: str) -> bool:
         return self.network.routed(self.address, address)
 
@@ -408,6 +428,12 @@ class SimTransport(Transport):
         if oversize(self.limits, [len(f) for f in frames]):
             self.stats.oversize_dropped += 1
             return "oversize"
+        if frames[0].startswith(RELAY_PREFIX):
+            self._pass_on(frames, nbytes)
+            return "delivered"  # to us, the relay
+        if frames[0].startswith(RELAYED_PREFIX):
+            del frames[0]  # another client's, through our relay
+            self.stats.received_relayed += 1
         if not self.inbox.put_nowait(frames):
             return "inbox_full"
         self.stats.messages_received += 1

@@ -21,6 +21,14 @@ The frame rides on every message, so a route follows the client across a
 reconnection at its first message; a route whose connection has gone fails
 its sends (ROUTER_MANDATORY), which is how a dead client is noticed.
 
+Two clients cannot reach each other. A client with a relay (``use_relay``:
+the coordinator, which every client holds a connection to) sends what it
+has for another client to the relay, behind a ``RELAY_PREFIX`` frame naming
+the target; a transport that ``serve_as_relay`` passes it on over its
+route to the target, behind a ``RELAYED_PREFIX`` frame naming the client it
+came from (the one its route frame names), within its byte budget; the
+target strips that frame and reads the message as any other.
+
 With a ``SecurityConfig`` the transport is secure (CURVE): the ROUTER is a
 CURVE server that admits only client keys in the allow-list directory
 (checked by pyzmq's ZAP authenticator, with ZAP_ENFORCE_DOMAIN so that a
@@ -51,7 +59,7 @@ from gossiptrain.config import Limits, SecurityConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import CURVE_QUERY, curve_address, is_client_address, split_curve_address
 from gossiptrain.net.keys import CurveKeys, load_curve
-from gossiptrain.net.transport.base import Transport
+from gossiptrain.net.transport.base import RELAY_PREFIX, RELAYED_PREFIX, Transport
 from gossiptrain.net.transport.incoming import IncomingGuard, descriptor_budget, peer_of, shut_down
 
 log = logging.getLogger(__name__)
@@ -287,14 +295,17 @@ class TcpTransport(Transport):
         return address in self._routes
 
     def _send(self, address: str, message: list[bytes | memoryview], nbytes: int) -> bool:
-        if is_client_address(address):  # nobody can dial it: over the connection it opened to us, or not at all
+        if is_client_address(address):  # nobody can dial it: over the connection it opened to us, or a relay
             route = self._routes.get(address)
-            if route is None or self._router is None:
+            if route is not None and self._router is not None:
+                if not self._push(self._router, ([route, *message], nbytes)):
+                    return False
+                self.stats.sent_over_routes += 1
+                return True
+            if self.relay is None or self._route_frame is None:
                 return False
-            if not self._push(self._router, ([route, *message], nbytes)):
-                return False
-            self.stats.sent_over_routes += 1
-            return True
+            target = RELAY_PREFIX + address.encode()
+            message, nbytes, address = [target, *message], nbytes + len(target), self.relay
         if self._route_frame is not None:
             message = [self._route_frame, *message]
             nbytes += len(self._route_frame)
@@ -491,11 +502,15 @@ class TcpTransport(Transport):
                     key = frames[0].get("User-Id").encode("ascii")  # pyzmq's ZAP handler: the client's Z85 key
                 except (zmq.ZMQError, UnicodeEncodeError):
                     key = None
+            origin = None
             if _is_route(frames[0]):
-                self._learn_route(frames[0].bytes, key, route)
+                origin = self._learn_route(frames[0].bytes, key, route)
                 frames = frames[1:]
                 if not frames:
                     continue
+            if _starts(frames[0], RELAY_PREFIX):
+                self._pass_on(frames, total, origin)
+                continue
             self._deliver(frames, total, key, route)
 
     async def _read_replies(self, address: str, dest: _Destination) -> None:
@@ -517,6 +532,9 @@ class TcpTransport(Transport):
                     frames = got[0]
                     if _is_route(frames[0]):  # only clients send one, and nobody dials a client
                         frames = frames[1:]
+                    if frames and _starts(frames[0], RELAYED_PREFIX):  # another client's, through our relay
+                        frames = frames[1:]
+                        self.stats.received_relayed += 1
                     if frames:
                         self.stats.received_over_own += 1
                         self._deliver(frames, got[1], server_key, None)
@@ -549,8 +567,8 @@ class TcpTransport(Transport):
                 continue
             size = len(frame)
             total += size
-            # A client's route frame (ROUTE_PREFIX) comes on top of what the limits allow.
-            too_many = len(frames) >= limits.max_frames and (len(frames) > limits.max_frames or not _is_route(frames[0]))
+            # A client's route frame and a relay's frame (at most 2 in front) come on top of what the limits allow.
+            too_many = len(frames) >= limits.max_frames and len(frames) >= limits.max_frames + _control_frames(frames)
             if too_many or size > limits.max_frame_bytes or total > limits.max_message_bytes:
                 dropped = True
                 frames.clear()
@@ -562,23 +580,46 @@ class TcpTransport(Transport):
             return None
         return (frames, total, route) if frames else None
 
-    def _learn_route(self, frame: bytes, key: bytes | None, route: bytes | None) -> None:
-        """Remember ``route`` as the way to the client-mode member a route frame names, if it may claim it."""
-        raw = frame[len(ROUTE_PREFIX):]
-        if route is None or len(raw) > MAX_ROUTE_ADDRESS:
-            return
+    def _learn_route(self, frame: bytes, key: bytes | None, route: bytes | None) -> str | None:
+        """Remember ``route`` as the way to the client-mode member a route frame names, if it may claim it;
+        that member's address (None if it may not)."""
+        address = _address_after(frame, ROUTE_PREFIX)
+        if route is None or address is None:
+            return None
         try:
-            address = raw.decode()
             _, claimed = split_curve_address(address)
-        except (UnicodeDecodeError, ValueError):
-            return
+        except ValueError:
+            return None
         if not is_client_address(address) or claimed != key:  # secure: only the holder of the address's key
-            return
+            return None
         if self._routes.get(address) != route:
             self._routes[address] = route
             while len(self._routes) > self.limits.max_incoming:
                 self._routes.popitem(last=False)
         self._routes.move_to_end(address)
+        return address
+
+    def _pass_on(self, frames: list[zmq.Frame], total: int, origin: str | None) -> None:
+        """As a relay: pass a client's message on to the client its relay frame names, over our route to it."""
+        target = _address_after(frames[0].bytes, RELAY_PREFIX)
+        route = self._routes.get(target) if target is not None else None
+        budget = self.relaying
+        loop = asyncio.get_running_loop()
+        if (
+            origin is None  # only a client (named by its route frame) has messages relayed
+            or route is None
+            or budget is None
+            or self.curve is not None  # a secure swarm's relay would read what passes: none is served
+            or self._router is None
+            or not budget.take(total, loop.time())
+        ):
+            self.stats.relay_dropped += 1
+            return
+        came_from = RELAYED_PREFIX + origin.encode()
+        if self._push(self._router, ([route, came_from, *frames[1:]], total)):
+            self.stats.relayed += 1
+        else:
+            self.stats.relay_dropped += 1
 
     def _deliver(self, frames: list[zmq.Frame], total: int, key: bytes | None, route: bytes | None) -> None:
         try:
@@ -611,9 +652,35 @@ class TcpTransport(Transport):
                 self.incoming.disconnected(value)
 
 
+def _starts(frame: zmq.Frame, prefix: bytes) -> bool:
+    """Whether ``frame`` starts with ``prefix`` (compared in place: no copy of a large frame)."""
+    return len(frame) >= len(prefix) and frame.buffer[: len(prefix)] == prefix
+
+
 def _is_route(frame: zmq.Frame) -> bool:
-    """Whether ``frame`` is a client's route frame (compared in place: no copy of a large frame)."""
-    return len(frame) >= len(ROUTE_PREFIX) and frame.buffer[: len(ROUTE_PREFIX)] == ROUTE_PREFIX
+    """Whether ``frame`` is a client's route frame."""
+    return _starts(frame, ROUTE_PREFIX)
+
+
+def _control_frames(frames: list[zmq.Frame]) -> int:
+    """How many of the first two frames are a client's or a relay's (route, relay, relayed), not the message's."""
+    n = 0
+    for frame in frames[:2]:
+        if not (_is_route(frame) or _starts(frame, RELAY_PREFIX) or _starts(frame, RELAYED_PREFIX)):
+            break
+        n += 1
+    return n
+
+
+def _address_after(frame: bytes, prefix: bytes) -> str | None:
+    """The address a control frame names after its prefix; None if too long or not text."""
+    raw = frame[len(prefix):]
+    if len(raw) > MAX_ROUTE_ADDRESS:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _describe_handshake_failure(address: str, kind: int, value: int, secure: bool) -> str:
