@@ -7,7 +7,10 @@ alternately for each seed:
 - ``nat``: a coordinator and 2 peers on public hosts, and 2 peers each
   behind its own home router doing ``iptables MASQUERADE`` (nobody can dial
   them: they find out when they join and train as client-mode members,
-  over connections they open; README "Behind NAT").
+  over connections they open, and average with each other through the
+  coordinator's relay; README "Behind NAT");
+- ``nat-no-relay`` (with ``--worlds``): the same with the coordinator's
+  relay off, so that the two behind NAT average with the public peers only.
 
 Every peer is a `gossiptrain peer` process with `--wait-for 4` (the clock
 starts at the first start, as in experiments/wan.py), one torch thread,
@@ -24,6 +27,7 @@ the median with all 4 public (the issue's target: at most 1.25),
 "nat_reached": runs of the nat world that reached the target, "runs"}.
 
     python experiments/nat.py                   # 3 seeds, unshaped links (a few minutes)
+    python experiments/nat.py --seeds 5 --worlds public nat nat-no-relay
     python experiments/nat.py --rate 100mbit    # every host's link at 100 Mbit/s
     python experiments/nat.py --quick           # 1 seed, short runs (smoke test)
 """
@@ -49,12 +53,12 @@ from gossiptrain.train.metrics import read_metrics  # noqa: E402
 PEERS = 4
 PORT = 9000
 SKEW = {"train.partition": "classes-per-peer", "train.partition_classes": 3}
-WORLDS = ("public", "nat")
+WORLDS = ("public", "nat", "nat-no-relay")
 
 
 def world_hosts(stack: contextlib.ExitStack, world: str) -> tuple[netns.Lan, list[netns.Namespace], list[netns.NatRouter]]:
     """The namespaces of one world, entered on ``stack``: the Lan, the peers' hosts (public first), the routers."""
-    behind = 2 if world == "nat" else 0
+    behind = 0 if world == "public" else 2
     lan = netns.Lan(1 + PEERS - behind, prefix="gt-natx")
     stack.enter_context(lan)
     routers = [netns.NatRouter(lan) for _ in range(behind)]
@@ -81,7 +85,8 @@ def one(world: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str
                 ns.shape_link("eth0", netns.LinkShape(rate=args.rate))
         procs = stack.enter_context(harness.Procs(work))
         join = f"{lan.addresses[0]}:{PORT}"
-        procs.start("coordinator", in_ns(lan.hosts[0], "coordinator", "--bind", join, *sets))
+        relay = ["--no-relay"] if world == "nat-no-relay" else []
+        procs.start("coordinator", in_ns(lan.hosts[0], "coordinator", "--bind", join, *relay, *sets))
         deadline = time.monotonic() + 60
         while "join with:" not in (work / "coordinator.log").read_text(errors="replace"):
             if (problem := procs.failed()) or time.monotonic() > deadline:
@@ -110,6 +115,7 @@ def one(world: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str
         "exchanges_per_peer": statistics.mean(r.get("exchanges", 0) for r in last),
         "clients_exchanges": [r.get("exchanges", 0) for r in clients],
         "sent_over_routes": sum(r.get("sent_over_routes", 0) for r in last),
+        "received_relayed": sum(r.get("received_relayed", 0) for r in clients),
     }
 
 
@@ -121,8 +127,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
         t = times(world)
         return statistics.median(t) if len(t) == sum(r["world"] == world for r in rows) and t else None
 
-    public, nat = median("public"), median("nat")
+    public, nat, no_relay = median("public"), median("nat"), median("nat-no-relay")
     ratio = nat / public if nat is not None and public else None
+    no_relay_ratio = no_relay / public if no_relay is not None and public else None
     lines = [
         f"# 4 peers, 2 of them behind NAT, against 4 public peers: {args.workload}, 3 classes per peer, "
         f"medians of {args.seeds} seeds", "",
@@ -132,18 +139,22 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
     ]
     table = [[r["world"], r["seed"], "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}",
               f"{r['final_acc']:.3f}", r["client_members"], r["members_min"], r["members_dead"],
-              f"{r['exchanges_per_peer']:.0f}", r["sent_over_routes"]] for r in rows]
+              f"{r['exchanges_per_peer']:.0f}", r["sent_over_routes"], r["received_relayed"]] for r in rows]
     lines += harness.markdown_table(
         ["world", "seed", "time to target (s)", "final mean acc", "client members", "smallest view", "deaths",
-         "exchanges per peer", "sent over routes"], table)
+         "exchanges per peer", "sent over routes", "clients' relayed"], table)
     lines += ["", f"Median time to target: public {harness.fmt(public or float('nan'))} s, 2 behind NAT "
               f"{harness.fmt(nat or float('nan'))} s: NAT / public = **{harness.fmt(ratio or float('nan'))}** "
               "(target at most 1.25)."]
+    if any(r["world"] == "nat-no-relay" for r in rows):
+        lines += [f"With the coordinator's relay off (the clients average with the public peers only): "
+                  f"{harness.fmt(no_relay or float('nan'))} s, NAT / public = {harness.fmt(no_relay_ratio or float('nan'))}."]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(harness.headline({
         "nat_over_public": harness.finite_or_none(ratio),
         "nat_reached": len(times("nat")),
+        "nat_no_relay_over_public": harness.finite_or_none(no_relay_ratio),
         "runs": len(rows),
     }))
     return 0
@@ -155,6 +166,8 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.93, help="mean test accuracy to hold (default 0.93)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds of training per run before it counts as not reached")
     ap.add_argument("--workload", default="digits")
+    ap.add_argument("--worlds", nargs="+", default=["public", "nat"], choices=WORLDS,
+                    help="which worlds to run (default: public nat)")
     ap.add_argument("--rate", default="", help="shape every host's link to this tbf rate, e.g. 100mbit (default: none)")
     ap.add_argument("--quick", action="store_true", help="1 seed, digits-small, short runs (a smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/nat)")
@@ -168,7 +181,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in range(args.seeds):
-        for world in WORLDS:
+        for world in args.worlds:
             row = one(world, seed, args, out / "runs" / f"{world}-{seed}")
             print(f"{world} seed {seed}: {row['time_to_target']} s, final {row['final_acc']}", flush=True)
             rows.append(row)
