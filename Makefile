@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with only Python: `make demo` and `make test`.
-# Each creates .venv, installs torch 2.13.0 (CPU) first, then this project with its test, experiment, tensorboard, prometheus, storage and hf (transformers) extras.
+# Each creates .venv, installs torch 2.13.0 (CPU) first, then this project with its test, experiment, tensorboard, prometheus, storage, hf (transformers) and nat (cryptography) extras.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,experiments,tensorboard,prometheus,storage,hf]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,experiments,tensorboard,prometheus,storage,hf,nat]'
 	touch $(STAMP)
 
 demo: $(STAMP)

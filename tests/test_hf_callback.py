@@ -157,7 +157,10 @@ def test_a_members_stop_request_ends_the_other_trainer_early(coordinator_factory
     ]
     with callbacks[0], callbacks[1]:
         train_both(trainers)
-    assert all(5 <= t.state.global_step < 100_000 for t in trainers), [t.state.global_step for t in trainers]
+    steps = [t.state.global_step for t in trainers]
+    # The asker stopped at its step 5 or just after; the other wherever the stop found it (it may be behind: CI
+    # once saw 3), long before its budget.
+    assert steps[0] >= 5 and steps[1] >= 1 and all(s < 100_000 for s in steps), steps
     assert [cb.final_report.reason for cb in callbacks if cb.final_report] == ["stop", "stop"]
 
 

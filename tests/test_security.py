@@ -142,7 +142,7 @@ def test_bad_security_settings_fail_at_start_naming_the_field(
 def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None:
     """Behind NAT, alice is reached over the connection she opened; bob, allowed too, cannot take her route by
     naming her client address: a route is learned only from the key in the address (and what goes over it is
-    CURVE-encrypted, as everything in a secure swarm). A secure member relays nothing."""
+    CURVE-encrypted, as everything in a secure swarm)."""
 
     async def main() -> None:
         made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
@@ -161,15 +161,69 @@ def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None
             assert [bytes(f) for f in await asyncio.wait_for(member.recv(), 5)] == [b"hello"]
             assert member.can_reach(alice_at) and member.send(alice_at, [b"for alice"])
             assert [bytes(f) for f in await asyncio.wait_for(alice.recv(), 5)] == [b"for alice"]
-            # A relay would read what passes (CURVE protects each connection, not the path): a secure one passes
-            # nothing on, even asked to serve.
-            member.serve_as_relay(0.0)
-            alice.use_relay(member.address)
-            assert alice.send(alice_at, [b"through you"])  # to a client the relay has a route to: alice herself
+
+        finally:
+            for t in made:
+                await t.close()
+
+    asyncio.run(main())
+
+
+def test_two_secure_clients_talk_through_a_relay_that_sees_only_ciphertext(ring: Keyring) -> None:
+    """Alice and bob, each behind NAT, in a secure swarm: what alice sends bob through the relay (the
+    coordinator) is sealed for bob alone. The relay passes it on but never sees it in the clear, bob reads it as
+    alice's (her key), and a relay that replays a message or alters a byte gets nothing more delivered."""
+    secret = b"tensor bytes only alice and bob may read " * 100
+
+    async def main() -> None:
+        made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
+        for t in made:
+            await t.start()
+        try:
+            relay, alice, bob = made
+            seen: list[bytes] = []
+            push = relay._push
+
+            def watched(sock: Any, item: Any) -> bool:  # what the relay puts on the wire, whoever it is for
+                seen.extend(bytes(memoryview(f)) for f in item[0])
+                return push(sock, item)
+
+            relay._push = watched  # type: ignore[method-assign]
+            relay.serve_as_relay(0.0)
+            for client in (alice, bob):
+                client.become_client(client_address(client.address))
+                client.use_relay(relay.address)
+                assert client.send(relay.address, [b"report"])  # its connection to the coordinator: the route
+                assert [bytes(f) for f in await asyncio.wait_for(relay.recv(), 5)] == [b"report"]
+            assert alice.send(bob.client_as, [b"xreq", secret])
+            got = await asyncio.wait_for(bob.recv(), 5)
+            assert [bytes(f) for f in got] == [b"xreq", secret]
+            assert bob.key_of(got) == alice.curve.public  # from alice, as her key proves
+            assert relay.stats.relayed == 1 and seen and not any(secret[:40] in frame for frame in seen)
+
+            def replaying(sock: Any, item: Any) -> bool:  # every message twice
+                return push(sock, item) and push(sock, item)
+
+            relay._push = replaying  # type: ignore[method-assign]
+            assert alice.send(bob.client_as, [b"again", secret])
+            assert [bytes(f) for f in await asyncio.wait_for(bob.recv(), 5)] == [b"again", secret]
             deadline = time.monotonic() + 5
-            while member.stats.relay_dropped == 0 and time.monotonic() < deadline:
+            while bob.stats.sealed_dropped == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            assert member.stats.relay_dropped == 1 and member.stats.relayed == 0
+            assert bob.stats.sealed_dropped == 1 and bob.stats.received_relayed == 2  # the copy: a replay, dropped
+
+            def tampering(sock: Any, item: Any) -> bool:
+                frames = list(item[0])
+                last = bytearray(memoryview(frames[-1]))
+                last[-1] ^= 1
+                return push(sock, (frames[:-1] + [bytes(last)], item[1]))
+
+            relay._push = tampering  # type: ignore[method-assign]
+            assert alice.send(bob.client_as, [b"xreq", secret])
+            deadline = time.monotonic() + 5
+            while bob.stats.sealed_dropped == 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert bob.stats.sealed_dropped == 2 and bob.stats.received_relayed == 2 and len(bob.inbox) == 0
         finally:
             for t in made:
                 await t.close()

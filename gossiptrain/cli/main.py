@@ -413,8 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "given; needs prometheus-client; default: none)")
     p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                    help="pass exchanges between peers behind NAT, which cannot reach each other, within "
-                   "limits.relay_bytes_per_second (default: on in an open swarm; a secure swarm's coordinator never "
-                   "relays)")
+                   "limits.relay_bytes_per_second (default: on; in a secure swarm the peers seal what passes for "
+                   "each other, and the coordinator cannot read it)")
     _add_security_flags(p, peer=False)
     _add_run_flags(p)
     p.set_defaults(func=cmd_coordinator)

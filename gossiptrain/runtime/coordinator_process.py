@@ -29,15 +29,15 @@ async def serve_coordinator(
     ``spec`` is the swarm's model when the caller knows it (a named workload): joins with another are refused.
     ``relay``: pass messages between client-mode members (peers behind NAT, which cannot reach each other),
     within ``limits.relay_*``. Every client holds a connection to the coordinator (its reports), so the
-    coordinator has a way to each; a secure swarm's coordinator relays nothing (it would read what passes).
+    coordinator has a way to each; in a secure swarm what it passes is sealed for the target alone.
     """
     host, port = parse_hostport(bind, "bind address")
     transport = listen(tcp_url(host, port), config.limits, security=security)
     async with transport, Coordinator(config, transport, spec=spec) as coordinator:
         if security is None:
             warn_open("coordinator", transport.address)
-            if relay:
-                transport.serve_as_relay(asyncio.get_running_loop().time())
+        if relay:
+            transport.serve_as_relay(asyncio.get_running_loop().time())
         if on_ready:
             on_ready(coordinator)
         stopped = asyncio.create_task(stop.wait())

@@ -42,6 +42,7 @@ from gossiptrain.net.addressing import (
     tcp_url,
     with_host_if_wildcard,
 )
+from gossiptrain.net import sealed
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
@@ -234,8 +235,12 @@ class Peer:
                 welcome = join_once(None, welcome.shard)  # the shard our model was built for
             log.log(logging.INFO if self.reachability.reachable else logging.WARNING, "%s", self.reachability.line(welcome.member_id))
             self._attach(welcome)
-            if self._transport.client_as is not None and security is None and welcome.coordinator:
-                self._use_relay(welcome.coordinator)
+            if self._transport.client_as is not None and welcome.coordinator:
+                if security is None or sealed.available():
+                    self._use_relay(welcome.coordinator)
+                else:
+                    log.warning("no relay to other peers behind NAT: a secure swarm seals what passes through one, "
+                                "which needs the cryptography package (pip install 'gossiptrain[nat]')")
             # Compared only on what the caller set; the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:
@@ -328,8 +333,8 @@ class Peer:
         self._loop.run(become(), timeout=5)
 
     def _use_relay(self, coordinator: str) -> None:
-        """Average with other clients through the coordinator, which relays between peers behind NAT (open
-        swarms: a relay reads what passes through it). One that does not relay drops; those exchanges time out."""
+        """Average with other clients through the coordinator, which relays between peers behind NAT (a secure
+        swarm's are sealed for the target alone). One that does not relay drops; those exchanges time out."""
         transport = self._transport
         assert transport is not None
 

@@ -43,6 +43,7 @@ class TransportStats:
     relayed: int = 0  # as a relay: messages passed from one client-mode member to another
     relay_dropped: int = 0  # as a relay: messages not passed on (no route to the target, over the budget, not relaying)
     received_relayed: int = 0  # as a client: messages from another client that came through our relay
+    sealed_dropped: int = 0  # as a client: relayed messages that did not open (secure: not sealed for us by the sender)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -205,8 +206,9 @@ class Transport(Service, abc.ABC):
         """As a client, send what we have for another client-mode member, which we cannot reach, through the
         member at ``address`` (which must ``serve_as_relay`` and hold a route to it); it says where it came from.
 
-        The relay sees what passes through it: a secure swarm uses none
-        (CURVE protects each connection, not the path between two clients).
+        CURVE protects each connection, not the path between two clients: a
+        secure transport seals what goes through the relay for its target
+        alone (``gossiptrain.net.sealed``).
         """
         if self.client_as is None:
             raise ValueError("only a client-mode member uses a relay (become_client first)")

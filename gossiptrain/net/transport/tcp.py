@@ -27,7 +27,10 @@ has for another client to the relay, behind a ``RELAY_PREFIX`` frame naming
 the target; a transport that ``serve_as_relay`` passes it on over its
 route to the target, behind a ``RELAYED_PREFIX`` frame naming the client it
 came from (the one its route frame names), within its byte budget; the
-target strips that frame and reads the message as any other.
+target strips that frame and reads the message as any other. In a secure
+swarm the sender seals what goes through a relay for the target alone
+(``gossiptrain.net.sealed``): the relay passes ciphertext, and the target
+drops anything that does not open.
 
 With a ``SecurityConfig`` the transport is secure (CURVE): the ROUTER is a
 CURVE server that admits only client keys in the allow-list directory
@@ -58,6 +61,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gossiptrain.config import Limits, SecurityConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import CURVE_QUERY, curve_address, is_client_address, split_curve_address
+from gossiptrain.net import sealed
 from gossiptrain.net.keys import CurveKeys, load_curve
 from gossiptrain.net.transport.base import RELAY_PREFIX, RELAYED_PREFIX, Transport
 from gossiptrain.net.transport.incoming import IncomingGuard, descriptor_budget, peer_of, shut_down
@@ -191,6 +195,9 @@ class TcpTransport(Transport):
         # Client-mode members' routes: their address -> the ROUTER id of the connection they last sent on.
         self._routes: OrderedDict[str, bytes] = OrderedDict()
         self._route_frame: bytes | None = None  # ours, once we are a client (``become_client``)
+        # Secure clients: the numbers on what we seal for a relay, and the last one each sender's carried.
+        self._sealed_numbers = sealed.Counter()
+        self._sealed_seen = sealed.Seen()
         self.incoming = IncomingGuard(limits.incoming_per_source, limits.max_incoming)  # bounds set again at start
 
     def source_of(self, frames: Sequence[object]) -> str | None:
@@ -304,6 +311,11 @@ class TcpTransport(Transport):
                 return True
             if self.relay is None or self._route_frame is None:
                 return False
+            if self.curve is not None:  # the relay must not read it: sealed for the target alone
+                message = self._seal(message, address)
+                if message is None:
+                    return False
+                nbytes = sum(len(f) for f in message)
             target = RELAY_PREFIX + address.encode()
             message, nbytes, address = [target, *message], nbytes + len(target), self.relay
         if self._route_frame is not None:
@@ -533,8 +545,8 @@ class TcpTransport(Transport):
                     if _is_route(frames[0]):  # only clients send one, and nobody dials a client
                         frames = frames[1:]
                     if frames and _starts(frames[0], RELAYED_PREFIX):  # another client's, through our relay
-                        frames = frames[1:]
-                        self.stats.received_relayed += 1
+                        self._deliver_relayed(frames, got[1])
+                        continue
                     if frames:
                         self.stats.received_over_own += 1
                         self._deliver(frames, got[1], server_key, None)
@@ -609,7 +621,6 @@ class TcpTransport(Transport):
             origin is None  # only a client (named by its route frame) has messages relayed
             or route is None
             or budget is None
-            or self.curve is not None  # a secure swarm's relay would read what passes: none is served
             or self._router is None
             or not budget.take(total, loop.time())
         ):
@@ -621,12 +632,55 @@ class TcpTransport(Transport):
         else:
             self.stats.relay_dropped += 1
 
-    def _deliver(self, frames: list[zmq.Frame], total: int, key: bytes | None, route: bytes | None) -> None:
+    def _seal(self, message: list[bytes | memoryview], target: str) -> list[bytes | memoryview] | None:
+        """``message`` sealed for the client at ``target`` (gossiptrain.net.sealed); None if it cannot be."""
+        assert self.curve is not None and self.client_as is not None
+        try:
+            _, other = split_curve_address(target)
+        except ValueError:
+            return None
+        if other is None:
+            return None
+        return list(sealed.seal(message, secret=self.curve.secret, public=self.curve.public, other=other,
+                                sender=self.client_as, target=target, chunk=self.limits.chunk_bytes,
+                                number=self._sealed_numbers.next()))
+
+    def _deliver_relayed(self, frames: list[zmq.Frame], total: int) -> None:
+        """A message another client sent us through our relay: opened (a secure swarm's are sealed) and delivered
+        as from that client, whose address the relay's frame names; dropped and counted if it does not open."""
+        origin = _address_after(frames[0].bytes, RELAYED_PREFIX)
+        rest = frames[1:]
+        if origin is None or not rest:
+            self.stats.sealed_dropped += 1
+            return
+        key: bytes | None = None
+        contents: list[memoryview] | None = None
+        if self.curve is not None:
+            try:
+                _, key = split_curve_address(origin)
+                if key is None or self.client_as is None:
+                    raise sealed.SealError("the sender's address has no key")
+                opened = sealed.unseal([f.buffer for f in rest], secret=self.curve.secret, public=self.curve.public,
+                                       other=key, sender=origin, target=self.client_as, limits=self.limits,
+                                       seen=self._sealed_seen)
+            except (sealed.SealError, ValueError):
+                self.stats.sealed_dropped += 1
+                return
+            contents = [memoryview(f) for f in opened]
+        self.stats.received_relayed += 1
+        self.stats.received_over_own += 1
+        self._deliver(rest, total, key, None, contents)
+
+    def _deliver(
+        self, frames: list[zmq.Frame], total: int, key: bytes | None, route: bytes | None,
+        contents: list[memoryview] | None = None,
+    ) -> None:
+        """Put a received message in the inbox: ``frames``' buffers, or ``contents`` (what they held, opened)."""
         try:
             source: str | None = frames[0].get("Peer-Address")
         except zmq.ZMQError:  # no connection metadata (cannot happen over tcp://; never fatal)
             source = None
-        self.inbox.put_nowait(ReceivedFrames([f.buffer for f in frames], source, key, route))
+        self.inbox.put_nowait(ReceivedFrames(contents if contents is not None else [f.buffer for f in frames], source, key, route))
         self.stats.messages_received += 1
         self.stats.bytes_received += total
 
