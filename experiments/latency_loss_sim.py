@@ -15,16 +15,19 @@ calibrated simulator stands in (README "Simulator"):
    TCP over a lossy link retransmits the packet and delivers it late, so
    its loss costs more than netem's would.
 
-Output: experiments/results/latency_loss/summary.md, and the last line
+Output: experiments/results/latency_loss/summary.md (`--quick`: 1 seed, 2
+virtual minutes of membership, written to a scratch folder), and the last line
 printed is a JSON object {"smallest_view", "wan_over_lan",
 "wan_nat_over_lan_nat", "delay_over_lan", "loss_over_lan"} (time ratios of
 medians; the issue's target for the WAN one: at most 1.5).
 
-    python experiments/latency_loss_sim.py    # about 1 minute
+    python experiments/latency_loss_sim.py            # about 1 minute
+    python experiments/latency_loss_sim.py --quick    # a smoke test
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -33,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from experiments import harness  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
 from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
 from gossiptrain.sim.cluster import SimConfig, simulate  # noqa: E402
@@ -40,22 +44,19 @@ from gossiptrain.sim.cluster import SimConfig, simulate  # noqa: E402
 LAN = LinkProfile()
 WAN = LinkProfile(latency=0.05, loss=0.01)
 LINKS = {"lan": LAN, "wan": WAN, "delay": LinkProfile(latency=0.05), "loss": LinkProfile(loss=0.01)}
-SEEDS = 3
-
-
-def smallest_view() -> int:
+def smallest_view(duration: float) -> int:
     run = RunConfig().with_overrides({"train.workload": "external"})
-    result = simulate(SimConfig(peers=16, run=run, duration=600, membership_only=True, sample_every=5, link=WAN))
+    result = simulate(SimConfig(peers=16, run=run, duration=duration, membership_only=True, sample_every=5, link=WAN))
     return min(r["members"] for r in result.rows if r["time"] >= 10)
 
 
-def times(link: LinkProfile, behind_nat: tuple[int, ...]) -> list[float | None]:
+def times(link: LinkProfile, behind_nat: tuple[int, ...], seeds: int) -> list[float | None]:
     run = RunConfig().with_overrides({"train.workload": "digits-small", "train.partition": "classes-per-peer",
                                       "train.partition_classes": 3, "train.shards": 4})
     return [
         simulate(SimConfig(peers=4, run=run, duration=30, step_time=0.01, link=link, behind_nat=behind_nat, seed=seed,
                            target_accuracy=0.9, target_hold=3, sample_every=0.25)).summary.get("time_to_target")
-        for seed in range(SEEDS)
+        for seed in range(seeds)
     ]
 
 
@@ -64,8 +65,16 @@ def median(values: list[float | None]) -> float | None:
 
 
 def main() -> int:
-    view = smallest_view()
-    rows = {f"{name}{'+nat' if nat else ''}": times(link, nat)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--minutes", type=float, default=10.0, help="virtual minutes of the membership run (default 10)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 2 virtual minutes (a smoke test)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/latency_loss)")
+    args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.minutes = 1, 2.0
+    view = smallest_view(60 * args.minutes)
+    rows = {f"{name}{'+nat' if nat else ''}": times(link, nat, args.seeds)
             for name, link in LINKS.items() for nat in ((), (1, 2)) if not (nat and name in ("delay", "loss"))}
     med = {k: median(v) for k, v in rows.items()}
 
@@ -73,10 +82,10 @@ def main() -> int:
         return round(med[a] / med[b], 3) if med[a] is not None and med[b] else None
 
     lines = ["# 50 ms delay and 1% loss on every link, simulated", "",
-             "Regenerate: `python experiments/latency_loss_sim.py`. 16 members for 10 virtual minutes at 50 ms / 1%: "
-             f"smallest view after 10 s **{view}** of 16 (no false death).", "",
+             f"Regenerate: `python experiments/latency_loss_sim.py`. 16 members for {args.minutes:g} virtual minutes at "
+             f"50 ms / 1%: smallest view after 10 s **{view}** of 16 (16: no false death).", "",
              "4 peers, digits-small, 3 classes each, 10 ms steps; virtual seconds to a mean test accuracy of 0.9 held "
-             "for 3 samples (seeds 0-2; `-`: not in 30 s):", "",
+             f"for 3 samples (seeds 0-{args.seeds - 1}; `-`: not in 30 s):", "",
              "| link | behind NAT | times (s) | median |", "| --- | --- | --- | --- |"]
     for key, values in rows.items():
         name, _, nat = key.partition("+")
@@ -85,7 +94,7 @@ def main() -> int:
     headline = {"smallest_view": view, "wan_over_lan": ratio("wan", "lan"), "wan_nat_over_lan_nat": ratio("wan+nat", "lan+nat"),
                 "delay_over_lan": ratio("delay", "lan"), "loss_over_lan": ratio("loss", "lan")}
     lines += ["", f"Ratios of medians: {json.dumps(headline)} (the issue's target for the WAN link: at most 1.5)."]
-    out = ROOT / "experiments" / "results" / "latency_loss"
+    out = harness.results_dir("latency_loss", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -332,22 +332,24 @@ def test_refusals_free_only_their_own_exchange_and_each_is_counted() -> None:
     assert float(pa["w"]) == 4.0 and a.stats.completed == 1 and a.stats.late == 2
 
 
-def test_with_overdue_kept_replies_outstanding_a_peer_asks_no_one_until_one_is_settled() -> None:
-    """OVERDUE_KEPT timed-out exchanges (each holding a model copy) stop new requests; a late refusal of
-    one of them lets the next safe point ask again. Every timeout is counted."""
-    a, _ = pairwise([0.0], me="A")
-    partners = ["B", "C", "D", "E", "F"]
+def test_past_overdue_kept_timed_out_exchanges_the_oldest_is_given_up_and_the_peer_asks_on() -> None:
+    """At most OVERDUE_KEPT timed-out exchanges (each holding a model copy) are remembered: a further timeout
+    gives up the oldest (counted, its reply no longer applied) and the peer goes on asking others, never
+    stopping its averaging for lost messages. Every timeout is counted; the remembered ones still apply."""
+    a, pa = pairwise([0.0], me="A")
+    partners = ["B", "C", "D", "E", "F", "G"]
     sent = []
-    for k in range(OVERDUE_KEPT):
+    for k in range(OVERDUE_KEPT + 1):
         actions = a.handle(AtSafePoint(step=k + 1, partners=partners), 5.0 * k)
         sent += actions
-        assert len(actions) == 1
-    assert a.handle(AtSafePoint(step=OVERDUE_KEPT + 1, partners=partners), 5.0 * OVERDUE_KEPT) == []
-    assert a.stats.timeouts == OVERDUE_KEPT and not a.busy
-    assert a.handle(AtSafePoint(step=OVERDUE_KEPT + 2, partners=partners), 5.0 * OVERDUE_KEPT + 1) == []
-    a.handle(Received(sent[0].to, XNAK, sent[0].xid), 5.0 * OVERDUE_KEPT + 1)
-    (req,) = a.handle(AtSafePoint(step=OVERDUE_KEPT + 3, partners=partners), 5.0 * OVERDUE_KEPT + 2)
-    assert req.kind == XREQ and a.stats.timeouts == OVERDUE_KEPT
+        assert len(actions) == 1 and actions[0].kind == XREQ
+    (req,) = a.handle(AtSafePoint(step=OVERDUE_KEPT + 2, partners=partners), 5.0 * (OVERDUE_KEPT + 1))
+    assert req.kind == XREQ and a.stats.timeouts == OVERDUE_KEPT + 1 and a.stats.abandoned == 2
+    now = 5.0 * (OVERDUE_KEPT + 1) + 0.5
+    a.handle(Received(sent[0].to, XREP, sent[0].xid, {"w": torch.tensor([8.0])}, meta={"a": 0.5}), now)  # given up
+    a.handle(Received(sent[-1].to, XREP, sent[-1].xid, {"w": torch.tensor([8.0])}, meta={"a": 0.5}), now)  # kept
+    settle(a, step=OVERDUE_KEPT + 3, now=now)
+    assert float(pa["w"]) == 4.0 and a.stats.completed == 1  # the kept one applied, the given-up one not
 
 
 def test_an_exchange_times_out_at_its_deadline_exactly() -> None:

@@ -25,12 +25,13 @@ steps: an exchange is applied on both sides or on neither. The pieces:
   data costs its partners nothing, and no request waits in a queue to be
   served after its requester gave up.
 - *A late reply is applied, not dropped.* A timeout only lets us start
-  another exchange; the timed-out one stays remembered (up to ``OVERDUE_KEPT``
-  of them, for ``OVERDUE_SECONDS``; with that many outstanding we ask no one
-  else), and its reply, whenever it comes, is applied as if on time. Only a
-  reply later than the horizon is abandoned (``stats.abandoned``, with a
-  warning); one from a member we saw die is forgotten quietly (its model
-  left the swarm with it).
+  another exchange; the timed-out one stays remembered (the latest
+  ``OVERDUE_KEPT`` of them, for ``OVERDUE_SECONDS``), and its reply, whenever
+  it comes, is applied as if on time. Only a reply later than the horizon, or
+  than ``OVERDUE_KEPT`` newer timeouts, is abandoned (``stats.abandoned``,
+  with a warning): by then it is most likely lost, and waiting for it would
+  stop the peer averaging; one from a member we saw die is forgotten quietly
+  (its model left the swarm with it).
 - *A reply we could not send is taken back*: the driver reports it
   (``Undelivered``) and the server undoes its merge.
 - *Crossing requests* (two peers asking each other at once) are served by
@@ -90,7 +91,7 @@ META_RANGES: dict[str, tuple[type, float, float]] = {
 
 
 #: Timed-out pairwise exchanges remembered so that a late reply is still applied (each holds one model copy);
-#: with that many outstanding, a peer starts no exchange until a reply comes, a partner dies or the horizon passes.
+#: past that many, the oldest is given up (its reply most likely lost).
 OVERDUE_KEPT = 4
 #: How long a timed-out exchange's reply is still applied; later, the exchange is abandoned.
 OVERDUE_SECONDS = 120.0
@@ -554,8 +555,12 @@ class PairwiseAveraging(Averaging):
             self._avoid(inflight.partner, now)
             self._inflight = None
             self._overdue[inflight.xid] = inflight
-        if len(self._overdue) >= OVERDUE_KEPT:
-            return []  # that many replies outstanding: ask no one else until one comes (or the horizon passes)
+        while len(self._overdue) >= OVERDUE_KEPT:
+            # That many replies outstanding: the oldest is most likely lost, not late (a dropped message, a relay
+            # past its budget). Waiting for it would stop this peer averaging for up to OVERDUE_SECONDS (with 1%
+            # of messages lost, for good after a few seconds: experiments/latency_loss_sim.py); give it up instead.
+            oldest = next(iter(self._overdue))
+            self._abandon(self._overdue.pop(oldest), f"{OVERDUE_KEPT} newer exchanges timed out since")
         if tick.step - self._last_start_step < self.config.exchange_every_steps:
             return []
         partner, healthy = self._pick(tick.partners, now)
