@@ -558,7 +558,7 @@ class PairwiseAveraging(Averaging):
         while len(self._overdue) >= OVERDUE_KEPT:
             # That many replies outstanding: the oldest is most likely lost, not late (a dropped message, a relay
             # past its budget). Waiting for it would stop this peer averaging for up to OVERDUE_SECONDS (with 1%
-            # of messages lost, for good after a few seconds: experiments/latency_loss_sim.py); give it up instead.
+            # of messages lost, for good after a few seconds: experiments/latency_loss.py); give it up instead.
             oldest = next(iter(self._overdue))
             self._abandon(self._overdue.pop(oldest), f"{OVERDUE_KEPT} newer exchanges timed out since")
         if tick.step - self._last_start_step < self.config.exchange_every_steps:

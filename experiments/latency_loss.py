@@ -21,8 +21,8 @@ printed is a JSON object {"smallest_view", "wan_over_lan",
 "wan_nat_over_lan_nat", "delay_over_lan", "loss_over_lan"} (time ratios of
 medians; the issue's target for the WAN one: at most 1.5).
 
-    python experiments/latency_loss_sim.py            # about 1 minute
-    python experiments/latency_loss_sim.py --quick    # a smoke test
+    python experiments/latency_loss.py            # about 1 minute
+    python experiments/latency_loss.py --quick    # a smoke test
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> int:
         return round(med[a] / med[b], 3) if med[a] is not None and med[b] else None
 
     lines = ["# 50 ms delay and 1% loss on every link, simulated", "",
-             f"Regenerate: `python experiments/latency_loss_sim.py`. 16 members for {args.minutes:g} virtual minutes at "
+             f"Regenerate: `python experiments/latency_loss.py`. 16 members for {args.minutes:g} virtual minutes at "
              f"50 ms / 1%: smallest view after 10 s **{view}** of 16 (16: no false death).", "",
              "4 peers, digits-small, 3 classes each, 10 ms steps; virtual seconds to a mean test accuracy of 0.9 held "
              f"for 3 samples (seeds 0-{args.seeds - 1}; `-`: not in 30 s):", "",
