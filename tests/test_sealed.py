@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import zmq
+
+pytest.importorskip("cryptography", reason="sealing needs the cryptography package (the nat extra; make test installs it)")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

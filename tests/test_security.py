@@ -173,6 +173,7 @@ def test_two_secure_clients_talk_through_a_relay_that_sees_only_ciphertext(ring:
     """Alice and bob, each behind NAT, in a secure swarm: what alice sends bob through the relay (the
     coordinator) is sealed for bob alone. The relay passes it on but never sees it in the clear, bob reads it as
     alice's (her key), and a relay that replays a message or alters a byte gets nothing more delivered."""
+    pytest.importorskip("cryptography", reason="sealing needs the cryptography package (the nat extra)")
     secret = b"tensor bytes only alice and bob may read " * 100
 
     async def main() -> None:
