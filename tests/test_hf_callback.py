@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from gossiptrain.errors import ConfigError, GossipError
+from gossiptrain.errors import GossipError
 
 from .conftest import fast_config
 from .swarm import Procs, next_host
