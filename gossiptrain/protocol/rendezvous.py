@@ -84,6 +84,11 @@ class Rendezvous:
     def arrived(self) -> bool:
         return self.me in self.ready
 
+    @property
+    def waiting(self) -> bool:
+        """Whether we wait for our count (``tick`` does nothing otherwise: a driver need not build its view)."""
+        return self._waiting()
+
     def count(self) -> int:
         """Members known to be ready and not known to be gone, ourselves included."""
         return sum(1 for m in self.ready if not self.gone(m))

@@ -207,7 +207,8 @@ class PeerNode(JoinAnsweringEndpoint):
     def _sendable(self) -> tuple[str, ...]:
         """The members in our view we can send to now (all of them, unless some are behind NAT).
 
-        Asked at every heartbeat tick: whether the view holds a client at all is looked at once per view.
+        For the rendezvous, while it waits (at every heartbeat tick and view change then): whether the view
+        holds a client at all is looked at once per view.
         """
         view = self._view
         if view is not self._clients_looked_at[0]:
@@ -299,7 +300,8 @@ class PeerNode(JoinAnsweringEndpoint):
             now = self.clock.now()
             self._apply(self.membership.handle(Tick(), now))
             self.state.tick(now)
-            self._send_ready(self.rendezvous.tick(now, self._sendable()))
+            if self.rendezvous.waiting:  # only then: the members we can send to cost a look at the whole view
+                self._send_ready(self.rendezvous.tick(now, self._sendable()))
             wake = min(self.membership.next_timer(), self.rendezvous.next_timer())
             await self.clock.sleep(max(floor, wake - self.clock.now()))
 
@@ -463,7 +465,8 @@ class PeerNode(JoinAnsweringEndpoint):
                     self._now(averaging.MemberGone(a.member.id))
         if changed:
             self._view = self.membership.alive_ids()
-            self._send_ready(self.rendezvous.tick(self.clock.now(), self._sendable()))  # a member we counted may be gone
+            if self.rendezvous.waiting:  # a member we counted may be gone
+                self._send_ready(self.rendezvous.tick(self.clock.now(), self._sendable()))
             self._send_ready(self.rendezvous.met(met))
 
     def _tell(self, a: MemberUp | MemberDown) -> None:
