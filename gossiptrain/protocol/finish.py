@@ -37,7 +37,8 @@ Messages (bodies checked; nothing but small msgpack values):
   members (behind NAT) cannot send each other anything: a done member that
   hears a member is done passes that on to the clients it knows (done or
   not: a done one waits for the rest), and every ``fin`` carries the
-  sender's done list.
+  sender's done list. A member that lies about who is done can only end
+  others' wait early (as in the rendezvous), never hold anyone back.
 
 ``FinishEndpoint`` keeps this state for a ``PeerNode`` (or the coordinator)
 on the network thread; the training thread only reads it. It is sans-IO,
