@@ -11,6 +11,7 @@ a receiver paused with SIGSTOP costs its sender little memory and no steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import json
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 import torch
@@ -139,17 +140,23 @@ def test_bad_security_settings_fail_at_start_naming_the_field(
         TcpTransport(f"tcp://{next_host()}:0", Limits(), security=setup(ring))
 
 
+@contextlib.asynccontextmanager
+async def secure_transports(ring: Keyring, *names: str) -> AsyncIterator[tuple[TcpTransport, ...]]:
+    """Started secure transports, one per key name, each on its own loopback host; closed on the way out."""
+    made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in names]
+    async with contextlib.AsyncExitStack() as stack:
+        for t in made:
+            await stack.enter_async_context(t)
+        yield tuple(made)
+
+
 def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None:
     """Behind NAT, alice is reached over the connection she opened; bob, allowed too, cannot take her route by
     naming her client address: a route is learned only from the key in the address (and what goes over it is
     CURVE-encrypted, as everything in a secure swarm)."""
 
     async def main() -> None:
-        made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
-        for t in made:
-            await t.start()
-        try:
-            member, alice, bob = made
+        async with secure_transports(ring, "coordinator", "alice", "bob") as (member, alice, bob):
             alice_at = client_address(alice.address)
             assert "/client?curve=" in alice_at
             alice.become_client(alice_at)
@@ -162,9 +169,6 @@ def test_a_secure_client_is_routed_to_only_by_its_own_key(ring: Keyring) -> None
             assert member.can_reach(alice_at) and member.send(alice_at, [b"for alice"])
             assert [bytes(f) for f in await asyncio.wait_for(alice.recv(), 5)] == [b"for alice"]
 
-        finally:
-            for t in made:
-                await t.close()
 
     asyncio.run(main())
 
@@ -177,11 +181,7 @@ def test_two_secure_clients_talk_through_a_relay_that_sees_only_ciphertext(ring:
     secret = b"tensor bytes only alice and bob may read " * 100
 
     async def main() -> None:
-        made = [TcpTransport(f"tcp://{next_host()}:0", Limits(), security=ring.security(n)) for n in ("coordinator", "alice", "bob")]
-        for t in made:
-            await t.start()
-        try:
-            relay, alice, bob = made
+        async with secure_transports(ring, "coordinator", "alice", "bob") as (relay, alice, bob):
             seen: list[bytes] = []
             push = relay._push
 
@@ -225,9 +225,6 @@ def test_two_secure_clients_talk_through_a_relay_that_sees_only_ciphertext(ring:
             while bob.stats.sealed_dropped == 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert bob.stats.sealed_dropped == 2 and bob.stats.received_relayed == 2 and len(bob.inbox) == 0
-        finally:
-            for t in made:
-                await t.close()
 
     asyncio.run(main())
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PROBE_AFTER = 0.25
 #: Seconds between attempts while the target refuses connections (a member still starting up).
 REFUSED_PAUSE = 0.25
-#: Seconds between looks at whether our dial-back probe has come (read from the transport before the node runs).
+#: Seconds between looks at whether our dial-back probe has come, before its deadline is known.
 REACH_POLL = 0.02
 
 
@@ -159,8 +159,10 @@ async def reach_verdict(transport: Transport, check: ReachCheck, address: str, l
             _take_probe(check, await transport.recv(), limits)
         if (verdict := check.verdict(address, clock.now())) is not None:
             return verdict
+        due = check.wake_at()  # the probe's deadline: wait for the next message until then, not in slices
         try:
-            _take_probe(check, await asyncio.wait_for(transport.recv(), timeout=REACH_POLL), limits)
+            wait = REACH_POLL if due is None else max(0.0, due - clock.now())
+            _take_probe(check, await asyncio.wait_for(transport.recv(), timeout=wait), limits)
         except TimeoutError:
             pass
 

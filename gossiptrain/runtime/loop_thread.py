@@ -64,6 +64,15 @@ class LoopThread:
             future.cancel()
             raise
 
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        """Run the plain function ``fn(*args)`` on the loop and wait for its result (what touches the loop's objects)."""
+
+        async def on_loop() -> T:
+            return fn(*args)
+
+        on_loop.__name__ = getattr(fn, "__name__", "call")
+        return self.run(on_loop(), timeout)
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Schedule ``fn(*args)`` on the loop without waiting (thread-safe)."""
         self.loop.call_soon_threadsafe(fn, *args)

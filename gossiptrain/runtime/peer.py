@@ -322,26 +322,15 @@ class Peer:
         answers, probes and exchanges over the connection we opened
         (``Transport.become_client``); other clients we reach through the coordinator's relay (``_use_relay``).
         """
-        transport = self._transport
-        assert transport is not None
+        assert self._transport is not None
         self.address = client_address(self.address)
-        address = self.address
-
-        async def become() -> None:  # on the loop thread, where the transport lives
-            transport.become_client(address)
-
-        self._loop.run(become(), timeout=5)
+        self._loop.call(self._transport.become_client, self.address, timeout=5)  # on the loop, where it lives
 
     def _use_relay(self, coordinator: str) -> None:
         """Average with other clients through the coordinator, which relays between peers behind NAT (a secure
         swarm's are sealed for the target alone). One that does not relay drops; those exchanges time out."""
-        transport = self._transport
-        assert transport is not None
-
-        async def use() -> None:  # on the loop thread, where the transport lives
-            transport.use_relay(coordinator)
-
-        self._loop.run(use(), timeout=5)
+        assert self._transport is not None
+        self._loop.call(self._transport.use_relay, coordinator, timeout=5)  # on the loop, where it lives
 
     def _withdraw(self, welcome: Welcome) -> None:
         """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.

@@ -405,7 +405,7 @@ class SimTransport(Transport):
 
     def _pass_on(self, frames: Arrived, nbytes: int) -> None:
         """As a relay: pass a client's message on to the client its relay frame names (see tcp://'s)."""
-        target = bytes(frames[0][len(RELAY_PREFIX):]).decode(errors="replace")
+        target = frames[0][len(RELAY_PREFIX):].decode(errors="replace")
         origin = frames.origin
         budget = self.relaying
         now = asyncio.get_running_loop().time()
