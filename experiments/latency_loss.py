@@ -11,17 +11,20 @@ calibrated simulator stands in (README "Simulator"):
    to a mean test accuracy of 0.9 held for 3 samples, on the default link
    (0.5 ms) and on the WAN one, with none or 2 of the 4 behind NAT
    (client-mode members, ``SimConfig.behind_nat``), seeds 0-2; also delay
-   alone and loss alone. The simulator drops a lost message whole, where
-   TCP over a lossy link retransmits the packet and delivers it late, so
-   its loss costs more than netem's would.
+   alone and loss alone; the WAN with one exchange in flight at a time
+   (``gossip.exchanges_in_flight = 1``, as before several were kept on far
+   links); and iid shards on both links. The simulator drops a lost message
+   whole, where TCP over a lossy link retransmits the packet and delivers
+   it late, so its loss costs more than netem's would.
 
 Output: experiments/results/latency_loss/summary.md (`--quick`: 1 seed, 2
 virtual minutes of membership, written to a scratch folder), and the last line
 printed is a JSON object {"smallest_view", "wan_over_lan",
-"wan_nat_over_lan_nat", "delay_over_lan", "loss_over_lan"} (time ratios of
+"wan_nat_over_lan_nat", "delay_over_lan", "loss_over_lan",
+"wan_one_in_flight_over_lan", "wan_over_lan_iid"} (time ratios of
 medians; the issue's target for the WAN one: at most 1.5).
 
-    python experiments/latency_loss.py            # about 1 minute
+    python experiments/latency_loss.py            # about 2 minutes
     python experiments/latency_loss.py --quick    # a smoke test
 """
 
@@ -50,9 +53,24 @@ def smallest_view(duration: float) -> int:
     return min(r["members"] for r in result.rows if r["time"] >= 10)
 
 
-def times(link: LinkProfile, behind_nat: tuple[int, ...], seeds: int) -> list[float | None]:
-    run = RunConfig().with_overrides({"train.workload": "digits-small", "train.partition": "classes-per-peer",
-                                      "train.partition_classes": 3, "train.shards": 4})
+#: Row name -> (link, members behind NAT, shards, configuration overrides besides the workload's).
+SKEW = {"train.partition": "classes-per-peer", "train.partition_classes": 3}
+IID = {"train.partition": "iid"}
+ROWS: dict[str, tuple[str, tuple[int, ...], dict[str, object]]] = {
+    "lan": ("lan", (), SKEW),
+    "lan+nat": ("lan", (1, 2), SKEW),
+    "wan": ("wan", (), SKEW),
+    "wan+nat": ("wan", (1, 2), SKEW),
+    "delay": ("delay", (), SKEW),
+    "loss": ("loss", (), SKEW),
+    "wan, one in flight": ("wan", (), {**SKEW, "gossip.exchanges_in_flight": 1}),
+    "lan iid": ("lan", (), IID),
+    "wan iid": ("wan", (), IID),
+}
+
+
+def times(link: LinkProfile, behind_nat: tuple[int, ...], overrides: dict[str, object], seeds: int) -> list[float | None]:
+    run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4, **overrides})
     return [
         simulate(SimConfig(peers=4, run=run, duration=30, step_time=0.01, link=link, behind_nat=behind_nat, seed=seed,
                            target_accuracy=0.9, target_hold=3, sample_every=0.25)).summary.get("time_to_target")
@@ -74,8 +92,7 @@ def main() -> int:
     if args.quick:
         args.seeds, args.minutes = 1, 2.0
     view = smallest_view(60 * args.minutes)
-    rows = {f"{name}{'+nat' if nat else ''}": times(link, nat, args.seeds)
-            for name, link in LINKS.items() for nat in ((), (1, 2)) if not (nat and name in ("delay", "loss"))}
+    rows = {name: times(LINKS[link], nat, overrides, args.seeds) for name, (link, nat, overrides) in ROWS.items()}
     med = {k: median(v) for k, v in rows.items()}
 
     def ratio(a: str, b: str) -> float | None:
@@ -84,15 +101,16 @@ def main() -> int:
     lines = ["# 50 ms delay and 1% loss on every link, simulated", "",
              f"Regenerate: `python experiments/latency_loss.py`. 16 members for {args.minutes:g} virtual minutes at "
              f"50 ms / 1%: smallest view after 10 s **{view}** of 16 (16: no false death).", "",
-             "4 peers, digits-small, 3 classes each, 10 ms steps; virtual seconds to a mean test accuracy of 0.9 held "
-             f"for 3 samples (seeds 0-{args.seeds - 1}; `-`: not in 30 s):", "",
-             "| link | behind NAT | times (s) | median |", "| --- | --- | --- | --- |"]
+             "4 peers, digits-small, 3 classes each (iid where named), 10 ms steps; virtual seconds to a mean test "
+             f"accuracy of 0.9 held for 3 samples (seeds 0-{args.seeds - 1}; `-`: not in 30 s):", "",
+             "| run | link | behind NAT | times (s) | median |", "| --- | --- | --- | --- | --- |"]
     for key, values in rows.items():
-        name, _, nat = key.partition("+")
+        link, nat, _ = ROWS[key]
         shown = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
-        lines.append(f"| {name} | {'2 of 4' if nat else 'none'} | {shown} | {'-' if med[key] is None else f'{med[key]:.2f}'} |")
+        lines.append(f"| {key} | {link} | {'2 of 4' if nat else 'none'} | {shown} | {'-' if med[key] is None else f'{med[key]:.2f}'} |")
     headline = {"smallest_view": view, "wan_over_lan": ratio("wan", "lan"), "wan_nat_over_lan_nat": ratio("wan+nat", "lan+nat"),
-                "delay_over_lan": ratio("delay", "lan"), "loss_over_lan": ratio("loss", "lan")}
+                "delay_over_lan": ratio("delay", "lan"), "loss_over_lan": ratio("loss", "lan"),
+                "wan_one_in_flight_over_lan": ratio("wan, one in flight", "lan"), "wan_over_lan_iid": ratio("wan iid", "lan iid")}
     lines += ["", f"Ratios of medians: {json.dumps(headline)} (the issue's target for the WAN link: at most 1.5)."]
     out = harness.results_dir("latency_loss", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)

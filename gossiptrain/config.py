@@ -241,6 +241,9 @@ class GossipConfig:
     # pairwise flow control: at most this many local steps past the last merge before a safe point waits for the
     # exchange in flight (never past its timeout); 0: automatic (gossiptrain.protocol.averaging.AUTO_STEPS_AHEAD)
     max_steps_ahead: int = 0
+    # pairwise: exchanges a peer may have in flight at once, each of weight 1/(k+1); 0: automatic, as many as a
+    # round trip takes steps, at most 3 (gossiptrain.protocol.averaging.PairwiseAveraging.concurrency)
+    exchanges_in_flight: int = 0
     local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
     outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
     outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9 in synchronous rounds; see MAX_OUTER_STEP)
@@ -297,6 +300,7 @@ class GossipConfig:
             f"{s}.exchange_timeout_max",
             "must be >= gossip.exchange_timeout_min",
         )
+        _require(self.exchanges_in_flight >= 0, f"{s}.exchanges_in_flight", f"must be >= 0 (0: automatic), got {self.exchanges_in_flight}")
         _require(self.max_steps_ahead >= 0, f"{s}.max_steps_ahead", f"must be >= 0 (0: automatic), got {self.max_steps_ahead}")
         _require(self.local_steps >= 1, f"{s}.local_steps", f"must be >= 1, got {self.local_steps}")
         _require(

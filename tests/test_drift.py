@@ -101,4 +101,6 @@ def skewed_accuracy(gain: float) -> float:
 
 def test_on_label_skewed_shards_the_default_correction_learns_faster_than_none() -> None:
     corrected, uncorrected = skewed_accuracy(-1.0), skewed_accuracy(0.0)
-    assert corrected >= 0.93 > uncorrected + 0.1  # measured: 0.946 against 0.762
+    # measured: 0.966 against 0.883 (0.946 against 0.762 with one exchange in flight, before 4 ms links at 2 ms steps
+    # got several: PairwiseAveraging.concurrency)
+    assert corrected >= 0.93 and corrected > uncorrected + 0.05

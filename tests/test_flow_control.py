@@ -35,7 +35,8 @@ def test_the_machine_holds_only_past_the_bound_and_never_past_the_exchange_deadl
     params = {"w": torch.zeros(3)}
     a = PairwiseAveraging(params, GossipConfig(max_steps_ahead=3), random.Random(0), me="A")
     (req,) = a.handle(AtSafePoint(1, ["B"]), 0.0)
-    deadline = a._inflight.deadline  # type: ignore[union-attr]
+    (inflight,) = a._inflight.values()
+    deadline = inflight.deadline
     assert a.hold_until(0.0) is None  # 1 step past the last merge (none yet, at step 0)
     a.handle(AtSafePoint(3, ["B"]), 0.1)
     assert a.hold_until(0.1) == deadline  # 3 steps: wait for the reply...
@@ -106,7 +107,8 @@ def test_a_crashed_partner_holds_no_one_longer_than_the_exchange_timeout(algorit
         survivors = [cluster.peers[0], cluster.peers[2]]  # slot 1 crashed and stays down
         assert all(p.averaging.stats.longest_wait_s <= 1.0 + 0.01 for p in survivors)  # virtual seconds: one timeout
         assert all(p.averaging.stats.waits > 0 for p in survivors)
-        timed_out = any(p.averaging.stats.timeouts > 0 for p in survivors)  # they did ask the crashed one
+        # they did ask the crashed one (and gave that up at its timeout, or sooner: replies come much faster)
+        timed_out = any(p.averaging.stats.timeouts + p.averaging.stats.presumed_lost > 0 for p in survivors)
         if algorithm != "pairwise" or timed_out:  # a push to a closed address is refused at once: no timeout there
             break
     assert algorithm != "pairwise" or timed_out, "no crash landed on a request in flight"

@@ -37,6 +37,9 @@ class GraphNode:
     def partners(self, round: int) -> list[str]:
         return [f"p{round % 3}"]
 
+    def latency(self) -> float | None:
+        return None
+
 
 class EveryThirdStep:
     """An averaging that can start an exchange only every third step (a round trip of about 3 steps)."""

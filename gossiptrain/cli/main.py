@@ -39,6 +39,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--drift-gain": ("gossip.drift_gain", float, "replay merges this many times more, smoothed, against label-skew drift (0: off; -1: auto, 4)"),
     "--compression": ("gossip.compression", str, "auto (default: none, fp16 or int8, as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),
     "--max-steps-ahead": ("gossip.max_steps_ahead", int, "pairwise flow control: local steps past the last merge before waiting for the exchange in flight (0: automatic)"),
+    "--exchanges-in-flight": ("gossip.exchanges_in_flight", int, "pairwise: exchanges a peer keeps in flight at once, each of weight 1/(k+1) (0: automatic, as many as the link's latency takes steps, at most 3)"),
     "--local-steps": ("gossip.local_steps", int, "local-sgd: local steps between averaging rounds"),
     "--outer-lr": ("gossip.outer_lr", float, "local-sgd: outer learning rate (DiLoCo-style outer optimizer)"),
     "--outer-momentum": ("gossip.outer_momentum", float, "local-sgd: outer Nesterov momentum (0: none; at most 0.8, and outer-lr / (1 - this) at most 2)"),

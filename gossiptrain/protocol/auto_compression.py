@@ -51,13 +51,13 @@ from typing import Sequence
 import torch
 
 from gossiptrain.protocol.compression import AUTO_LEVELS, AutoCodec
+from gossiptrain.protocol.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
 
 #: Exchanges measured at a level before moving to a more faithful one (no flapping on one fast exchange).
 SETTLE_EXCHANGES = 4
-#: Weight of a new measurement in the smoothed step time and exchange time.
-STEP_SMOOTHING = 0.1
+#: Weight of a new measurement in the smoothed exchange time.
 LINK_SMOOTHING = 0.25
 #: Move to a more faithful level only if its exchanges would take under this share of the bound (hysteresis).
 UP_SHARE = 0.75
@@ -73,31 +73,29 @@ MAX_BLOCK = 1024
 class AutoCompression:
     """Chooses ``codec.level`` from measured step time and link speed."""
 
-    def __init__(self, codec: AutoCodec, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, codec: AutoCodec, params: Sequence[torch.Tensor], steps: StepTimer | None = None) -> None:
         self.codec = codec
+        self.steps = steps or StepTimer()  # the step time (the averaging machine's own, shared)
         # Bytes of one model at each level: (levels,)
         self.level_bytes = [sum(p.numel() * codec.element_bytes(lv, p.dtype) for p in params)
                             for lv in range(len(AUTO_LEVELS))]
-        self.step_time: float | None = None  # seconds of one local step (waits excluded), smoothed
         self.exchange_time: float | None = None  # seconds from our message to its answer at the current level, smoothed
         self.floor: float | None = None  # the shortest exchange seen: what fewer bytes do not shorten
         self.switches = 0
-        self._last: tuple[int, float, float] | None = None  # (step, now, seconds waited so far)
         self._at_level = 0  # exchanges measured since the last switch
         self._trial: tuple[int, float] | None = None  # (level we left for a lossier one, its exchange time then)
         self._recent: deque[float] = deque(maxlen=8)  # exchange times measured at this level, latest last
         self._blocked = 0  # exchanges left before a lossier level may be tried again
         self._block_len = BLOCK_EXCHANGES
 
+    @property
+    def step_time(self) -> float | None:
+        """Seconds of one local step (waits excluded), smoothed."""
+        return self.steps.step_time
+
     def at_step(self, step: int, now: float, waited_s: float) -> None:
-        """A safe point after local step ``step``; ``waited_s``: seconds flow control waited so far, in all."""
-        if self._last is not None:
-            steps = step - self._last[0]
-            seconds = (now - self._last[1]) - (waited_s - self._last[2])
-            if steps > 0 and seconds >= 0:
-                per = seconds / steps
-                self.step_time = per if self.step_time is None else self.step_time + STEP_SMOOTHING * (per - self.step_time)
-        self._last = (step, now, waited_s)
+        """A safe point after local step ``step`` (for a policy not fed by an averaging machine's timer)."""
+        self.steps.at_step(step, now, waited_s)
 
     def exchanged(self, seconds: float, nbytes: int, bound: int) -> None:
         """One of our messages of ``nbytes`` got its answer ``seconds`` after we sent it; ``bound``: flow control's."""

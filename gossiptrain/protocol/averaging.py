@@ -41,9 +41,16 @@ The one fault this cannot absorb is a reply the network loses after it was
 sent (a connection that breaks with the message in it, which in practice
 means the requester died); the server has moved, the requester never will.
 
-At most one exchange is in flight per peer. Its timeout adapts to measured
-round trips (as TCP's RTO does), so a dead or slow partner costs one timeout
-and is then avoided for a while; it never blocks training for longer.
+**Exchanges in flight.** Where a round trip takes longer than a local step
+(a WAN), a peer keeps up to ``concurrency()`` exchanges in flight, with
+different partners, each asking for weight ``1/(k+1)``; the partner answers
+with at most what it can take (the reply's ``a``, which both ends apply).
+What may be taken back of the model a peer sent (its exchanges in flight,
+and the requests it served since) adds to at most 1 (``_committed``), so
+every model stays in the convex hull of the swarm's; a request beyond that
+is refused (``busy``). Each timeout adapts to measured round trips (as TCP's
+RTO does), so a dead or slow partner costs one timeout and is then avoided
+for a while; it never blocks training for longer.
 
 **Flow control.** A peer may take at most ``gossip.max_steps_ahead`` local
 steps (``AUTO_STEPS_AHEAD`` by default) past its last merge; past that, its
@@ -57,6 +64,7 @@ drifting toward their own shards (overlap-bounded SGP does the same).
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -73,6 +81,7 @@ from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.rtt import RttEstimator, rtt_bucket
 from gossiptrain.protocol.staleness import StalenessPolicy, staleness_buckets
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.state.host_buffers import BufferPool, common_device, to_device
 
 log = logging.getLogger(__name__)
@@ -100,6 +109,16 @@ OVERDUE_SECONDS = 120.0
 #: ever waits; on a slow link computation slows to the link's pace instead of drifting apart (chosen by measurement:
 #: experiments/flow_control.py).
 AUTO_STEPS_AHEAD = 8
+#: Automatic exchanges in flight (``gossip.exchanges_in_flight = 0``): at most this many at once...
+MAX_IN_FLIGHT = 3
+#: ...and a second one only once the latency takes more than this many steps over one.
+ROUND_TRIP_SLACK = 0.5
+#: An exchange whose reply is this many typical round trips late (or past the timeout RFC 6298 would compute from
+#: the replies that came) is presumed lost: it holds no one (``PairwiseAveraging._live``) until its timeout, which
+#: backs off and starts at a guess of seconds, makes it overdue; its reply, if it comes, is still applied.
+LATE_ROUND_TRIPS = 4.0
+#: A request is refused (busy) rather than served with a mixing weight below this (see PairwiseAveraging._committed).
+MIN_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -157,10 +176,15 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class AtSafePoint:
-    """A safe point after local step ``step``; ``partners`` are the topology's neighbours now."""
+    """A safe point after local step ``step``; ``partners`` are the topology's neighbours now.
+
+    ``latency``: the shortest round trip of small messages lately (membership's
+    probes), None where unknown.
+    """
 
     step: int
     partners: Sequence[str]
+    latency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +248,8 @@ class AveragingStats:
     completed: int = 0  # exchanges we initiated and applied
     served: int = 0  # exchanges others initiated and we applied
     timeouts: int = 0
+    presumed_lost: int = 0  # pairwise: exchanges given up as lost, their reply many typical round trips late
+    in_flight_most: int = 0  # pairwise: the most exchanges we had in flight at once (several on a far link)
     refused: int = 0  # partner answered xnak (busy); push-sum: pushes refused, their mass taken back
     late: int = 0  # replies that arrived after their timeout (pairwise: applied all the same)
     abandoned: int = 0  # pairwise: timed-out exchanges forgotten before their reply came (its merge is lost)
@@ -280,10 +306,14 @@ class _InFlight:
     partner: str
     snapshot: list[torch.Tensor]
     sent_at: float
-    deadline: float
-    served_meanwhile: int = 0  # requests we served while this one was in flight (at most one: see _serve)
+    deadline: float  # the timeout: then the partner is avoided for a while and the reply waited for as overdue
+    expected_by: float  # past this (replies usually come much sooner) it is presumed lost (see _live) until its deadline
+    share: float = 0.5  # the mixing weight we asked for (the partner may answer with less: its reply's "a")
+    served_meanwhile: float = 0.0  # the weights of the requests we served while this one was in flight (see _serve)
     may_hold: bool = True  # flow control may wait for it (not when the partner was one we are avoiding)
     nbytes: int = 0  # of the request on the wire
+    presumed_lost: bool = False  # its reply is far later than replies come (expected_by passed)
+    partner_gone: bool = False  # membership declared the partner dead or gone (MemberGone)
 
 
 class Averaging:
@@ -320,7 +350,8 @@ class Averaging:
         self.stats = AveragingStats()
         self.codec = get_codec(config.compression, "gossip.compression")
         # compression "auto": the level follows the measured link (``protocol.auto_compression``)
-        self.auto = AutoCompression(self.codec, self.params) if isinstance(self.codec, AutoCodec) else None
+        self.steps = StepTimer()  # the local step time, flow control's waits excluded
+        self.auto = AutoCompression(self.codec, self.params, self.steps) if isinstance(self.codec, AutoCodec) else None
         self.staleness = StalenessPolicy(config.staleness_weighting, config.staleness_exponent, config.staleness_bound)
         self.clip = NormClip(config.robust_clip) if config.robust else None
         # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
@@ -350,8 +381,7 @@ class Averaging:
     def _at_step(self, step: int, now: float) -> None:
         """Every algorithm's first move at a safe point: note the step (and, for ``auto``, the step time)."""
         self._step = step
-        if self.auto is not None:
-            self.auto.at_step(step, now, self.stats.waited_s)
+        self.steps.at_step(step, now, self.stats.waited_s)
 
     def _link_measured(self, seconds: float, nbytes: int) -> None:
         """One of our messages of ``nbytes`` got its answer (reply, receipt) after ``seconds``."""
@@ -493,17 +523,18 @@ class PairwiseAveraging(Averaging):
         self.view = self._snapshot()
         self.pending = [torch.zeros_like(p) for p in self.params]
         self._dirty = False  # pending holds a merge not yet added to the live parameters
-        self._inflight: _InFlight | None = None
+        self._inflight: dict[int, _InFlight] = {}  # xid -> our exchange in flight, oldest first
         self._overdue: OrderedDict[int, _InFlight] = OrderedDict()  # timed out, reply still welcome
         self._last_served: tuple[int, str, list[torch.Tensor]] | None = None  # (xid, to, change): to undo
         self._last_start_step = -(10**9)
         self._avoid_until: dict[str, float] = {}
         self._ready = False  # before our first safe point the model may still be replaced (state transfer)
         self._merged_at_step = 0  # our step at the last merge (completed or served): flow control counts from it
+        self._latency: float | None = None  # the link's round trip without queues, from the last safe point
 
     @property
     def busy(self) -> bool:
-        return self._inflight is not None
+        return bool(self._inflight)
 
     def serve_as_is(self) -> None:
         if not self._ready:  # nothing merged yet (requests were refused): the model others see is the live one
@@ -512,12 +543,10 @@ class PairwiseAveraging(Averaging):
             self._ready = True
 
     def hold_until(self, now: float) -> float | None:
-        inflight = self._inflight
-        if inflight is None or not inflight.may_hold or now >= inflight.deadline:
+        deadlines = [x.expected_by for x in self._live() if x.may_hold and now < x.expected_by]
+        if not deadlines or self._step - self._merged_at_step < self.flow_bound():
             return None
-        if self._step - self._merged_at_step < self.flow_bound():
-            return None
-        return inflight.deadline
+        return min(deadlines)  # the driver asks again after each merge: one completed exchange lets the loop go on
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if isinstance(event, AtSafePoint):
@@ -533,8 +562,11 @@ class PairwiseAveraging(Averaging):
         if isinstance(event, Undelivered):
             return self._undelivered(event)
         if isinstance(event, MemberGone):
-            for xid in [xid for xid, x in self._overdue.items() if x.partner == event.member]:
-                del self._overdue[xid]  # quietly: its model left the swarm with it, and no reply will come
+            # A reply it sent before it went may still be on the wire, carrying the other half of its merge: it is
+            # applied if it comes; if not, the exchange is given up quietly (its model left the swarm with it).
+            for x in [*self._inflight.values(), *self._overdue.values()]:
+                if x.partner == event.member:
+                    x.partner_gone = True
             return []
         raise TypeError(f"unknown event {event!r}")
 
@@ -542,41 +574,109 @@ class PairwiseAveraging(Averaging):
 
     def _tick(self, tick: AtSafePoint, now: float) -> list[Action]:
         self._at_step(tick.step, now)
+        self._latency = tick.latency
         self._ready = True
         self._apply_pending()
         self._expire(now)
-        inflight = self._inflight
-        if inflight is not None:
-            if now < inflight.deadline:
-                return []
-            self.stats.timeouts += 1
-            self.rtt.backoff()
-            self._link_measured(now - inflight.sent_at, inflight.nbytes)  # it took at least that long
-            self._avoid(inflight.partner, now)
-            self._inflight = None
-            self._overdue[inflight.xid] = inflight
+        for inflight in list(self._inflight.values()):
+            if now >= inflight.expected_by and not inflight.presumed_lost:
+                inflight.presumed_lost = True  # far later than replies come: most likely lost
+                self.stats.presumed_lost += 1
+            if now >= inflight.deadline:
+                self.stats.timeouts += 1
+                self.rtt.backoff()
+                self._link_measured(now - inflight.sent_at, inflight.nbytes)  # it took at least that long
+                self._avoid(inflight.partner, now)
+                del self._inflight[inflight.xid]
+                self._overdue[inflight.xid] = inflight
         while len(self._overdue) >= OVERDUE_KEPT:
             # That many replies outstanding: the oldest is most likely lost, not late (a dropped message, a relay
             # past its budget). Waiting for it would stop this peer averaging for up to OVERDUE_SECONDS (with 1%
             # of messages lost, for good after a few seconds: experiments/latency_loss.py); give it up instead.
-            oldest = next(iter(self._overdue))
+            gone = [xid for xid, x in self._overdue.items() if x.partner_gone]
+            oldest = gone[0] if gone else next(iter(self._overdue))
             self._abandon(self._overdue.pop(oldest), f"{OVERDUE_KEPT} newer exchanges timed out since")
-        if tick.step - self._last_start_step < self.config.exchange_every_steps:
+        k = self.concurrency()
+        if len(self._live()) >= k or len(self._inflight) >= 2 * k or tick.step - self._last_start_step < self.config.exchange_every_steps:
             return []
-        partner, healthy = self._pick(tick.partners, now)
+        asked = {x.partner for x in self._inflight.values()}
+        partner, healthy = self._pick([p for p in tick.partners if p not in asked], now)
         if partner is None:
-            self._merged_at_step = tick.step  # alone: nobody to drift from, nothing to wait for
+            if not tick.partners:
+                self._merged_at_step = tick.step  # alone: nobody to drift from, nothing to wait for
             return []
         encoded = self._encode_own(self._frozen_view())  # == the live parameters: pending was just applied
         if encoded is None:
             return []
         wire, sent = encoded
         xid = self._new_xid()
-        self._inflight = _InFlight(xid, partner, sent, now, now + self.rtt.timeout(), may_hold=healthy,
-                                   nbytes=wire_bytes(wire))
+        share = self._share()
+        deadline = now + self.rtt.timeout()
+        self._inflight[xid] = _InFlight(xid, partner, sent, now, deadline, self._expected_by(now, deadline),
+                                        share=share, may_hold=healthy, nbytes=wire_bytes(wire))
         self._last_start_step = tick.step
         self.stats.started += 1
-        return [SendExchange(partner, XREQ, xid, wire, {"ver": self.version})]
+        self.stats.in_flight_most = max(self.stats.in_flight_most, len(self._inflight))
+        meta: dict[str, float | int] = {"ver": self.version}
+        if share < 0.5:
+            meta["a"] = share
+        return [SendExchange(partner, XREQ, xid, wire, meta)]
+
+    def _expected_by(self, now: float, deadline: float) -> float:
+        """When a reply sent now should have come: a few typical round trips, never past the timeout.
+
+        The timeout is patient by design (it backs off, and starts at a guess
+        of seconds); waiting for it on every lost message stalled peers for
+        seconds, with 1% of messages lost (experiments/latency_loss.py).
+        """
+        typical = self.rtt.typical
+        if typical is None:
+            return deadline
+        return min(deadline, now + max(LATE_ROUND_TRIPS * typical, typical + 4 * self.rtt.rttvar))
+
+    def concurrency(self) -> int:
+        """How many exchanges we may have in flight: ``gossip.exchanges_in_flight``, or as many as the latency takes steps.
+
+        On a far link (a WAN), whose latency alone takes several local steps,
+        one exchange per round trip averages too rarely to hold peers on
+        skewed shards together; a few at once, each with a smaller weight, do
+        (experiments/latency_loss.py). The latency is that of small messages
+        (``AtSafePoint.latency``), not the exchanges' own round trip: on a
+        near link that is only busy (a shared 100 Mbit/s one), exchanges at
+        once share its bytes and each takes as much longer. On a near link
+        this is 1.
+        """
+        if self.config.exchanges_in_flight:
+            return self.config.exchanges_in_flight
+        latency, step = self._latency, self.steps.step_time
+        if latency is None or not step:
+            return 1
+        return max(1, min(MAX_IN_FLIGHT, math.ceil(latency / step - ROUND_TRIP_SLACK)))
+
+    def _share(self) -> float:
+        """The mixing weight to ask for: 1/2 with one exchange in flight, 1/(k+1) with up to k."""
+        return 1.0 / (self.concurrency() + 1)
+
+    def _committed(self) -> float:
+        """The weights our exchanges in flight may still take back of the model we sent, and what we served since.
+
+        A reply moves us by ``a (s_partner - s_sent)``, taking back a share ``a``
+        of what we sent; served requests since it left took shares too. While
+        the shares add to at most 1 our model still holds what each reply takes
+        back, so every merge stays in the convex hull of the models.
+        """
+        live = self._live()
+        return sum(x.share for x in live) + max((x.served_meanwhile for x in live), default=0.0)
+
+    def _live(self) -> list[_InFlight]:
+        """Our exchanges in flight not presumed lost.
+
+        One presumed lost holds no one: not the loop (flow control), not a
+        place among ``concurrency``, not a share of ``_committed``. Should its
+        reply come after all, it is applied, and the shares taken back may
+        then add to a little over 1 (rare: most are lost).
+        """
+        return [x for x in self._inflight.values() if not x.presumed_lost]
 
     def _apply_pending(self) -> None:
         """Add the merges made since the last safe point to the live parameters, and refresh ``view``."""
@@ -625,17 +725,17 @@ class PairwiseAveraging(Averaging):
         if not self._ready:  # our model is not the one we will train yet: the requester asks someone else
             self.stats.busy += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
-        inflight = self._inflight
-        if inflight is not None and inflight.partner == msg.sender and self.me > msg.sender:
+        if self.me > msg.sender and any(x.partner == msg.sender for x in self._inflight.values()):
             # We asked each other at the same time. Serving both requests would not average the
             # two models but swap them (each side adds the other's difference twice). The smaller
             # id serves; we refuse, and our own request will be answered.
             self.stats.crossed += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
-        if inflight is not None and inflight.served_meanwhile >= 1:
-            # Our reply will add (s_partner - s_sent) * a, taking back a share a of what we sent. After
-            # one merge (weight <= 1/2) our model still holds >= 1/2 of it; after two it may not, and the
-            # result would leave the convex hull of the models (and can overshoot). So one at a time.
+        share = min(float(msg.meta.get("a", 0.5)), 1.0 - self._committed())
+        if share < MIN_SHARE:
+            # Our replies in flight will each take back their share of what we sent (see _committed): serving
+            # more now could leave the convex hull of the models (and overshoot). With one exchange in flight
+            # at 1/2, one request is served meanwhile.
             self.stats.busy += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         remote = self._validated(msg)
@@ -651,12 +751,12 @@ class PairwiseAveraging(Averaging):
         clip = self._clip_factor(remote, sent, msg.sender)
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
-        a = 0.5 * weight * clip
+        a = share * weight * clip
         self._last_served = (msg.xid, msg.sender, self._merge(remote, sent, a))
         self.stats.served += 1
         self._record_staleness(msg)
-        if inflight is not None:
-            inflight.served_meanwhile += 1
+        for x in self._live():
+            x.served_meanwhile += a
         return [SendExchange(msg.sender, XREP, msg.xid, wire, {"a": a, "ver": self.version})]
 
     def _encode_reply(self, request: Received) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
@@ -697,8 +797,8 @@ class PairwiseAveraging(Averaging):
         return []
 
     def _complete(self, msg: Received, now: float) -> list[Action]:
-        inflight = self._inflight
-        on_time = inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender
+        inflight = self._inflight.get(msg.xid)
+        on_time = inflight is not None and inflight.partner == msg.sender
         if not on_time:
             inflight = self._overdue.get(msg.xid)
             if inflight is None or inflight.partner != msg.sender:
@@ -709,7 +809,7 @@ class PairwiseAveraging(Averaging):
             del self._overdue[msg.xid]
             self.stats.late += 1
         else:
-            self._inflight = None
+            del self._inflight[msg.xid]
         assert inflight is not None
         remote = self._validated(msg)
         if isinstance(remote, Rejected):
@@ -721,7 +821,7 @@ class PairwiseAveraging(Averaging):
         a = float(msg.meta.get("a", 0.5)) * clip
         # keep local progress made in flight: x <- x + a * (x_remote - x_sent)
         self._merge(remote, inflight.snapshot, a)
-        if on_time:
+        if now <= inflight.deadline:  # before its timeout (if after its presumed loss): the link as it is now
             self.rtt.observe(now - inflight.sent_at)
             self.stats.round_trip(now - inflight.sent_at, self.rtt.srtt)
             self._link_measured(now - inflight.sent_at, inflight.nbytes)
@@ -732,9 +832,9 @@ class PairwiseAveraging(Averaging):
     def _refused(self, msg: Received, now: float) -> list[Action]:
         # A refusal costs no waiting (the partner was busy, or we crossed), so unlike a timeout
         # it does not make us avoid the partner.
-        inflight = self._inflight
-        if inflight is not None and inflight.xid == msg.xid and inflight.partner == msg.sender:
-            self._inflight = None
+        inflight = self._inflight.get(msg.xid)
+        if inflight is not None and inflight.partner == msg.sender:
+            del self._inflight[msg.xid]
             self.stats.refused += 1
         elif msg.xid in self._overdue and self._overdue[msg.xid].partner == msg.sender:
             del self._overdue[msg.xid]  # refused after all: nothing to wait for
@@ -751,6 +851,9 @@ class PairwiseAveraging(Averaging):
             self._abandon(self._overdue.pop(xid), why)
 
     def _abandon(self, exchange: _InFlight, why: str) -> None:
+        if exchange.partner_gone:
+            log.debug("gave up on the exchange with %s, which is gone (%s)", exchange.partner, why)
+            return
         self.stats.abandoned += 1
         log.warning(
             "gave up on the exchange with %s (%s): if its reply still comes, the pair's sum will have moved",

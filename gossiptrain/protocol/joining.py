@@ -40,6 +40,7 @@ def new_member_id(rng: random.Random) -> str:
 
 
 _REQUEST_FIELDS = frozenset({"config", "spec", "shard"})
+_OPTIONAL_FIELDS = frozenset({"reach", "token"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class JoinRequest:
     shard: int = -1  # a wanted shard, or -1 to be assigned one
     # Dial us back at our advertised address with this nonce (gossiptrain.protocol.reachability); None: do not.
     reach: int | None = None
+    # The same in every attempt of one join: an answerer whose welcome was lost answers a retry with the same id and
+    # shard, instead of leaving a member that never trains holding a shard nobody else is then given.
+    token: int | None = None
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -60,12 +64,14 @@ class JoinRequest:
         }
         if self.reach is not None:  # absent otherwise: a request without it is what answerers before it read
             body["reach"] = self.reach
+        if self.token is not None:
+            body["token"] = self.token
         return body
 
     @classmethod
     def from_body(cls, body: Any) -> "JoinRequest":
-        if not isinstance(body, dict) or set(body) - {"reach"} != _REQUEST_FIELDS:
-            raise ProtocolError("join body must have exactly config, spec and shard (and optionally reach)")
+        if not isinstance(body, dict) or set(body) - _OPTIONAL_FIELDS != _REQUEST_FIELDS:
+            raise ProtocolError("join body must have exactly config, spec and shard (and optionally reach and token)")
         config = None
         if body["config"] is not None:
             try:
@@ -77,7 +83,8 @@ class JoinRequest:
         if type(shard) is not int or shard < -1:
             raise ProtocolError("join shard must be an int >= -1")
         reach = checked_nonce(body["reach"]) if "reach" in body else None
-        return cls(config, spec, shard, reach)
+        token = checked_nonce(body["token"], "a join's token") if "token" in body else None
+        return cls(config, spec, shard, reach, token)
 
 
 # -- the answer --------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, PING, PING_REQ, SYNC
 from gossiptrain.protocol.candidates import Candidate, Candidates
+from gossiptrain.protocol.rtt import MinRtt
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 _STATES = (ALIVE, SUSPECT, DEAD, LEFT)
@@ -395,6 +396,9 @@ class Membership:
         self.health = 0  # Lifeguard's local health multiplier, 0 (healthy) .. config.max_health
         self._srtt: float | None = None  # smoothed RTT of direct probes and its variation (Jacobson)
         self._rttvar = 0.0
+        # The shortest direct probe round trip lately: the link's latency (averaging keeps more exchanges in flight
+        # on a far link: PairwiseAveraging.concurrency)
+        self.min_rtt = MinRtt()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -665,6 +669,7 @@ class Membership:
                 self._echo(event, rec.member.addr, actions)
         if not p.indirect_sent and event.sender == p.target:
             self._sample_rtt(now - p.sent_at)
+            self.min_rtt.observe(now - p.sent_at, now)
 
     def _sample_rtt(self, rtt: float) -> None:
         if self._srtt is None:

@@ -10,8 +10,12 @@ class RttEstimator:
         self.floor, self.ceiling = floor, ceiling
         self.srtt: float | None = None
         self.rttvar = 0.0
+        # The smoothed round trip of answers that came, which timeouts do not inflate: how long an answer
+        # usually takes (``backoff`` makes the timeout patient; this stays what the link does)
+        self.typical: float | None = None
 
     def observe(self, rtt: float) -> None:
+        self.typical = rtt if self.typical is None else 0.875 * self.typical + 0.125 * rtt
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
@@ -40,3 +44,35 @@ def rtt_bucket(seconds: float) -> float:
         if seconds <= bound:
             return bound
     return float("inf")
+
+
+#: How long a minimum round trip stands before newer samples replace it (BBR keeps its min_rtt 10 s as well).
+MIN_RTT_WINDOW_S = 10.0
+
+
+class MinRtt:
+    """The shortest round trip of the last ``MIN_RTT_WINDOW_S`` (to about a window): the link's latency, queues excluded.
+
+    A smoothed round trip grows with the bytes queued ahead of a message; the
+    minimum of small messages over a few seconds does not, so it tells a far
+    link (a WAN) from a busy one (a shared 100 Mbit/s link).
+    """
+
+    def __init__(self, window: float = MIN_RTT_WINDOW_S) -> None:
+        self.window = window
+        self._current: tuple[float, float] | None = None  # (shortest, when its window began)
+        self._previous: float | None = None  # the shortest of the window before
+
+    def observe(self, rtt: float, now: float) -> None:
+        current = self._current
+        if current is None or now - current[1] >= self.window:
+            self._previous = current[0] if current is not None else None
+            self._current = (rtt, now)
+        elif rtt < current[0]:
+            self._current = (rtt, current[1])
+
+    @property
+    def value(self) -> float | None:
+        """The shortest round trip of this window and the one before (None before any sample)."""
+        values = [v for v in (self._previous, self._current[0] if self._current else None) if v is not None]
+        return min(values) if values else None

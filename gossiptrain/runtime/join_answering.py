@@ -16,8 +16,10 @@ whether that arrives tells it whether others can start exchanges with it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 from gossiptrain.config import Limits, RunConfig
@@ -34,6 +36,11 @@ from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
+
+#: Welcomes remembered by the newcomer's token, so that a retry after a lost welcome gets the same id and shard:
+#: the most recent this many, for this long (a join's attempts span well under a minute with the defaults).
+WELCOMES_KEPT = 4096
+WELCOME_KEPT_S = 120.0
 
 
 class JoinAnsweringEndpoint(Endpoint):
@@ -52,6 +59,8 @@ class JoinAnsweringEndpoint(Endpoint):
     def __init__(self, transport: Transport, limits: Limits, **endpoint: Any) -> None:
         super().__init__(transport, limits, **endpoint)
         self.join_limiter = JoinLimiter.from_limits(limits)  # one token bucket per source
+        # A join's token -> (the id and shard we gave it, when): a retry whose welcome was lost gets the same again
+        self._welcomes: OrderedDict[int, tuple[str, int, float]] = OrderedDict()
 
     def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
         """Members to introduce a newcomer to, and how to pick its shard (given the shard count)."""
@@ -64,6 +73,21 @@ class JoinAnsweringEndpoint(Endpoint):
     def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
         """A newcomer was admitted (its welcome is sent right after)."""
 
+    def _welcome_given(self, token: int | None) -> tuple[str, int, float] | None:
+        """The id and shard we welcomed ``token`` with in the last ``WELCOME_KEPT_S`` seconds, if any."""
+        now = self.clock.now()
+        while self._welcomes and now - next(iter(self._welcomes.values()))[2] > WELCOME_KEPT_S:
+            self._welcomes.popitem(last=False)
+        return self._welcomes.get(token) if token is not None else None
+
+    def _remember_welcome(self, token: int | None, newcomer: Member) -> None:
+        if token is None:
+            return
+        self._welcomes[token] = (newcomer.id, newcomer.shard, self.clock.now())
+        self._welcomes.move_to_end(token)
+        while len(self._welcomes) > WELCOMES_KEPT:
+            self._welcomes.popitem(last=False)
+
     def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
         if not self.join_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
             self.stats.joins_throttled += 1  # type: ignore[attr-defined]
@@ -75,6 +99,11 @@ class JoinAnsweringEndpoint(Endpoint):
             self.reply(frames, REFUSE, {"reason": "this swarm is secure: a member's address must carry its CURVE key"})
             return
         sample, pick_shard = self._join_sample()
+        again = self._welcome_given(request.token)
+        if again is not None:  # our welcome to this newcomer was lost (or is late): the same id and shard again
+            member_id = member_id or again[0]
+            if request.shard < 0:
+                request = dataclasses.replace(request, shard=again[1])
         kind, body = answer_join(
             request,
             config=self.config,
@@ -88,6 +117,7 @@ class JoinAnsweringEndpoint(Endpoint):
         if kind == WELCOME:
             self.stats.joins_answered += 1  # type: ignore[attr-defined]
             newcomer = Member(body["id"], msg.addr, body["shard"], incarnation=0)
+            self._remember_welcome(request.token, newcomer)
             self._welcomed(newcomer, request)
             log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
             if request.reach is not None:  # first: its connection is being made while the welcome travels

@@ -11,6 +11,7 @@ the welcome is shown to the ``ReachCheck`` here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 
@@ -71,6 +72,8 @@ async def join_swarm(
     starting up) is joined. A target that accepts connections but answers
     slowly gets every attempt's full ``attempt_timeout``.
     """
+    if request.token is None:  # one for all our attempts (JoinRequest.token)
+        request = dataclasses.replace(request, token=rng.randrange(1, 1 << 63))
     frames = encode(Message(JOIN, sender="", addr=advertise, fingerprint="", body=request.to_body()), limits)
     refused_before = transport.stats.handshake_failures
     started = clock.now()

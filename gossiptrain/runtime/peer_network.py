@@ -183,6 +183,10 @@ class PeerNode(JoinAnsweringEndpoint):
         """Ids of alive members (us included), sorted; replaced atomically on every change."""
         return self._view
 
+    def latency(self) -> float | None:
+        """The shortest probe round trip lately (``Membership.min_rtt``), None before the first."""
+        return self.membership.min_rtt.value
+
     def partners(self, round: int) -> list[str]:
         """Our topology neighbours among the alive members at ``round``, those we can send to."""
         view = self._view

@@ -90,7 +90,7 @@ class SafePoint:
             for event in _drained(node):
                 actions += self._handle(event, now)
             partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
-            started = self.averaging.handle(averaging.AtSafePoint(step, partners), now)
+            started = self.averaging.handle(averaging.AtSafePoint(step, partners, node.latency()), now)
             if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
                 self.rounds += 1
             actions += started
