@@ -352,6 +352,8 @@ class _Report:
             "exchanges": exchanges,
             "exchanges_per_s": round(self.rate.update(now, exchanges), 2),
             "timeouts": stats["timeouts"],
+            "presumed_lost": stats["presumed_lost"],  # pairwise: replies far later than usual, not waited for
+            "in_flight_most": stats["in_flight_most"],  # pairwise: most exchanges in flight at once (far links)
             "refused": stats["refused"],  # our requests the partner turned down (busy with its own)
             "declined": stats["crossed"] + stats["busy"],  # requests we turned down
             "staleness_mean": round(stats["staleness_mean"], 3),

@@ -31,6 +31,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_sent": ("gossiptrain_bytes_sent", "bytes sent to other members"),
     "bytes_received": ("gossiptrain_bytes_received", "bytes received from other members"),
     "timeouts": ("gossiptrain_exchange_timeouts", "exchanges that timed out"),
+    "presumed_lost": ("gossiptrain_exchanges_presumed_lost", "exchanges whose reply was far later than usual (not waited for)"),
     "refused": ("gossiptrain_exchanges_refused", "our exchange requests partners refused"),
     "dropped": ("gossiptrain_messages_dropped", "messages dropped as malformed, of another run or rejected"),
     "members_dead": ("gossiptrain_members_dead", "members this peer saw declared dead"),
