@@ -41,8 +41,8 @@ The one fault this cannot absorb is a reply the network loses after it was
 sent (a connection that breaks with the message in it, which in practice
 means the requester died); the server has moved, the requester never will.
 
-**Exchanges in flight.** Where a round trip takes longer than a local step
-(a WAN), a peer keeps up to ``concurrency()`` exchanges in flight, with
+**Exchanges in flight.** Where the link's latency alone takes more than a
+local step (a WAN), a peer keeps up to ``concurrency()`` exchanges in flight, with
 different partners, each asking for weight ``1/(k+1)``; the partner answers
 with at most what it can take (the reply's ``a``, which both ends apply).
 What may be taken back of the model a peer sent (its exchanges in flight,
