@@ -20,7 +20,6 @@ from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.averaging import (
-    LATE_ROUND_TRIPS,
     MAX_IN_FLIGHT,
     AtSafePoint,
     PairwiseAveraging,
@@ -28,6 +27,7 @@ from gossiptrain.protocol.averaging import (
     SendExchange,
 )
 from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS
 from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.runtime.join_client import join_swarm

@@ -24,6 +24,7 @@ from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol import state_transfer as st
 from gossiptrain.protocol.state_transfer import (
     CLOSE,
+    MIN_SILENCE_S,
     ChunkRequest,
     Donor,
     Expire,
@@ -141,9 +142,10 @@ def test_a_donor_that_stops_answering_is_replaced_and_the_download_resumes() -> 
     net.answer["a"] = 3  # chunks 0, 1, 2; then silence
     net.tick(["new", "a"])
     assert net.fetcher.result is None and net.fetcher.missing == 3
-    net.tick(["new", "a", "b"], at=0.5)  # not yet timed out: nothing happens
+    net.tick(["new", "a", "b"], at=MIN_SILENCE_S / 2)  # not yet timed out: nothing happens
     assert net.asked("b") == []
-    net.tick(["new", "a", "b"], at=1.0)  # state.request_timeout after its last answer
+    # Its chunks came at once: silence for MIN_SILENCE_S is enough (state.request_timeout is 1 s)
+    net.tick(["new", "a", "b"], at=MIN_SILENCE_S)
     result = net.fetcher.result
     assert result is not None and result.ok, result
     assert net.asked("a") == [0, 1, 2, 3] and net.asked("b") == [3, 4, 5]  # resumed where it stopped, nothing twice
@@ -151,6 +153,18 @@ def test_a_donor_that_stops_answering_is_replaced_and_the_download_resumes() -> 
     assert result.donors == ("a", "b")
     stats = net.fetcher.stats
     assert stats.state_timeouts == 1 and stats.state_donors_tried == 2 and stats.state_bytes_received == 6000
+
+
+def test_a_donor_silent_before_its_first_answer_gets_the_whole_request_timeout() -> None:
+    """The first answer waits for the donor's next safe point (one of its training steps): no pace is known yet."""
+    cfg = config(window=1)
+    net = Net(fetcher(3000, cfg), {"a": state(3000, 1), "b": state(3000, 2)}, cfg)
+    net.answer["a"] = 0
+    net.tick(["new", "a"])
+    net.tick(["new", "a", "b"], at=0.9)
+    assert net.asked("b") == []
+    net.tick(["new", "a", "b"], at=1.0)
+    assert net.asked("b") == [0, 1, 2] and net.fetcher.stats.state_timeouts == 1
 
 
 def test_a_donor_leaving_the_view_is_replaced_at_once() -> None:

@@ -113,10 +113,6 @@ AUTO_STEPS_AHEAD = 8
 MAX_IN_FLIGHT = 3
 #: ...and a second one only once the latency takes more than this many steps over one.
 ROUND_TRIP_SLACK = 0.5
-#: An exchange whose reply is this many typical round trips late (or past the timeout RFC 6298 would compute from
-#: the replies that came) is presumed lost: it holds no one (``PairwiseAveraging._live``) until its timeout, which
-#: backs off and starts at a guess of seconds, makes it overdue; its reply, if it comes, is still applied.
-LATE_ROUND_TRIPS = 4.0
 #: A request is refused (busy) rather than served with a mixing weight below this (see PairwiseAveraging._committed).
 MIN_SHARE = 0.1
 
@@ -629,10 +625,8 @@ class PairwiseAveraging(Averaging):
         of seconds); waiting for it on every lost message stalled peers for
         seconds, with 1% of messages lost (experiments/latency_loss.py).
         """
-        typical = self.rtt.typical
-        if typical is None:
-            return deadline
-        return min(deadline, now + max(LATE_ROUND_TRIPS * typical, typical + 4 * self.rtt.rttvar))
+        late = self.rtt.late_after()  # (rtt.LATE_ROUND_TRIPS) an exchange presumed lost holds no one: see _live
+        return deadline if late is None else min(deadline, now + late)
 
     def concurrency(self) -> int:
         """How many exchanges we may have in flight: ``gossip.exchanges_in_flight``, or as many as the latency takes steps.

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+#: An answer this many typical round trips late (or past the timeout RFC 6298 would compute from the answers that
+#: came) is presumed lost: ``RttEstimator.late_after``. Its timeout, which backs off and starts at a guess of
+#: seconds, stays what makes it overdue; the presumption only stops others waiting for it.
+LATE_ROUND_TRIPS = 4.0
+
 
 class RttEstimator:
     """Smoothed round-trip time and variance (RFC 6298) giving an adaptive timeout."""
@@ -21,6 +26,13 @@ class RttEstimator:
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def late_after(self) -> float | None:
+        """Seconds after which an answer is presumed lost (``LATE_ROUND_TRIPS``); None before any answer came."""
+        typical = self.typical
+        if typical is None:
+            return None
+        return max(LATE_ROUND_TRIPS * typical, typical + 4 * self.rttvar)
 
     def timeout(self) -> float:
         if self.srtt is None:

@@ -94,6 +94,7 @@ import torch
 from gossiptrain.config import Limits, StateConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import SNAK, SREP
+from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.state.snapshot import (
     OPTIMIZER_PREFIX,
     Entry,
@@ -112,6 +113,9 @@ log = logging.getLogger(__name__)
 CLOSE = -1  # the chunk index of an sreq that ends its session
 
 _SID_LIMIT = 1 << 31
+#: A donor whose chunks come at a measured pace is still given this long to answer (as TCP's minimum RTO: a
+#: scheduling hiccup of a busy machine is not silence).
+MIN_SILENCE_S = 0.2
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
 
 
@@ -234,6 +238,7 @@ class _FetchSession:
     manifest: Manifest | None = None
     inflight: set[int] = field(default_factory=set)
     todo: list[int] = field(default_factory=list)  # chunks still to ask for, in order
+    asked_at: dict[int, float] = field(default_factory=dict)  # chunk -> when we asked for it
 
 
 class Fetcher:
@@ -292,6 +297,9 @@ class Fetcher:
         self._banned: set[str] = set()  # sent bad data, or refused for good: not asked again in this download
         self._cooling: dict[str, float] = {}  # donor -> when it may be asked again
         self._next_send = now  # pacing (state.max_bytes_per_second)
+        # Round trips of chunk answers after a session's first (which waits for the donor's safe point): a donor
+        # silent for several of them is left before state.request_timeout (see _silence)
+        self.rtt = RttEstimator(0.0, config.request_timeout)
 
     @property
     def missing(self) -> int:
@@ -337,7 +345,7 @@ class Fetcher:
         s = self._session
         if s is not None:
             if s.inflight:
-                times.append(s.last_progress + cfg.request_timeout)
+                times.append(s.last_progress + self._silence(s))
             if self._next_send > now:
                 times.append(self._next_send)
         else:
@@ -381,6 +389,9 @@ class Fetcher:
             self._leave(now, out, f"chunk {ev.index} failed its SHA-256 check", ban=True)
             return
         s.inflight.discard(ev.index)
+        asked = s.asked_at.pop(ev.index, None)
+        if asked is not None and ev.manifest is None:  # not the first answer: no safe point of the donor's in it
+            self.rtt.observe(now - asked)
         s.last_progress = now
         self.data[lo : lo + expected] = ev.data
         self._kept[ev.index] = s.sid
@@ -476,9 +487,10 @@ class Fetcher:
             self._give_up(now, out, f"no complete state after state.max_seconds={cfg.max_seconds:g}")
             return
         s = self._session
-        if s is not None and s.inflight and now >= s.last_progress + cfg.request_timeout:  # a paced pause is not silence
+        if s is not None and s.inflight and now >= s.last_progress + self._silence(s):  # a paced pause is not silence
             self.stats.state_timeouts += 1
-            self._leave(now, out, f"no answer within state.request_timeout={cfg.request_timeout:g} s", cool=True)
+            self._leave(now, out, f"no answer within {self._silence(s):.3g} s (state.request_timeout="
+                                  f"{cfg.request_timeout:g} s, less once its chunks come at a measured pace)", cool=True)
         elif s is not None and s.donor not in self._members:
             self._leave(now, out, "it left our view", cool=True)
         if self._session is None and not self._open(now, out):
@@ -491,10 +503,26 @@ class Fetcher:
         while s.todo and len(s.inflight) < cfg.window and (rate == 0 or self._next_send <= now):
             index = s.todo.pop(0)
             s.inflight.add(index)
+            s.asked_at[index] = now
             s.last_progress = max(s.last_progress, now)
             out.append(RequestChunk(s.donor, s.sid, index))
             if rate:
                 self._next_send = max(self._next_send, now) + self.chunk_bytes / rate
+
+    def _silence(self, s: _FetchSession) -> float:
+        """How long the donor of ``s`` may stay silent before we leave it.
+
+        ``state.request_timeout`` until its first answer (which waits for the
+        donor's next safe point, a step of its training); after it, chunks
+        come from the donor's network side at the link's pace, and silence
+        for several of their round trips (``RttEstimator.late_after``) means
+        a lost message or a donor gone: a newcomer should not sit out seconds
+        of ``request_timeout`` for it.
+        """
+        late = self.rtt.late_after()
+        if s.manifest is None or late is None:
+            return self.config.request_timeout
+        return min(self.config.request_timeout, max(late, MIN_SILENCE_S))
 
     def _open(self, now: float, out: list[RequestChunk]) -> bool:
         """Open a session with a new donor; False if we wait (donors cooling) or gave up."""
