@@ -122,7 +122,7 @@ class Member:
         no value that merely compares equal (True for 1, 1.0 for 1) can
         pass for a checked one.
         """
-        if type(raw) is list and len(raw) == 6 and [type(v) for v in raw] == _ENTRY_TYPES:
+        if type(raw) is list and len(raw) == 6 and list(map(type, raw)) == _ENTRY_TYPES:
             key = tuple(raw)
             known = _VALIDATED.get(key)
             if known is None:
@@ -798,16 +798,19 @@ class Membership:
         number per sender and period; and a death told of a member that
         answered our own probe lately is only a suspicion (it refutes it).
         """
+        id_of, me, records, introducer = self._id_of, self.me.id, self._records, source or sender or "?"
         for e in entries:
-            if self._id_of is not None and self._id_of(e.addr) != e.id:
+            if id_of is not None and id_of(e.addr) != e.id:
                 self.stats.forged_ids_refused += 1  # a secure swarm's ids are their keys': nobody claims another's
                 continue
-            if e.id == self.me.id:
+            if e.id == me:
                 self._refute(e)
                 continue
-            rec = self._records.get(e.id)
+            rec = records.get(e.id)
             if e.state == ALIVE:
-                self._merge_alive(e, rec, now, source or sender or "?")
+                # Most entries are news we have (a sync repeats the whole view): skip them without a call.
+                if rec is None or e.incarnation > rec.member.incarnation:
+                    self._merge_alive(e, rec, now, introducer)
             elif rec is None:
                 if e.state in (DEAD, LEFT) and self._live_sender(sender):
                     self._remember_hearsay(e, now)  # stale news of it arriving later must not bring it in

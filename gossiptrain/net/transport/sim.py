@@ -125,7 +125,7 @@ class Arrived(list):  # type: ignore[type-arg]
     origin: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _InFlight:
     target: SimTransport
     frames: Arrived
@@ -141,6 +141,11 @@ class _Link:
     last_arrival: float = 0.0
     sending_until: deque[float] = field(default_factory=deque)  # end of transmission, per queued message
     wire: deque[_InFlight] = field(default_factory=deque)  # in arrival order
+
+
+def _copies(frames: Sequence[bytes | memoryview]) -> list[bytes]:
+    """Each frame as bytes: a copy of a buffer the sender may reuse, the same object for an immutable bytes."""
+    return [f if type(f) is bytes else bytes(f) for f in frames]
 
 
 class SimNetwork:
@@ -249,10 +254,10 @@ class SimNetwork:
             self.stats.refused += 1
             return False
         self.stats.sent += 1
-        if not self.reachable(src, dst):
+        if self._groups and not self.reachable(src, dst):  # no partition (the usual case): no lookups
             self.stats.partitioned += 1
             return True
-        profile = self.link(src, dst)
+        profile = self._profiles.get(key, self.default)  # self.link(src, dst), without the call
         link.free_at = max(now, link.free_at) + nbytes / profile.bandwidth
         link.sending_until.append(link.free_at)
         # Draw only for features in use: a lossless, jitter-free run takes no
@@ -267,7 +272,7 @@ class SimNetwork:
         arrival = link.last_arrival = max(arrival, link.last_arrival)
         # What arrives is a copy as of now (the sender may reuse a tensor's memory once sent); a bytes frame
         # (every header) is immutable already.
-        copies = Arrived(f if type(f) is bytes else bytes(f) for f in frames)
+        copies = Arrived(frames if len(frames) == 1 and type(frames[0]) is bytes else _copies(frames))
         copies.origin = src
         link.wire.append(_InFlight(target, copies, nbytes, sender))
         loop.call_at(arrival, self._arrive, link)
