@@ -18,6 +18,7 @@ from gossiptrain.net.kinds import XACK, XNAK, XPUSH
 from gossiptrain.protocol.averaging import AtSafePoint, MemberGone, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
+from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS
 
 from .swarm import skewed_sim_final
 
@@ -58,6 +59,19 @@ def test_a_receipt_that_never_comes_costs_one_timeout() -> None:
     assert len(pushes(ps.handle(AtSafePoint(3, ["B"]), deadline))) == 1  # and the next push goes
     assert ps.stats.timeouts == 1
     assert ps.receipts.rtt.timeout() > TIMEOUT  # more patient next time
+
+
+def test_a_receipt_far_later_than_usual_is_presumed_lost_and_holds_no_one() -> None:
+    ps = push_sum(bound=1)
+    (first,) = pushes(ps.handle(AtSafePoint(1, ["B"]), 0.0))
+    ps.handle(Received("B", XACK, first.xid), 0.01)  # a round trip of 10 ms: the typical one
+    (second,) = pushes(ps.handle(AtSafePoint(2, ["B"]), 0.02))
+    ps.handle(AtSafePoint(3, ["B"]), 0.021)
+    late = 0.02 + LATE_ROUND_TRIPS * 0.01
+    assert ps.hold_until(0.021) == pytest.approx(late)  # waits for it a few typical round trips, not 2 s
+    (third,) = pushes(ps.handle(AtSafePoint(4, ["B"]), late))  # and pushes on
+    assert ps.stats.presumed_lost == 1 and ps.stats.timeouts == 0 and third.xid != second.xid
+    assert abs(ps.weight - 0.125) < 1e-12  # three pushes of half the weight each: receipts change no mass
 
 
 def test_only_the_receivers_receipt_or_refusal_of_that_push_frees_the_link() -> None:

@@ -244,7 +244,7 @@ class AveragingStats:
     completed: int = 0  # exchanges we initiated and applied
     served: int = 0  # exchanges others initiated and we applied
     timeouts: int = 0
-    presumed_lost: int = 0  # pairwise: exchanges given up as lost, their reply many typical round trips late
+    presumed_lost: int = 0  # replies (pairwise) or receipts (pushes) many typical round trips late: not waited for
     in_flight_most: int = 0  # pairwise: the most exchanges we had in flight at once (several on a far link)
     refused: int = 0  # partner answered xnak (busy); push-sum: pushes refused, their mass taken back
     late: int = 0  # replies that arrived after their timeout (pairwise: applied all the same)

@@ -16,6 +16,9 @@ queued, so a receiver's paused training loop does not delay it), and a pusher
 - stops its training loop once the oldest unacknowledged push is ``bound``
   local steps old (``hold_until``), as pairwise does for its reply, and never
   past that push's timeout: a dead, paused or slow receiver costs one timeout.
+- presumes a receipt lost once it is several typical round trips late
+  (``RttEstimator.late_after``, as pairwise presumes a reply lost): it then
+  holds neither the loop nor the next round; its timeout is still counted.
 
 The timeout follows the measured push-to-receipt time (``RttEstimator``,
 between ``gossip.exchange_timeout_min`` and ``_max``). Receipts change no
@@ -44,7 +47,9 @@ class _Unacked:
     step: int  # our local step when we pushed it
     sent_at: float
     deadline: float
+    expected_by: float  # past this the receipt is presumed lost: it holds no one (the deadline still times it out)
     nbytes: int  # of the push's tensors
+    presumed_lost: bool = False
 
 
 class Receipts:
@@ -59,7 +64,9 @@ class Receipts:
 
     def pushed(self, to: str, xid: int, step: int, now: float, nbytes: int = 0) -> None:
         if self.enabled:
-            self._out[to] = _Unacked(xid, step, now, now + self.rtt.timeout(), nbytes)
+            deadline = now + self.rtt.timeout()
+            late = self.rtt.late_after()
+            self._out[to] = _Unacked(xid, step, now, deadline, deadline if late is None else min(deadline, now + late), nbytes)
 
     def settled(self, sender: str, xid: int, now: float, *, receipt: bool) -> bool:
         """``sender`` took (``receipt``) or refused our push ``xid``: its link is free. False if it was not ours."""
@@ -87,9 +94,13 @@ class Receipts:
             self.rtt.backoff()
             if self.on_round_trip is not None:
                 self.on_round_trip(now - out.sent_at, out.nbytes)  # it took at least that long
-        return bool(self._out)
+        for out in self._out.values():
+            if now >= out.expected_by and not out.presumed_lost:
+                out.presumed_lost = True
+                self.stats.presumed_lost += 1
+        return any(not out.presumed_lost for out in self._out.values())
 
     def hold_until(self, step: int, now: float, bound: int) -> float | None:
         """Until when the training loop should wait (None: go on): the oldest push is ``bound`` steps old."""
-        due = [out.deadline for out in self._out.values() if now < out.deadline and step - out.step >= bound]
+        due = [out.expected_by for out in self._out.values() if now < out.expected_by and step - out.step >= bound]
         return min(due) if due else None
