@@ -241,8 +241,8 @@ class GossipConfig:
     # pairwise flow control: at most this many local steps past the last merge before a safe point waits for the
     # exchange in flight (never past its timeout); 0: automatic (gossiptrain.protocol.averaging.AUTO_STEPS_AHEAD)
     max_steps_ahead: int = 0
-    # pairwise: exchanges a peer may have in flight at once, each of weight 1/(k+1); 0: automatic, as many as a
-    # round trip takes steps, at most 3 (gossiptrain.protocol.averaging.PairwiseAveraging.concurrency)
+    # pairwise: exchanges a peer may have in flight at once, each of weight 1/(k+1); 0: automatic, as many as the
+    # link's latency takes steps, at most 3 (gossiptrain.protocol.averaging.PairwiseAveraging.concurrency)
     exchanges_in_flight: int = 0
     local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
     outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
