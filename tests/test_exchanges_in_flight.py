@@ -27,7 +27,7 @@ from gossiptrain.protocol.averaging import (
     SendExchange,
 )
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS
+from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS, MinRtt
 from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.runtime.join_client import join_swarm
@@ -111,6 +111,20 @@ def test_the_automatic_count_is_as_many_as_the_latency_takes_steps() -> None:
     assert count(0.02) == 2
     assert count(0.1) == count(5.0) == MAX_IN_FLIGHT
     assert machine("a", 0.0, exchanges_in_flight=5).concurrency() == 5  # set: as set
+
+
+def test_the_latency_is_the_shortest_probe_round_trip_of_this_window_and_the_one_before() -> None:
+    """A queue that builds up (a busy link) does not raise it at once; a link that got farther does, within two windows."""
+    m = MinRtt(window=10.0)
+    assert m.value is None
+    m.observe(0.05, 0.0)
+    m.observe(0.002, 1.0)
+    m.observe(0.3, 2.0)  # queued behind an exchange
+    assert m.value == 0.002
+    m.observe(0.1, 11.0)  # a new window: the one before still counts
+    assert m.value == 0.002
+    m.observe(0.12, 22.0)  # two windows on, only what they saw
+    assert m.value == 0.1
 
 
 def test_a_reply_far_later_than_usual_is_presumed_lost_holds_no_one_and_is_still_applied() -> None:

@@ -606,7 +606,7 @@ class PairwiseAveraging(Averaging):
             return []
         wire, sent = encoded
         xid = self._new_xid()
-        share = self._share()
+        share = 1.0 / (k + 1)  # 1/2 with one exchange in flight, 1/(k+1) with up to k
         deadline = now + self.rtt.timeout()
         self._inflight[xid] = _InFlight(xid, partner, sent, now, deadline, self._expected_by(now, deadline),
                                         share=share, may_hold=healthy, nbytes=wire_bytes(wire))
@@ -646,10 +646,6 @@ class PairwiseAveraging(Averaging):
         if latency is None or not step:
             return 1
         return max(1, min(MAX_IN_FLIGHT, math.ceil(latency / step - ROUND_TRIP_SLACK)))
-
-    def _share(self) -> float:
-        """The mixing weight to ask for: 1/2 with one exchange in flight, 1/(k+1) with up to k."""
-        return 1.0 / (self.concurrency() + 1)
 
     def _committed(self) -> float:
         """The weights our exchanges in flight may still take back of the model we sent, and what we served since.

@@ -86,5 +86,7 @@ class MinRtt:
     @property
     def value(self) -> float | None:
         """The shortest round trip of this window and the one before (None before any sample)."""
-        values = [v for v in (self._previous, self._current[0] if self._current else None) if v is not None]
-        return min(values) if values else None
+        current = self._current[0] if self._current is not None else None
+        if self._previous is None or current is None:
+            return current if current is not None else self._previous
+        return min(self._previous, current)

@@ -31,6 +31,7 @@ import torch
 
 from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
+from gossiptrain.net import sealed
 from gossiptrain.net.addressing import (
     client_address,
     curve_address,
@@ -42,7 +43,6 @@ from gossiptrain.net.addressing import (
     tcp_url,
     with_host_if_wildcard,
 )
-from gossiptrain.net import sealed
 from gossiptrain.net.keys import join_server_key
 from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
@@ -328,7 +328,8 @@ class Peer:
 
     def _use_relay(self, coordinator: str) -> None:
         """Average with other clients through the coordinator, which relays between peers behind NAT (a secure
-        swarm's are sealed for the target alone). One that does not relay drops; those exchanges time out."""
+        swarm's are sealed for the target alone). One that does not relay drops them; those exchanges are presumed
+        lost after a few round trips."""
         assert self._transport is not None
         self._loop.call(self._transport.use_relay, coordinator, timeout=5)  # on the loop, where it lives
 
@@ -347,12 +348,12 @@ class Peer:
         if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
             notices.append((welcome.answered_by, LEAVE, {"members": [me]}))
 
-        async def tell() -> None:  # on the loop thread, where the transport lives
+        def tell() -> None:
             for addr, kind, body in notices:
                 transport.send(addr, encode(Message(kind, welcome.member_id, self.address, welcome.fingerprint, 0, body),
                                             welcome.config.limits))
 
-        self._loop.run(tell(), timeout=5)
+        self._loop.call(tell, timeout=5)  # on the loop thread, where the transport lives
 
     def _catch_up(self, enabled: bool) -> None:
         """Download a live member's state into the model before the first step, if anyone else is alive."""

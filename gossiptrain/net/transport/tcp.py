@@ -60,8 +60,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gossiptrain.config import Limits, SecurityConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.net.addressing import CURVE_QUERY, curve_address, is_client_address, split_curve_address
 from gossiptrain.net import sealed
+from gossiptrain.net.addressing import CURVE_QUERY, curve_address, is_client_address, split_curve_address
 from gossiptrain.net.keys import CurveKeys, load_curve
 from gossiptrain.net.transport.base import RELAY_PREFIX, RELAYED_PREFIX, Transport
 from gossiptrain.net.transport.incoming import IncomingGuard, descriptor_budget, peer_of, shut_down
