@@ -10,6 +10,7 @@ and test_security.py.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -24,7 +25,8 @@ from gossiptrain.net.transport.base import RelayBudget
 from gossiptrain.protocol.finish import DONE, Announce, FinishEndpoint, FinNotice
 from gossiptrain.protocol.membership import Ack, Digest, Member, Membership, Send, Tick
 from gossiptrain.protocol.reachability import Verdict
-from gossiptrain.sim.cluster import Cluster, SimConfig, simulate
+from gossiptrain.runtime.peer_network import relay_rank
+from gossiptrain.sim.cluster import COORDINATOR, Cluster, SimConfig, simulate
 from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.sim.vtime import run_virtual
 
@@ -113,6 +115,84 @@ def test_a_swarm_mostly_behind_nat_learns_from_skewed_shards() -> None:
     assert result.summary["mean_test_acc"] >= 0.9, result.summary
     relayed = {slot: p.transport.stats.received_relayed for slot, p in cluster.peers.items() if p.transport is not None}
     assert relayed[1] > 0 and relayed[2] > 0 and relayed[0] == relayed[3] == 0, relayed
+
+
+def skewed_digits() -> RunConfig:
+    return RunConfig().with_overrides({"train.workload": "digits-small", "train.partition": "classes-per-peer",
+                                       "train.partition_classes": 3, "train.shards": 4})
+
+
+def test_clients_average_through_a_peer_that_relays() -> None:
+    """``gossiptrain peer --relay``: with the coordinator relaying nothing (``--no-relay``), the two clients
+    average with each other through the one peer that relays (its membership entry says so), and the swarm
+    learns as with the coordinator's relay."""
+    cluster = Cluster(SimConfig(peers=4, run=skewed_digits(), duration=6, step_time=0.01, behind_nat=(1, 2),
+                                relays=(0,), coordinator_relay=False, target_accuracy=0.9, wait_for=4))
+    result = run_virtual(cluster.run())
+    assert result.summary["mean_test_acc"] >= 0.9, result.summary
+    relay = cluster.peers[0]
+    assert relay.node is not None and relay.node.me.relay and relay.transport is not None
+    for slot in (1, 2):
+        client = cluster.peers[slot]
+        assert client.transport is not None and client.transport.relay == relay.node.me.addr
+        assert client.transport.stats.received_relayed > 0, slot
+    assert relay.transport.stats.relayed > 0
+    assert not any(p.node.me.relay for s, p in cluster.peers.items() if s != 0 and p.node is not None)
+
+
+def test_clients_of_a_relay_that_dies_go_on_through_the_coordinator() -> None:
+    """The relaying peer crashes mid-run: once they suspect it its clients take the coordinator's relay (the
+    next one they have), and go on averaging with each other through it."""
+    run = skewed_digits()
+    crash_at = 3.0
+    trace = (ChurnEvent(crash_at, 0, "crash"),)
+    cluster = Cluster(SimConfig(peers=4, run=run, duration=crash_at + 3,
+                                step_time=0.01, behind_nat=(1, 2), relays=(0,), churn_trace=trace, wait_for=4))
+    relayed_at: dict[float, dict[int, int]] = {}
+    relays_at: dict[float, dict[int, str | None]] = {}
+
+    def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
+        clients = {s: cluster.peers[s].transport for s in (1, 2)}
+        relayed_at[now] = {s: t.stats.received_relayed for s, t in clients.items() if t is not None}
+        relays_at[now] = {s: t.relay for s, t in clients.items() if t is not None}
+
+    cluster.on_sample = on_sample
+    run_virtual(cluster.run())
+    before = max(t for t in relays_at if t < crash_at)
+    assert all(r is not None and r.startswith("sim://peer0") for r in relays_at[before].values()), relays_at[before]
+    end = max(relays_at)
+    assert relays_at[end] == {1: COORDINATOR, 2: COORDINATOR}, relays_at[end]
+    switched = min(t for t in relays_at if relays_at[t] == relays_at[end])
+    assert all(relayed_at[end][s] > relayed_at[switched][s] for s in (1, 2)), (relayed_at[switched], relayed_at[end])
+    for s in (1, 2):  # the coordinator's at first where the relay's entry came after the welcome, never back
+        seen = [relays_at[t][s] for t in sorted(relays_at)]
+        steps = [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]]
+        assert steps[-2:] == [relays_at[before][s], COORDINATOR] and len(steps) <= 3, steps
+        assert len(steps) <= cluster.peers[s].node.stats.relay_changes <= 3, s  # some may come between samples
+
+
+@given(
+    clients=st.lists(st.text("abcdef0123456789", min_size=1, max_size=12), min_size=1, max_size=40, unique=True),
+    relays=st.lists(st.text("ghijk0123456789", min_size=1, max_size=12), min_size=2, max_size=8, unique=True),
+    gone=st.integers(0, 7),
+)
+def test_a_relay_that_goes_moves_only_its_own_clients(clients: list[str], relays: list[str], gone: int) -> None:
+    """Rendezvous hashing (``relay_rank``): every client picks on its own, and when a relay goes only the
+    clients that had picked it pick again; the others keep theirs."""
+    def pick(client: str, among: list[str]) -> str:
+        return max(among, key=lambda r: relay_rank(client, r))
+
+    lost = relays[gone % len(relays)]
+    rest = [r for r in relays if r != lost]
+    for c in clients:
+        before, after = pick(c, relays), pick(c, rest)
+        assert after == before or before == lost
+
+
+def test_clients_spread_over_the_relays() -> None:
+    relays = ["pa", "pb", "pc"]
+    counts = Counter(max(relays, key=lambda r: relay_rank(f"p{i:04x}", r)) for i in range(300))
+    assert set(counts) == set(relays) and min(counts.values()) >= 60, counts
 
 
 @given(st.lists(st.tuples(st.floats(0, 2), st.integers(1, 10_000_000)), max_size=60))

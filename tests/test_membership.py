@@ -347,10 +347,26 @@ def test_malformed_member_entries_raise_protocol_error_only(raw: object) -> None
     inc=st.integers(0, 2**63 - 1),
     state=st.sampled_from([ALIVE, SUSPECT, DEAD, LEFT]),
     by=st.sampled_from(["", "p0001"]),
+    relay=st.booleans(),
 )
-def test_member_wire_round_trip(mid: str, shard: int, inc: int, state: str, by: str) -> None:
-    m = Member(mid, "tcp://127.0.0.2:4000", shard, inc, state, by)
-    assert members_from_wire([m.to_wire()], limit=1) == [m]
+def test_member_wire_round_trip(mid: str, shard: int, inc: int, state: str, by: str, relay: bool) -> None:
+    m = Member(mid, "tcp://127.0.0.2:4000", shard, inc, state, by, relay)
+    wire = m.to_wire()
+    assert len(wire) == (7 if relay else 6)  # an entry that does not relay is as it always was
+    assert members_from_wire([wire], limit=1) == [m]
+
+
+def test_only_a_dialable_member_can_claim_to_relay() -> None:
+    good = ["p00001", "tcp://127.0.0.2:4000", 1, 1, "alive", ""]
+    assert Member.from_wire([*good, True]).relay and not Member.from_wire(good).relay
+    for bad in (
+        [*good, False],  # a member that does not relay sends six fields, never a seventh saying so
+        [*good, 1],
+        [*good, True, True],
+        ["p00001", "tcp://127.0.0.2:4000/client", 1, 1, "alive", "", True],  # nobody can dial it to relay through
+    ):
+        with pytest.raises(ProtocolError):
+            Member.from_wire(bad)
 
 
 def test_member_limit_per_message() -> None:

@@ -213,9 +213,10 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
     label-skewed shards. The two behind NAT find out they cannot be dialled and join as client-mode members;
     every member's view holds all 4 (the clients each other's too, verified through public members), nobody is
     declared dead, and the swarm learns. Everything a client receives comes back over connections it opened
-    (counted by its transport), the public peers send to the clients over those routes, and the clients
-    average with each other through the coordinator's relay until it is killed; then they go on with the
-    public peers."""
+    (counted by its transport), and the public peers send to the clients over those routes. One public peer
+    relays (``--relay``): the clients average with each other through it rather than the coordinator, until
+    it is killed mid-run; once they suspect it they take the coordinator's relay and go on, with each other and
+    the other public peer, and only the killed one is declared dead."""
     world = two_homes
     coordinator, *public = world.lan.hosts
     behind = [home.hosts[0] for home in world.homes]
@@ -228,28 +229,35 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
              state=lambda: (tmp_path / "coordinator.log").read_text()[-2000:])
     names = ["public0", "public1", "home0", "home1"]
     for name, ns in zip(names, [*public, *behind]):
+        relay = ["--relay"] if name == "public0" else []
         gossiptrain(world, ns, tmp_path / f"{name}.log", "peer", "--join", join, "--quiet", "-v", "--wait-for", "4",
-                    "--metrics", str(tmp_path / f"{name}.jsonl"))
-    procs = world.started[1:]
+                    "--metrics", str(tmp_path / f"{name}.jsonl"), *relay)
+    relay_proc, *procs = world.started[1:]
+    survivors = names[1:]
     state = lambda: "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-1500:]}" for n in names)  # noqa: E731
 
     def records(name: str) -> list[dict[str, Any]]:
         path = tmp_path / f"{name}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
-    def relayed(name: str) -> int:
-        return max((r.get("received_relayed", 0) for r in records(name) if r.get("event") == "eval"), default=0)
+    def latest(name: str, key: str) -> int:
+        return max((r.get(key, 0) for r in records(name) if r.get("event") == "eval"), default=0)
 
-    # The two clients average with each other through the coordinator's relay; then the relay dies (the
-    # coordinator killed mid-run): both carry on with the public peers, and nobody waits on it.
-    wait_for(lambda: relayed("home0") > 0 and relayed("home1") > 0, 60, "the clients to exchange through the relay",
-             state=state)
-    world.started[0].kill()
+    # The two clients average with each other through public0's relay; then the relay dies (killed mid-run):
+    # both take the coordinator's, and nobody waits on the dead one.
+    def learned(name: str) -> float:
+        return max((r["test_acc"] for r in records(name) if r.get("event") == "eval"), default=0.0)
+
+    wait_for(lambda: latest("home0", "received_relayed") > 0 and latest("home1", "received_relayed") > 0
+             and latest("public0", "relayed") > 0 and min(learned(n) for n in names) >= 0.8, 60,
+             "the clients to exchange through public0's relay and the swarm to learn", state=state)
+    relay_proc.kill()
     killed_at = time.time()
-    wait_for(lambda: all(p.poll() is not None for p in procs), 150, "the four peers to finish", state=state)
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], state()
+    relayed_at_kill = {n: latest(n, "received_relayed") for n in names[2:]}
+    wait_for(lambda: all(p.poll() is not None for p in procs), 150, "the other three peers to finish", state=state)
+    assert [p.returncode for p in procs] == [0, 0, 0], state()
 
-    done = {n: next(r for r in records(n) if r.get("event") == "done") for n in names}
+    done = {n: next(r for r in records(n) if r.get("event") == "done") for n in survivors}
     for n in names[2:]:
         assert done[n]["address"].endswith("/client"), done[n]["address"]
         # One line, naming it, its address, who dialled it, what follows and what to do.
@@ -260,16 +268,24 @@ def test_two_peers_behind_their_own_nat_train_with_two_public_ones_over_connecti
         assert "set --advertise" in lines[0], lines[0]
         # Probes, exchange requests and replies, gossip: all of it came over connections the client opened.
         assert done[n]["messages_received"] == done[n]["received_over_own"] > 0, done[n]
-    for n in names[:2]:
-        assert not done[n]["address"].endswith("/client") and done[n]["sent_over_routes"] > 0, done[n]
-        assert "is reachable" in (tmp_path / f"{n}.log").read_text() and "is not reachable" not in (tmp_path / f"{n}.log").read_text()
-    for n in names[2:]:  # exchanges went on once the relay was gone
+        # The relays it took, in order: public0's (its entry says it relays), then the coordinator's.
+        taken = [line for line in (tmp_path / f"{n}.log").read_text().splitlines() if "'s relay at" in line]
+        assert f"relay at tcp://{world.lan.addresses[1]}:" in taken[-2] and f"relay at tcp://{join}" in taken[-1], taken
+        # Exchanges with the other client went on once the relay was gone, through the coordinator.
+        assert done[n]["received_relayed"] > relayed_at_kill[n], (n, relayed_at_kill[n], done[n]["received_relayed"])
         at_kill = max((r["exchanges"] for r in records(n) if r.get("event") == "eval" and r["time"] <= killed_at), default=0)
         assert done[n]["exchanges"] > at_kill, (n, at_kill, done[n]["exchanges"])
-    for n in names:
+    for n in names[:2]:
+        log = (tmp_path / f"{n}.log").read_text()
+        assert "is reachable" in log and "is not reachable" not in log, log[-1500:]
+    assert not done["public1"]["address"].endswith("/client") and done["public1"]["sent_over_routes"] > 0, done["public1"]
+    for n in survivors:
         evals = [r for r in records(n) if r.get("event") == "eval"]
-        assert evals and all(r["members"] == 4 for r in evals), (n, [r["members"] for r in evals])
-        assert done[n]["members_dead"] == 0 and done[n]["exchanges"] > 0, done[n]
-        assert done[n]["final_all_done"], done[n]  # the clients heard of each other's end through the public peers
-    mean = sum(done[n]["test_acc"] for n in names) / 4
-    assert mean >= 0.8, {n: done[n]["test_acc"] for n in names}
+        assert evals and all(r["members"] == 4 for r in evals if r["time"] <= killed_at), (n, [r["members"] for r in evals])
+        assert done[n]["members_dead"] == 1 and done[n]["exchanges"] > 0, done[n]  # public0, and nobody else
+        assert done[n]["final_all_done"], done[n]  # the clients heard of each other's end through the public peer
+    # public0's shard left with it (3 of the 10 classes, some of them its alone): what the swarm keeps of them
+    # may fade as the others train on (one run in nine ended at 0.75, before clients left a suspected relay),
+    # but nothing collapses.
+    mean = sum(done[n]["test_acc"] for n in survivors) / 3
+    assert mean >= 0.6, {n: done[n]["test_acc"] for n in survivors}

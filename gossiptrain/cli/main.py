@@ -293,6 +293,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         security=security,
         final_model=args.final_model,
         reachable=check_mode(args.reachable, f"--reachable (or ${REACHABLE_ENV})"),
+        relay=args.relay,
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
     from gossiptrain.train.peer_workers import WorkerFailed, Workers, start_other_workers, wait_for_workers
@@ -432,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "join dial us back; if it cannot, we print one line and train as a client-mode member (behind NAT: "
                    "every connection opened by us); yes and no take your word for it (default: "
                    f"${REACHABLE_ENV}, else auto)")
+    p.add_argument("--relay", action="store_true",
+                   help="pass messages between peers behind NAT (client-mode members, which cannot reach each other), "
+                   "within limits.relay_bytes_per_second and limits.relay_burst_bytes; clients spread over the peers "
+                   "that relay, and use the coordinator while there are none (default: off; ignored behind NAT)")
     p.add_argument("--metrics", metavar="FILE",
                    help="append metrics as JSON lines to FILE, creating missing directories (default: none)")
     p.add_argument("--tensorboard", metavar="DIR",

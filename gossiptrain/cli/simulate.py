@@ -82,6 +82,10 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--behind-nat", metavar="PEERS", default="",
                    help="peers (comma-separated indexes) nobody can dial: they train as client-mode members, reached "
                         "only over connections they open (as behind NAT)")
+    p.add_argument("--relays", metavar="PEERS", default="",
+                   help="peers (comma-separated indexes) that relay between those behind NAT, as `peer --relay`")
+    p.add_argument("--no-coordinator-relay", action="store_true",
+                   help="the coordinator relays nothing, as `coordinator --no-relay`")
     p.add_argument("--system", choices=["gossip", "ddp", "ps-sync", "ps-async"], default="gossip",
                    help="what to simulate on the same compute and links: the swarm (default), DDP with a ring "
                         "all-reduce, or a parameter server, synchronous or asynchronous")
@@ -120,8 +124,14 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         behind_nat = tuple(int(i) for i in args.behind_nat.split(",") if i.strip())
     except ValueError:
         raise ConfigError(f"--behind-nat {args.behind_nat!r} must be peer indexes, e.g. 0,3") from None
+    try:
+        relays = tuple(int(i) for i in args.relays.split(",") if i.strip())
+    except ValueError:
+        raise ConfigError(f"--relays {args.relays!r} must be peer indexes, e.g. 1,2") from None
     return SimConfig(
         behind_nat=behind_nat,
+        relays=relays,
+        coordinator_relay=not args.no_coordinator_relay,
         rogue=rogue,
         rogue_scale=rogue_scale,
         peers=args.peers,

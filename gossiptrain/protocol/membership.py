@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, PING, PING_REQ, SYNC
 from gossiptrain.protocol.candidates import Candidate, Candidates
 from gossiptrain.protocol.rtt import MinRtt
@@ -84,8 +85,10 @@ MAX_PLACEHOLDERS = 16
 WELCOMED_INTRODUCER = "welcomed by us"
 
 
-#: The field types of a well-formed member entry (id, addr, shard, incarnation, state, by).
+#: The field types of a well-formed member entry (id, addr, shard, incarnation, state, by); a relay's has a
+#: seventh, ``True`` (``Member.relay``), and everyone else's only these six.
 _ENTRY_TYPES = [str, str, int, int, str, str]
+_RELAY_ENTRY_TYPES = [*_ENTRY_TYPES, bool]
 #: Entries already validated, by their exact fields (Member.from_wire); cleared when full.
 _VALIDATED: dict[tuple[Any, ...], "Member"] = {}
 _VALIDATED_MAX = 1 << 16
@@ -101,6 +104,7 @@ class Member:
     incarnation: int  # raised only by the member itself: at every process start and to refute a suspicion
     state: str = ALIVE
     by: str = ""  # for a suspicion: the member that suspects (Lifeguard counts independent suspectors)
+    relay: bool = False  # it passes messages between client-mode members (`gossiptrain peer --relay`), set by itself
 
     def to_wire(self) -> list[Any]:
         """The entry as sent: one list per member object, built once (members are immutable, and the same
@@ -108,6 +112,8 @@ class Member:
         wire = self.__dict__.get("_wire")
         if wire is None:
             wire = [self.id, self.addr, self.shard, self.incarnation, self.state, self.by]
+            if self.relay:
+                wire.append(True)
             object.__setattr__(self, "_wire", wire)
         return wire
 
@@ -122,7 +128,7 @@ class Member:
         no value that merely compares equal (True for 1, 1.0 for 1) can
         pass for a checked one.
         """
-        if type(raw) is list and len(raw) == 6 and list(map(type, raw)) == _ENTRY_TYPES:
+        if type(raw) is list and list(map(type, raw)) in (_ENTRY_TYPES, _RELAY_ENTRY_TYPES):
             key = tuple(raw)
             known = _VALIDATED.get(key)
             if known is None:
@@ -135,9 +141,12 @@ class Member:
 
     @classmethod
     def _checked(cls, raw: Any) -> "Member":
-        if not isinstance(raw, list) or len(raw) != 6:
-            raise ProtocolError("member entry must be a list of 6 fields")
-        mid, addr, shard, inc, state, by = raw
+        if not isinstance(raw, list) or len(raw) not in (6, 7):
+            raise ProtocolError("member entry must be a list of 6 fields (7 for a relay)")
+        mid, addr, shard, inc, state, by = raw[:6]
+        relay = raw[6] if len(raw) == 7 else False
+        if relay is not True and len(raw) == 7:
+            raise ProtocolError(f"bad member relay flag {relay!r:.40} (a relay's entry ends in true, others have 6 fields)")
         if not isinstance(mid, str) or not _ID_RE.match(mid):
             raise ProtocolError(f"bad member id {mid!r:.80}")
         if not isinstance(addr, str) or len(addr) > _MAX_ADDR or "://" not in addr:
@@ -149,7 +158,9 @@ class Member:
             raise ProtocolError(f"bad member state {state!r:.40}")
         if not isinstance(by, str) or (by and not _ID_RE.match(by)):
             raise ProtocolError(f"bad suspector id {by!r:.80}")
-        return cls(mid, addr, shard, inc, state, by)
+        if relay and is_client_address(addr):
+            raise ProtocolError(f"a client-mode member cannot relay: {addr!r:.80}")
+        return cls(mid, addr, shard, inc, state, by, relay)
 
 
 def _anyone(address: str) -> bool:

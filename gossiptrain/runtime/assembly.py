@@ -44,14 +44,17 @@ def node_for(
     rng: random.Random,
     spec: ParamSpec | None,
     nonces: random.Random | None = None,
+    relay: bool = False,
 ) -> PeerNode:
     """The (unstarted) network side of the member ``welcome`` admitted, seeded with the members it named.
 
     ``incarnation`` must outrank whatever the swarm remembers of an earlier
     process under this id (even its death): callers pass the current time in
     microseconds, wall-clock or virtual. ``nonces``: see ``Membership``.
+    ``relay``: our entry says that we relay between client-mode members (the
+    transport must ``serve_as_relay``).
     """
-    me = Member(welcome.member_id, address, welcome.shard, incarnation=incarnation)
+    me = Member(welcome.member_id, address, welcome.shard, incarnation=incarnation, relay=relay)
     return PeerNode(
         me=me,
         config=welcome.config,

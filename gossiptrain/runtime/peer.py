@@ -113,6 +113,11 @@ class Peer:
     up to ``membership.join_timeout`` seconds for it; ``yes`` and ``no`` take
     the caller's word. ``reachability`` holds the verdict; one that says
     others cannot reach us is logged as a warning, with what follows from it.
+    ``relay=True`` passes messages between members behind NAT (client-mode
+    members, which cannot reach each other) within ``limits.relay_*``, and
+    says so in our membership entry, so that clients spread over the
+    relaying members instead of all using the coordinator; a peer that
+    turns out to be behind NAT itself cannot relay and says so.
     """
 
     #: Whether the others can dial us at our address, and how that is known; None until joined.
@@ -145,8 +150,10 @@ class Peer:
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
         group: Any = None,
         reachable: str | None = None,
+        relay: bool = False,
     ) -> None:
         self._closed = False
+        self._relay = relay  # asked for: we relay only if reachable (``_attach``)
         self._group = PeerGroup(group) if group is not None else None  # the leader of several workers
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
         self.taken_from_swarm: list[str] = []  # run fields the caller did not set, as "field=value" the swarm runs with
@@ -235,9 +242,9 @@ class Peer:
                 welcome = join_once(None, welcome.shard)  # the shard our model was built for
             log.log(logging.INFO if self.reachability.reachable else logging.WARNING, "%s", self.reachability.line(welcome.member_id))
             self._attach(welcome)
-            if self._transport.client_as is not None and welcome.coordinator:
+            if self._transport.client_as is not None:
                 if security is None or sealed.available():
-                    self._use_relay(welcome.coordinator)
+                    self._use_relays()
                 else:
                     log.warning("no relay to other peers behind NAT: a secure swarm seals what passes through one, "
                                 "which needs the cryptography package (pip install 'gossiptrain[nat]')")
@@ -285,8 +292,14 @@ class Peer:
         assert self._transport is not None
         transport = self._transport
 
+        relay = self._relay and transport.client_as is None
+        if self._relay and not relay:
+            log.warning("not relaying (--relay): behind NAT, we cannot be dialled by the peers we would relay for")
+
         async def build() -> PeerNode:
             # On the loop thread, where the transport lives: the constructor already probes the welcome's members.
+            if relay:
+                transport.serve_as_relay(asyncio.get_running_loop().time())
             node = node_for(
                 welcome,
                 address=self.address,
@@ -296,6 +309,7 @@ class Peer:
                 rng=self._rng,
                 spec=spec,
                 nonces=random.SystemRandom(),  # probe nonces stay unguessable whatever seed the run was given
+                relay=relay,
             )
             self._node = node  # closed at teardown, even if it fails to start
             await node.start()
@@ -320,18 +334,18 @@ class Peer:
 
         Every message of ours names that address, so whoever we send to
         answers, probes and exchanges over the connection we opened
-        (``Transport.become_client``); other clients we reach through the coordinator's relay (``_use_relay``).
+        (``Transport.become_client``); other clients we reach through a relay (``_use_relays``).
         """
         assert self._transport is not None
         self.address = client_address(self.address)
         self._loop.call(self._transport.become_client, self.address, timeout=5)  # on the loop, where it lives
 
-    def _use_relay(self, coordinator: str) -> None:
-        """Average with other clients through the coordinator, which relays between peers behind NAT (a secure
-        swarm's are sealed for the target alone). One that does not relay drops them; those exchanges are presumed
-        lost after a few round trips."""
-        assert self._transport is not None
-        self._loop.call(self._transport.use_relay, coordinator, timeout=5)  # on the loop, where it lives
+    def _use_relays(self) -> None:
+        """Average with other clients through a relay: a member that relays, else the coordinator
+        (``PeerNode.use_relays``; a secure swarm's messages are sealed for their target alone). One that does
+        not relay drops them; those exchanges are presumed lost after a few round trips."""
+        assert self._node is not None
+        self._loop.call(self._node.use_relays, timeout=5)  # on the loop, where it lives
 
     def _withdraw(self, welcome: Welcome) -> None:
         """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.

@@ -22,6 +22,7 @@ state download, for peers that wait for a count before training.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import queue
@@ -35,7 +36,7 @@ import topologies
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
-from gossiptrain.net.addressing import CURVE_QUERY, is_client_address, key_id
+from gossiptrain.net.addressing import CURVE_QUERY, is_client_address, key_id, plain_address
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol import averaging, finish, membership, push_sum
@@ -95,6 +96,7 @@ class NodeStats(EndpointStats):
     members_left: int = 0  # announced a clean leave
     status_answered: int = 0  # `gossiptrain status` asks answered
     status_throttled: int = 0  # ...and dropped, over their source's rate
+    relay_changes: int = 0  # as a client: relays taken for other clients (the first included; ``_pick_relay``)
 
 
 class PeerNode(JoinAnsweringEndpoint):
@@ -157,6 +159,8 @@ class PeerNode(JoinAnsweringEndpoint):
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
         self.ready_count = 0  # live members known ready, for the trainer thread to read
         self._clients_looked_at: tuple[tuple[str, ...] | None, bool] = (None, False)  # (view, it holds a client)
+        self._relays_wanted = False  # a client that reaches other clients through a relay (``use_relays``)
+        self._relay_looked_at = -math.inf  # when _pick_relay last ran
         self.handlers = {
             kinds.JOIN: self._on_join,
             **dict.fromkeys(kinds.MEMBERSHIP, self._on_membership),
@@ -295,6 +299,54 @@ class PeerNode(JoinAnsweringEndpoint):
             return m.addr
         return self._addr_hints.get(member_id)
 
+    # -- relays between clients ------------------------------------------------------------
+
+    def use_relays(self) -> None:
+        """As a client-mode member, reach other clients through a relay from now on (``_pick_relay``).
+
+        Call on the node's loop. A secure swarm's client calls this only where
+        it can seal what it sends through one (``gossiptrain.net.sealed``).
+        """
+        self._relays_wanted = True
+        self._pick_relay()
+
+    def relays(self) -> list[Member]:
+        """The members that relay between clients (``Member.relay``), us excluded, and none under suspicion.
+
+        A suspected relay is left at once: its clients move on a probe's
+        timeout, not after the whole suspicion (seconds, so that a slow
+        member is not declared dead by mistake), and come back should it
+        refute the suspicion.
+        """
+        return [m for m in self.membership.alive() if m.relay and m.state == membership.ALIVE and m.id != self.me.id]
+
+    def _pick_relay(self) -> None:
+        """Our relay to other clients: a member that relays (``gossiptrain peer --relay``), else the coordinator.
+
+        Among several relays each client takes the one that ranks highest for
+        it by rendezvous hashing (``relay_rank``): clients spread over the
+        relays without talking about it, and when a relay goes (or one comes)
+        only the clients it ranks first for move. Any relay will do for any
+        pair, since every client probes every reachable member and so keeps a
+        route to each; the reply to a relayed request comes back through the
+        answerer's own relay.
+        """
+        if self.transport.client_as is None:
+            return
+        self._relay_looked_at = self.clock.now()
+        relays = self.relays()
+        if relays:
+            best = max(relays, key=lambda m: relay_rank(self.me.id, m.id))
+            address, who = best.addr, f"member {best.id}"
+        elif self.coordinator:
+            address, who = self.coordinator, "the coordinator"
+        else:
+            return
+        if address != self.transport.relay:
+            self.transport.use_relay(address)
+            self.stats.relay_changes += 1
+            log.info("other peers behind NAT through %s's relay at %s", who, plain_address(address))
+
     # -- background tasks ------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -304,6 +356,8 @@ class PeerNode(JoinAnsweringEndpoint):
             now = self.clock.now()
             self._apply(self.membership.handle(Tick(), now))
             self.state.tick(now)
+            if self._relays_wanted and now >= self._relay_looked_at + self.config.membership.heartbeat_interval:
+                self._pick_relay()  # a relay's entry may come without a view change (it replaced a placeholder)
             if self.rendezvous.waiting:  # only then: the members we can send to cost a look at the whole view
                 self._send_ready(self.rendezvous.tick(now, self._sendable()))
             wake = min(self.membership.next_timer(), self.rendezvous.next_timer())
@@ -469,6 +523,8 @@ class PeerNode(JoinAnsweringEndpoint):
                     self._now(averaging.MemberGone(a.member.id))
         if changed:
             self._view = self.membership.alive_ids()
+            if self._relays_wanted:  # our relay may be gone, or one may have come
+                self._pick_relay()
             if self.rendezvous.waiting:  # a member we counted may be gone
                 self._send_ready(self.rendezvous.tick(self.clock.now(), self._sendable()))
             self._send_ready(self.rendezvous.met(met))
@@ -487,6 +543,11 @@ class PeerNode(JoinAnsweringEndpoint):
             _member_events.info("member %s died (suspected by %s)", m.id, ", ".join(a.suspectors), extra=extra)
         else:
             _member_events.info("member %s died", m.id, extra=extra)
+
+
+def relay_rank(client: str, relay: str) -> int:
+    """Where ``relay`` ranks for ``client`` (highest first): a hash of both ids, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(f"{client}\0{relay}".encode(), digest_size=8).digest(), "big")
 
 
 def membership_event(msg: Message, max_members: int, source: str = "") -> membership.Event:

@@ -89,6 +89,8 @@ class SimConfig:
     checkpoint_every: float = 0.0  # ...and they resume from a checkpoint this often (0: after every step)
     allreduce: str = "ring"  # ddp: ring, halving-doubling or best (gossiptrain.sim.collectives)
     behind_nat: tuple[int, ...] = ()  # peers (by index) nobody can dial: client-mode members (Transport.become_client)
+    relays: tuple[int, ...] = ()  # peers (by index) that relay between clients, as `gossiptrain peer --relay`
+    coordinator_relay: bool = True  # the coordinator relays between clients (`gossiptrain coordinator --no-relay`: off)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -125,6 +127,8 @@ class SimConfig:
         need(all(0 <= i < self.peers for i in self.rogue), "rogue", f"names a peer outside 0..{self.peers - 1}")
         need(all(0 <= i < self.peers for i in self.behind_nat), "behind_nat", f"names a peer outside 0..{self.peers - 1}")
         need(self.system == "gossip" or not self.behind_nat, "behind_nat", "is simulated for gossip only")
+        need(all(0 <= i < self.peers for i in self.relays), "relays", f"names a peer outside 0..{self.peers - 1}")
+        need(not set(self.relays) & set(self.behind_nat), "relays", "names a peer behind NAT: nobody could reach it to relay")
         for e in self.churn_trace:
             need(0 <= e.peer < self.peers, "churn_trace", f"names peer {e.peer}, but there are {self.peers}")
         if not self.membership_only:
@@ -233,6 +237,7 @@ class Cluster:
             step_sigma=self.config.step_sigma,
             wait_for=self.config.wait_for,
             client=slot in self.config.behind_nat,
+            relay=slot in self.config.relays,
         )
         peer = SimPeer(
             spec,
@@ -366,7 +371,8 @@ class Cluster:
         with self.network.activate():
             transport = listen(COORDINATOR, self.config.run.limits, network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
-                transport.serve_as_relay(loop.time())  # between clients (behind_nat), as `gossiptrain coordinator` does
+                if self.config.coordinator_relay:  # between clients (behind_nat), as `gossiptrain coordinator` does
+                    transport.serve_as_relay(loop.time())
                 try:
                     # Peers start evenly over join_spread, as machines do: not all in the same instant.
                     gap = self.config.join_spread / self.config.peers

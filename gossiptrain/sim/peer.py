@@ -56,6 +56,7 @@ class SimPeerSpec:
     eval_time: float = 0.0  # virtual seconds of one test-set evaluation (a real peer evaluates on its training thread)
     wait_for: int = 0  # train only once this many members (itself included) are ready, as `peer --wait-for`
     client: bool = False  # behind NAT: nobody can dial it, it joins as a client-mode member
+    relay: bool = False  # it relays between clients, as `gossiptrain peer --relay` (never a client itself)
 
     @property
     def name(self) -> str:
@@ -118,8 +119,8 @@ class SimPeer:
                 rng=self.rng,
             )
             config = welcome.config
-            if self.spec.client and welcome.coordinator:  # as Peer does: other clients through the coordinator
-                transport.use_relay(welcome.coordinator)
+            if self.spec.relay:
+                transport.serve_as_relay(asyncio.get_running_loop().time())
             model = self.make_model() if self.make_model else None
             params = dict(model.named_parameters()) if model is not None else {}
             node = self.node = node_for(
@@ -130,7 +131,10 @@ class SimPeer:
                 clock=self.clock,
                 rng=self.rng,
                 spec=ParamSpec.of(params) if model is not None else None,
+                relay=self.spec.relay,
             )
+            if self.spec.client:  # as Peer does: other clients through a relaying member, else the coordinator
+                node.use_relays()
             async with node:
                 self.joined_at = self.clock.now()
                 if model is None or self.workload is None:

@@ -74,6 +74,7 @@ class PeerOptions:
     final_model: str | Path | None = None  # at the end of the run, write the swarm's merged model here (or URL)
     workers: Workers | None = None  # one of several worker processes of this peer (--nproc-per-peer, torchrun)
     reachable: str | None = None  # --reachable auto|yes|no (None: Peer's default, $GOSSIPTRAIN_REACHABLE or auto)
+    relay: bool = False  # --relay: pass messages between peers behind NAT (if we are reachable)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -151,6 +152,7 @@ def run_peer(
         join_attempts=options.join_attempts, security=options.security,
         transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
         optimizer=lambda config, model: make_optimizer(config.train, model), group=group, reachable=options.reachable,
+        relay=options.relay,
     ) as peer:
         workload = workloads["w"]
         if peer.taken_from_swarm:  # the run fields we did not set, as the swarm runs them
@@ -370,7 +372,9 @@ class _Report:
             "messages_received": stats["messages_received"],
             "received_over_own": stats["received_over_own"],
             "sent_over_routes": stats["sent_over_routes"],  # to client-mode members, over the connections they opened
-            "received_relayed": stats["received_relayed"],  # from another client-mode member, through the coordinator
+            "received_relayed": stats["received_relayed"],  # from another client-mode member, through a relay
+            "relayed": stats["relayed"],  # as a relay (--relay): messages passed between client-mode members
+            "relay_dropped": stats["relay_dropped"],  # ...and not passed on (no route, over the budget, not relaying)
             "members_dead": stats["members_dead"],
             "members_left": stats["members_left"],
             # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts
