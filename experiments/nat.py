@@ -10,7 +10,10 @@ alternately for each seed:
   over connections they open, and average with each other through the
   coordinator's relay; README "Behind NAT");
 - ``nat-no-relay`` (with ``--worlds``): the same with the coordinator's
-  relay off, so that the two behind NAT average with the public peers only.
+  relay off, so that the two behind NAT average with the public peers only;
+- ``nat-peer-relay`` (with ``--worlds``): the coordinator's relay off and
+  the first public peer run with ``--relay``: the two behind NAT average
+  with each other through that peer.
 
 Every peer is a `gossiptrain peer` process with `--wait-for 4` (the clock
 starts at the first start, as in experiments/wan.py), one torch thread,
@@ -28,6 +31,7 @@ the median with all 4 public (the issue's target: at most 1.25),
 
     python experiments/nat.py                   # 3 seeds, unshaped links (a few minutes)
     python experiments/nat.py --seeds 5 --worlds public nat nat-no-relay
+    python experiments/nat.py --seeds 5 --worlds public nat nat-peer-relay
     python experiments/nat.py --rate 100mbit    # every host's link at 100 Mbit/s
     python experiments/nat.py --quick           # 1 seed, short runs (smoke test)
 """
@@ -53,7 +57,7 @@ from gossiptrain.train.metrics import read_metrics  # noqa: E402
 PEERS = 4
 PORT = 9000
 SKEW = {"train.partition": "classes-per-peer", "train.partition_classes": 3}
-WORLDS = ("public", "nat", "nat-no-relay")
+WORLDS = ("public", "nat", "nat-no-relay", "nat-peer-relay")
 
 
 def world_hosts(stack: contextlib.ExitStack, world: str) -> tuple[netns.Lan, list[netns.Namespace], list[netns.NatRouter]]:
@@ -85,7 +89,7 @@ def one(world: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str
                 ns.shape_link("eth0", netns.LinkShape(rate=args.rate))
         procs = stack.enter_context(harness.Procs(work))
         join = f"{lan.addresses[0]}:{PORT}"
-        relay = ["--no-relay"] if world == "nat-no-relay" else []
+        relay = ["--no-relay"] if world in ("nat-no-relay", "nat-peer-relay") else []
         procs.start("coordinator", in_ns(lan.hosts[0], "coordinator", "--bind", join, *relay, *sets))
         deadline = time.monotonic() + 60
         while "join with:" not in (work / "coordinator.log").read_text(errors="replace"):
@@ -93,8 +97,9 @@ def one(world: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str
                 raise RuntimeError(problem or "the coordinator did not start within 60 s")
             time.sleep(0.05)
         for i, ns in enumerate(hosts):
+            relays = ["--relay"] if world == "nat-peer-relay" and i == 0 else []  # hosts: the public ones first
             procs.start(f"peer-{i}", in_ns(ns, "peer", "--join", join, "--quiet", "--threads", 1, "--shard", i,
-                                            "--wait-for", PEERS, "--metrics", work / f"peer-{i}.jsonl"))
+                                            "--wait-for", PEERS, "--metrics", work / f"peer-{i}.jsonl", *relays))
 
         def read() -> list[harness.Point]:
             per_peer = [read_metrics(work / f"peer-{i}.jsonl") for i in range(PEERS)]
@@ -116,6 +121,7 @@ def one(world: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str
         "clients_exchanges": [r.get("exchanges", 0) for r in clients],
         "sent_over_routes": sum(r.get("sent_over_routes", 0) for r in last),
         "received_relayed": sum(r.get("received_relayed", 0) for r in clients),
+        "peers_relayed": sum(r.get("relayed", 0) for r in last),  # by peers run with --relay
     }
 
 
@@ -128,33 +134,41 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> i
         return statistics.median(t) if len(t) == sum(r["world"] == world for r in rows) and t else None
 
     public, nat, no_relay = median("public"), median("nat"), median("nat-no-relay")
+    peer_relay = median("nat-peer-relay")
     ratio = nat / public if nat is not None and public else None
     no_relay_ratio = no_relay / public if no_relay is not None and public else None
+    peer_relay_ratio = peer_relay / public if peer_relay is not None and public else None
     lines = [
         f"# 4 peers, 2 of them behind NAT, against 4 public peers: {args.workload}, 3 classes per peer, "
         f"medians of {args.seeds} seeds", "",
-        f"Regenerate: `python experiments/nat.py{' --rate ' + args.rate if args.rate else ''}` (as root). Target: mean "
+        f"Regenerate: `python experiments/nat.py --seeds {args.seeds} --worlds {' '.join(args.worlds)}"
+        f"{' --rate ' + args.rate if args.rate else ''}{f' --out {args.out}' if args.out else ''}` (as root). Target: mean "
         f"test accuracy {args.target} held for 3 evaluations; {args.timeout:.0f} s of training per run at most; links "
         f"{'shaped to ' + args.rate if args.rate else 'unshaped'}. One 2-core machine runs every process.", "",
     ]
     table = [[r["world"], r["seed"], "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}",
               f"{r['final_acc']:.3f}", r["client_members"], r["members_min"], r["members_dead"],
-              f"{r['exchanges_per_peer']:.0f}", r["sent_over_routes"], r["received_relayed"]] for r in rows]
+              f"{r['exchanges_per_peer']:.0f}", r["sent_over_routes"], r["received_relayed"],
+              r.get("peers_relayed", 0)] for r in rows]
     lines += harness.markdown_table(
         ["world", "seed", "time to target (s)", "final mean acc", "client members", "smallest view", "deaths",
-         "exchanges per peer", "sent over routes", "clients' relayed"], table)
+         "exchanges per peer", "sent over routes", "clients' relayed", "passed on by a peer"], table)
     lines += ["", f"Median time to target: public {harness.fmt(public or float('nan'))} s, 2 behind NAT "
               f"{harness.fmt(nat or float('nan'))} s: NAT / public = **{harness.fmt(ratio or float('nan'))}** "
               "(target at most 1.25)."]
     if any(r["world"] == "nat-no-relay" for r in rows):
         lines += [f"With the coordinator's relay off (the clients average with the public peers only): "
                   f"{harness.fmt(no_relay or float('nan'))} s, NAT / public = {harness.fmt(no_relay_ratio or float('nan'))}."]
+    if any(r["world"] == "nat-peer-relay" for r in rows):
+        lines += [f"Through a peer's relay (`--relay` on the first public peer, the coordinator's off): "
+                  f"{harness.fmt(peer_relay or float('nan'))} s, NAT / public = {harness.fmt(peer_relay_ratio or float('nan'))}."]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(harness.headline({
         "nat_over_public": harness.finite_or_none(ratio),
         "nat_reached": len(times("nat")),
         "nat_no_relay_over_public": harness.finite_or_none(no_relay_ratio),
+        "nat_peer_relay_over_public": harness.finite_or_none(peer_relay_ratio),
         "runs": len(rows),
     }))
     return 0
