@@ -97,6 +97,18 @@ def test_states_totals_and_who_lags() -> None:
     assert "lagging: c" in text and text.count("\n") == 1 + 4 + 2
 
 
+def test_the_table_says_which_members_relay_and_which_are_behind_nat() -> None:
+    relay = MemberRow("r", "tcp://127.0.0.2:1", 0, "alive", 0.0, None, relay=True)
+    client = MemberRow("c", "tcp://127.0.0.3:1/client", 1, "alive", 0.0, None)
+    plain = MemberRow("p", "tcp://127.0.0.4:1", 2, "alive", 0.0, None)
+    assert [r.to_dict()["role"] for r in (relay, client, plain)] == ["relay", "client", None]
+    totals, steps = summarize((relay, client, plain))
+    lines = render({"run": "fp", "answered_by": "r", "stopping": False, "members": [r.to_dict() for r in (relay, client, plain)],
+                    "totals": totals, "steps": steps}).splitlines()
+    at = lines[1].index("ROLE")
+    assert [line[at:].split()[0] for line in lines[2:5]] == ["relay", "client", "-"], lines
+
+
 def _status_json(join: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     assert main(["status", "--join", join, "--json", "--timeout", "5"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

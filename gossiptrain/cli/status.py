@@ -90,6 +90,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("ID", "id", str),
     ("ADDRESS", "addr", lambda a: plain_address(a).removeprefix("tcp://")),
     ("SHARD", "shard", str),
+    ("ROLE", "role", str),  # relay (peer --relay), client (behind NAT), - (neither)
     ("STATE", "state", str),
     ("STEP", "step", str),
     ("SAMPLES", "samples", str),
@@ -103,7 +104,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("IDLE S", "idle_s", lambda v: f"{v:.1f}"),
     ("HEARD", "heard_s_ago", lambda v: f"{v:.0f}s ago"),
 )
-_LEFT_ALIGNED = {"ID", "ADDRESS", "STATE"}
+_LEFT_ALIGNED = {"ID", "ADDRESS", "ROLE", "STATE"}
 
 
 def render(status: dict[str, Any]) -> str:

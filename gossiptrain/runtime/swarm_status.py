@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.protocol.membership import Member
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, MemberStatus
 from gossiptrain.runtime.swarm_client import Roster, SwarmClient
@@ -47,9 +48,16 @@ class MemberRow:
     heard_s_ago: float | None  # since its last answer reached us
     status: MemberStatus | None
     answered: bool = False  # in this poll
+    relay: bool = False  # it relays between members behind NAT (`peer --relay`; ``Member.relay``)
+
+    @property
+    def role(self) -> str | None:
+        """``relay`` (it passes messages between clients), ``client`` (behind NAT), or None: neither."""
+        return "relay" if self.relay else "client" if is_client_address(self.addr) else None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "addr": self.addr, "shard": self.shard, "state": self.state,
+                               "role": self.role,
                                "heard_s_ago": None if self.heard_s_ago is None else round(self.heard_s_ago, 2)}
         if self.status is not None:
             reported = asdict(self.status)
@@ -143,6 +151,6 @@ class StatusBoard:
             status, heard, member = (last[0], now - last[1], member or last[2]) if last else (None, None, member)
             assert member is not None
             state = "gone" if how == "gone" else member_state(how, status, mid in answers)
-            rows.append(MemberRow(mid, member.addr, member.shard, state, heard, status, mid in answers))
+            rows.append(MemberRow(mid, member.addr, member.shard, state, heard, status, mid in answers, member.relay))
         totals, steps = summarize(tuple(rows))
         return SwarmStatus(roster.fingerprint, roster.answered_by, roster.stopping, time.time(), tuple(rows), totals, steps)
