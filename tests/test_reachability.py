@@ -23,7 +23,7 @@ from gossiptrain.protocol.reachability import AUTO, NO, YES, ReachCheck, Verdict
 from gossiptrain.runtime.peer import Peer
 
 from .conftest import fast_config
-from .swarm import Procs, next_host
+from .swarm import Procs, next_host, wait_for
 
 # No exchanges and no state download: these tests are about joining. A short wait for the probe keeps them quick.
 RUN = {"train.workload": "external", "gossip.exchange_every_steps": 2 * 10**9, "state.enabled": False,
@@ -136,6 +136,28 @@ def test_reachable_yes_and_no_skip_the_probe(coordinator_factory: Any, caplog: p
         with peer(join, bind=f"{next_host()}:0", reachable=NO) as q:
             assert q.reachability == Verdict(False, q.address, "--reachable no", f"tcp://{join}")
     assert [r.getMessage() for r in caplog.records if "reachable" in r.getMessage()] == [q.reachability.line(q.id)]
+
+
+@pytest.mark.timeout(60)
+def test_a_reachable_peer_relays_for_clients_and_a_client_asked_to_relay_says_it_cannot(
+    coordinator_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``relay=True``: a reachable peer relays and its membership entry says so, and a client (here
+    ``reachable=no``) takes it as its relay over the coordinator; a client asked to relay warns and does not."""
+    join = join_of(coordinator_factory)
+    with caplog.at_level(logging.INFO, logger="gossiptrain.runtime"):
+        with peer(join, bind=f"{next_host()}:0", relay=True) as relay:
+            assert relay._node is not None and relay._node.me.relay and relay._transport is not None
+            assert relay._transport.relaying is not None
+            with peer(join, bind=f"{next_host()}:0", reachable=NO, relay=True) as client:
+                assert client._node is not None and not client._node.me.relay and client._transport is not None
+                assert client._transport.relaying is None
+                wait_for(lambda: client._transport.relay == relay.address, 10,  # type: ignore[union-attr]
+                         "the client to take the relaying peer as its relay")
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("relaying between peers behind NAT (--relay)") for m in said), said
+    assert any(m.startswith("not relaying (--relay): behind NAT") for m in said), said
+    assert any(f"through member {relay.id}'s relay at {relay.address}" in m for m in said), said
 
 
 @pytest.mark.timeout(90)

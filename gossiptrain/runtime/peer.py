@@ -295,6 +295,10 @@ class Peer:
         relay = self._relay and transport.client_as is None
         if self._relay and not relay:
             log.warning("not relaying (--relay): behind NAT, we cannot be dialled by the peers we would relay for")
+        elif relay:
+            limits = transport.limits  # the budget serve_as_relay takes
+            log.info("relaying between peers behind NAT (--relay): at most %.0f MB/s, bursts of %.0f MB",
+                     limits.relay_bytes_per_second / 1e6, limits.relay_burst_bytes / 1e6)
 
         async def build() -> PeerNode:
             # On the loop thread, where the transport lives: the constructor already probes the welcome's members.
