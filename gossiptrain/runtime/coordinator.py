@@ -60,9 +60,13 @@ class Registry:
     """Members the coordinator has heard from recently; silent ones expire.
 
     Entries are kept in the order they were last heard from (the clock only
-    moves forward), so expiring walks only the expired ones, and the live
-    list is rebuilt only after a change: a report, every report interval from
-    every member, costs no walk of the whole registry.
+    moves forward), so expiring walks only the expired ones. The lists of
+    live, dialable and reported members are rebuilt only after a change of
+    who is in them or of an entry (a new member, a new incarnation, one
+    gone): a report that only says a member is still there, every report
+    interval from every member, costs no walk of the whole registry. (It
+    did: 1,000 simulated members spent about 6% of their time rebuilding
+    these lists, 5M member visits at 500.)
     """
 
     def __init__(self, expire_after: float, capacity: int) -> None:
@@ -71,7 +75,7 @@ class Registry:
         self._seen: dict[str, tuple[Member, float]] = {}  # oldest first
         self._reported: set[str] = set()  # ids that reported themselves (not only joined through us)
         self._unreachable: set[str] = set()  # ids whose own reports say nobody can dial them (behind NAT)
-        self._alive: list[Member] | None = None  # the live members, until the next change
+        self._lists: dict[str, list[Member]] = {}  # "alive", "dialable", "reported": until the next change
 
     def update(self, member: Member, now: float, *, reported: bool = False, reachable: bool = True) -> bool:
         """Record ``member`` as heard from now (``reported``: by itself, which says whether it is ``reachable``);
@@ -85,22 +89,31 @@ class Registry:
         if known is None or member.incarnation >= known[0].incarnation:
             self._seen.pop(member.id, None)  # to the end: heard from last
             self._seen[member.id] = (member, now)
-            self._alive = None
-        if reported:
+            if known is None or (known[0] is not member and known[0] != member):
+                self._lists.clear()
+        if reported and (member.id not in self._reported or (member.id in self._unreachable) == reachable):
             self._reported.add(member.id)
             (self._unreachable.discard if reachable else self._unreachable.add)(member.id)
+            self._lists.clear()
         return True
 
     def reported(self, now: float) -> list[Member]:
-        """The live members that reported themselves and can be dialled: the ones worth handing to a newcomer."""
-        return [
-            m for m in self.alive(now)
-            if m.id in self._reported and m.id not in self._unreachable and not is_client_address(m.addr)
-        ]
+        """The live members that reported themselves and can be dialled: the ones worth handing to a newcomer
+        (do not modify the list)."""
+        dialable = self.dialable(now)
+        if (out := self._lists.get("reported")) is None:
+            out = self._lists["reported"] = [m for m in dialable if m.id in self._reported]
+        return out
 
     def dialable(self, now: float) -> list[Member]:
-        """The live members, less those that said nobody can dial them: what a probe or an exchange can reach."""
-        return [m for m in self.alive(now) if m.id not in self._unreachable and not is_client_address(m.addr)]
+        """The live members, less those that said nobody can dial them: what a probe or an exchange can reach
+        (do not modify the list)."""
+        alive = self.alive(now)
+        if (out := self._lists.get("dialable")) is None:
+            out = self._lists["dialable"] = [
+                m for m in alive if m.id not in self._unreachable and not is_client_address(m.addr)
+            ]
+        return out
 
     def seen_dead(self, member_id: str, now: float, fresh_for: float) -> bool:
         """A member reported dead: forget it unless it was heard from itself within ``fresh_for`` seconds."""
@@ -111,11 +124,11 @@ class Registry:
         return True
 
     def alive(self, now: float) -> list[Member]:
-        """The live members, oldest news first (do not modify the list)."""
+        """The live members, in no particular order (do not modify the list)."""
         self._expire(now)
-        if self._alive is None:
-            self._alive = [m for m, _ in self._seen.values()]
-        return self._alive
+        if (out := self._lists.get("alive")) is None:
+            out = self._lists["alive"] = [m for m, _ in self._seen.values()]
+        return out
 
     def count(self, now: float) -> int:
         return self._expire(now)
@@ -131,7 +144,7 @@ class Registry:
 
     def _forget(self, member_id: str) -> None:
         if self._seen.pop(member_id, None) is not None:
-            self._alive = None
+            self._lists.clear()
         self._reported.discard(member_id)
         self._unreachable.discard(member_id)
 
