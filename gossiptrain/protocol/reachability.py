@@ -95,8 +95,8 @@ class Verdict:
         return (
             f"peer {member_id} at {at} {why}: it trains as a client-mode member (its address now ends in "
             "/client), opening every connection itself; members answer, probe and exchange with it over those, "
-            "other clients through a relay (a peer run with --relay, else the coordinator). To be reachable, set --advertise to an "
-            "address others can dial (a public address, a forwarded port)"
+            "other clients through a relay (a peer run with --relay, else the coordinator). To be reachable, set "
+            "--advertise to an address others can dial (a public address, a forwarded port)"
         )
 
 
