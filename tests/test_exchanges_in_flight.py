@@ -27,7 +27,7 @@ from gossiptrain.protocol.averaging import (
     SendExchange,
 )
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS, MinRtt
+from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS, MinRtt, RttEstimator
 from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.runtime.join_client import join_swarm
@@ -125,6 +125,22 @@ def test_the_latency_is_the_shortest_probe_round_trip_of_this_window_and_the_one
     assert m.value == 0.002
     m.observe(0.12, 22.0)  # two windows on, only what they saw
     assert m.value == 0.1
+
+
+@given(rtts=st.lists(st.floats(1e-4, 5.0), max_size=20), deadline_in=st.floats(0.0, 60.0))
+def test_an_answer_is_presumed_lost_several_typical_round_trips_late_never_past_its_deadline(
+    rtts: list[float], deadline_in: float
+) -> None:
+    rtt = RttEstimator(0.5, 10.0)
+    for r in rtts:
+        rtt.observe(r)
+        rtt.backoff()  # timeouts between answers: the timeout grows, what answers usually take does not
+    at = rtt.presumed_lost_at(100.0, 100.0 + deadline_in)
+    if not rtts:
+        assert at == 100.0 + deadline_in  # nothing measured yet: the timeout is all we have
+    else:
+        assert rtt.typical is not None and at <= 100.0 + deadline_in
+        assert at == 100.0 + deadline_in or at >= 100.0 + LATE_ROUND_TRIPS * rtt.typical
 
 
 def test_a_reply_far_later_than_usual_is_presumed_lost_holds_no_one_and_is_still_applied() -> None:

@@ -608,7 +608,10 @@ class PairwiseAveraging(Averaging):
         xid = self._new_xid()
         share = 1.0 / (k + 1)  # 1/2 with one exchange in flight, 1/(k+1) with up to k
         deadline = now + self.rtt.timeout()
-        self._inflight[xid] = _InFlight(xid, partner, sent, now, deadline, self._expected_by(now, deadline),
+        # Presumed lost a few typical round trips late (rtt.LATE_ROUND_TRIPS), well before its patient timeout:
+        # waiting for that on every lost message stalled peers for seconds with 1% of messages lost
+        # (experiments/latency_loss.py). One presumed lost holds no one: see _live.
+        self._inflight[xid] = _InFlight(xid, partner, sent, now, deadline, self.rtt.presumed_lost_at(now, deadline),
                                         share=share, may_hold=healthy, nbytes=wire_bytes(wire))
         self._last_start_step = tick.step
         self.stats.started += 1
@@ -617,16 +620,6 @@ class PairwiseAveraging(Averaging):
         if share < 0.5:
             meta["a"] = share
         return [SendExchange(partner, XREQ, xid, wire, meta)]
-
-    def _expected_by(self, now: float, deadline: float) -> float:
-        """When a reply sent now should have come: a few typical round trips, never past the timeout.
-
-        The timeout is patient by design (it backs off, and starts at a guess
-        of seconds); waiting for it on every lost message stalled peers for
-        seconds, with 1% of messages lost (experiments/latency_loss.py).
-        """
-        late = self.rtt.late_after()  # (rtt.LATE_ROUND_TRIPS) an exchange presumed lost holds no one: see _live
-        return deadline if late is None else min(deadline, now + late)
 
     def concurrency(self) -> int:
         """How many exchanges we may have in flight: ``gossip.exchanges_in_flight``, or as many as the latency takes steps.

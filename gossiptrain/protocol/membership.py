@@ -144,9 +144,9 @@ class Member:
         if not isinstance(raw, list) or len(raw) not in (6, 7):
             raise ProtocolError("member entry must be a list of 6 fields (7 for a relay)")
         mid, addr, shard, inc, state, by = raw[:6]
-        relay = raw[6] if len(raw) == 7 else False
-        if relay is not True and len(raw) == 7:
-            raise ProtocolError(f"bad member relay flag {relay!r:.40} (a relay's entry ends in true, others have 6 fields)")
+        relay = len(raw) == 7
+        if relay and raw[6] is not True:
+            raise ProtocolError(f"bad member relay flag {raw[6]!r:.40} (a relay's entry ends in true, others have 6 fields)")
         if not isinstance(mid, str) or not _ID_RE.match(mid):
             raise ProtocolError(f"bad member id {mid!r:.80}")
         if not isinstance(addr, str) or len(addr) > _MAX_ADDR or "://" not in addr:

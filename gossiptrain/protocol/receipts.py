@@ -65,8 +65,7 @@ class Receipts:
     def pushed(self, to: str, xid: int, step: int, now: float, nbytes: int = 0) -> None:
         if self.enabled:
             deadline = now + self.rtt.timeout()
-            late = self.rtt.late_after()
-            self._out[to] = _Unacked(xid, step, now, deadline, deadline if late is None else min(deadline, now + late), nbytes)
+            self._out[to] = _Unacked(xid, step, now, deadline, self.rtt.presumed_lost_at(now, deadline), nbytes)
 
     def settled(self, sender: str, xid: int, now: float, *, receipt: bool) -> bool:
         """``sender`` took (``receipt``) or refused our push ``xid``: its link is free. False if it was not ours."""

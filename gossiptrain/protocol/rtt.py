@@ -34,6 +34,12 @@ class RttEstimator:
             return None
         return max(LATE_ROUND_TRIPS * typical, typical + 4 * self.rttvar)
 
+    def presumed_lost_at(self, now: float, deadline: float) -> float:
+        """When an answer to a message sent ``now`` is presumed lost: ``late_after`` from now, never past ``deadline``
+        (the timeout, which stays what makes it overdue); the deadline itself before any answer came."""
+        late = self.late_after()
+        return deadline if late is None else min(deadline, now + late)
+
     def timeout(self) -> float:
         if self.srtt is None:
             guess = max(self.floor, min(self.ceiling, 2.0))

@@ -12,6 +12,7 @@ is what keeps the simulator faithful.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -51,9 +52,11 @@ def node_for(
     ``incarnation`` must outrank whatever the swarm remembers of an earlier
     process under this id (even its death): callers pass the current time in
     microseconds, wall-clock or virtual. ``nonces``: see ``Membership``.
-    ``relay``: our entry says that we relay between client-mode members (the
-    transport must ``serve_as_relay``).
+    ``relay``: we relay between client-mode members: the transport serves as
+    a relay and our entry says so. Call on the transport's event loop.
     """
+    if relay:
+        transport.serve_as_relay(asyncio.get_running_loop().time())
     me = Member(welcome.member_id, address, welcome.shard, incarnation=incarnation, relay=relay)
     return PeerNode(
         me=me,

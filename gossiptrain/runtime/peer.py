@@ -302,8 +302,6 @@ class Peer:
 
         async def build() -> PeerNode:
             # On the loop thread, where the transport lives: the constructor already probes the welcome's members.
-            if relay:
-                transport.serve_as_relay(asyncio.get_running_loop().time())
             node = node_for(
                 welcome,
                 address=self.address,

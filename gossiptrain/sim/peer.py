@@ -119,8 +119,6 @@ class SimPeer:
                 rng=self.rng,
             )
             config = welcome.config
-            if self.spec.relay:
-                transport.serve_as_relay(asyncio.get_running_loop().time())
             model = self.make_model() if self.make_model else None
             params = dict(model.named_parameters()) if model is not None else {}
             node = self.node = node_for(
