@@ -170,6 +170,52 @@ def test_no_request_is_served_before_the_first_safe_point() -> None:
     assert nak.kind == XNAK and float(pb["w"]) == 8.0
 
 
+def test_a_reply_leaves_before_the_server_moves_and_the_move_is_never_lost() -> None:
+    """The server's own merge waits until its reply is sent (``after_send``), or until its next event at the latest."""
+    b, pb = make([8.0, 8.0])
+    (rep,) = b.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)
+    assert rep.kind == XREP and float(rep.tensors["w"]) == 8.0 and rep.meta["a"] == 0.5
+    assert float(b._pending[0]) == 0.0  # not computed yet: the reply is on its way first
+    b.after_send()
+    assert [float(p) for p in b.pending] == [-4.0, -4.0]
+    # A driver that never calls after_send loses nothing: the next event computes the merge first.
+    c, pc = make([8.0, 8.0])
+    c.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)
+    settle(c)
+    assert float(pc["w"]) == 4.0 and float(pc["b"]) == 4.0
+
+
+class CountingCodec:
+    """The machine's codec, counting encodes."""
+
+    def __init__(self, codec: object) -> None:
+        self.codec, self.encodes = codec, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.codec, name)
+
+    def encode(self, *args: object, **kwargs: object) -> object:
+        self.encodes += 1
+        return self.codec.encode(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+def test_a_model_sent_again_is_not_encoded_again() -> None:
+    a, _ = make([1.0, 2.0])
+    counting = CountingCodec(a.codec)
+    a.codec = counting  # type: ignore[assignment]
+    (req,) = a.handle(AtSafePoint(step=1, partners=["B"]), 0.0)
+    (rep,) = a.handle(Received("C", XREQ, 5, {"w": torch.tensor([3.0]), "b": torch.tensor([4.0])}), 0.0)
+    # Nothing merged between the two: the reply is the request's model, the very same tensors, encoded once.
+    assert counting.encodes == 1 and rep.tensors["w"] is req.tensors["w"]
+    b, _ = make([1.0, 2.0])
+    counting = CountingCodec(b.codec)
+    b.codec = counting  # type: ignore[assignment]
+    b.handle(Received("C", XREQ, 5, {"w": torch.tensor([3.0]), "b": torch.tensor([4.0])}), 0.0)
+    (rep,) = b.handle(Received("D", XREQ, 6, {"w": torch.tensor([5.0]), "b": torch.tensor([6.0])}), 0.0)
+    # Served C in between: the model moved (1/2 of the way to C's, w from 1 to 2), so it is encoded anew.
+    assert counting.encodes == 2 and float(rep.tensors["w"]) == 2.0
+
+
 def test_a_reply_that_could_not_be_sent_is_taken_back() -> None:
     b, pb = make([8.0, 8.0])
     (rep,) = b.handle(Received("A", XREQ, 7, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)

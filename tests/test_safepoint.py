@@ -71,3 +71,37 @@ def test_a_peer_that_starts_every_third_step_still_visits_every_phase_of_a_perio
     assert algo.asked[:3] == ["p0", "p1", "p2"]
     assert {a.to for a in sent} == {"p0", "p1", "p2"} and len(sent) == 10
     assert point.rounds == 10
+
+
+class Recorder:
+    """An algorithm that answers requests on the network side, noting the order of what the driver does."""
+
+    network_kinds: frozenset[str] = frozenset({kinds.XREQ})
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.stats = averaging.AveragingStats()
+        self.receipts = Receipts(GossipConfig(), self.stats)
+
+    def handle(self, event: Any, now: float) -> list[averaging.Action]:
+        self.log.append("handle")
+        return [SendExchange(event.sender, kinds.XREP, event.xid, {})]
+
+    def after_send(self) -> None:
+        self.log.append("after_send")
+
+
+class SendingNode(GraphNode):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def send_exchange(self, action: SendExchange) -> None:
+        self.log.append(f"send {action.kind}")
+
+
+def test_a_reply_is_sent_before_the_work_the_algorithm_put_off_until_then() -> None:
+    log: list[str] = []
+    point = SafePoint(SendingNode(log), Recorder(log), StoppedClock(), lambda a: None)  # type: ignore[arg-type]
+    point.on_network(averaging.Received("p1", kinds.XREQ, 7, {}))
+    assert log == ["handle", f"send {kinds.XREP}", "after_send"]

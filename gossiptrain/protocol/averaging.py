@@ -19,11 +19,13 @@ steps: an exchange is applied on both sides or on neither. The pieces:
 - *Requests are answered at once, never waiting for the training loop.*
   The network side handles requests and replies as they arrive
   (``network_kinds``), against ``view``: our model as of the last safe point
-  plus every merge since. A merge goes into ``view`` and into ``pending``;
-  the next safe point adds ``pending`` to the live parameters (which only the
-  training loop touches). A loop paused for evaluation, a checkpoint or slow
-  data costs its partners nothing, and no request waits in a queue to be
-  served after its requester gave up.
+  (``base``, a frozen copy the safe point takes) plus every merge since
+  (``pending``, which the next safe point adds to the live parameters: only
+  the training loop touches those). A loop paused for evaluation, a
+  checkpoint or slow data costs its partners nothing, and no request waits in
+  a queue to be served after its requester gave up. A reply goes out before
+  the server's own merge is computed (``after_send``): that arithmetic is off the
+  exchange's critical path.
 - *A late reply is applied, not dropped.* A timeout only lets us start
   another exchange; the timed-out one stays remembered (the latest
   ``OVERDUE_KEPT`` of them, for ``OVERDUE_SECONDS``), and its reply, whenever
@@ -312,6 +314,18 @@ class _InFlight:
     partner_gone: bool = False  # membership declared the partner dead or gone (MemberGone)
 
 
+@dataclass
+class _Served:
+    """A request we served: we move by ``a (remote - sent)``, computed once the reply is out, undone if it never was."""
+
+    xid: int
+    to: str
+    remote: list[torch.Tensor]
+    sent: list[torch.Tensor]
+    a: float
+    delta: list[torch.Tensor] | None = None  # remote - sent, once computed (_settle)
+
+
 class Averaging:
     """What every algorithm shares: the live parameters, validation, compression and staleness.
 
@@ -323,7 +337,8 @@ class Averaging:
     on the network side (a real peer's loop thread), instead of queueing them
     for the next safe point. An algorithm that takes any must never touch
     ``params`` while handling them; ``AtSafePoint`` is the only event that may.
-    The driver serialises all calls to ``handle``.
+    The driver serialises all calls to ``handle`` and ``after_send``, and
+    calls ``after_send`` once it has sent what a network-side event returned.
     """
 
     network_kinds: frozenset[str] = frozenset()
@@ -392,6 +407,13 @@ class Averaging:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         raise NotImplementedError
+
+    def after_send(self) -> None:
+        """Do the arithmetic the last ``handle`` deferred until its messages were sent (pairwise: a served merge).
+
+        Every ``handle`` does it first, so a driver that never calls this
+        loses nothing; one that calls it after sending gets replies out sooner.
+        """
 
     def checkpoint_state(self) -> dict[str, float]:
         """What a checkpoint must keep of this machine besides the model (push-sum: its weight); {}: nothing."""
@@ -504,9 +526,12 @@ class PairwiseAveraging(Averaging):
     decoded, ``x += a * (D(C(x_remote)) - D(C(x_own)))``, which keeps the
     sum zero too.
 
-    ``view`` is our model as others see it (the live parameters at the last
-    safe point, plus ``pending``, the merges made since); the live parameters
-    are ``view`` plus the local steps taken since that safe point.
+    ``view`` is our model as others see it: ``base`` (a frozen copy of the
+    live parameters taken at the last safe point) plus ``pending`` (the
+    merges made since); the live parameters are ``view`` plus the local steps
+    taken since that safe point. Snapshots are never written once taken, so
+    they go on the wire as they are and their encoding is kept for the next
+    message that sends the same model (``_encoded``).
     """
 
     network_kinds = frozenset({XREQ, XREP, XNAK})
@@ -516,12 +541,15 @@ class PairwiseAveraging(Averaging):
     ) -> None:
         super().__init__(params, config, rng, me)
         self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
-        self.view = self._snapshot()
-        self.pending = [torch.zeros_like(p) for p in self.params]
+        self._base = self._frozen(self.params)  # the live parameters at the last safe point (never written)
+        self._view: list[torch.Tensor] | None = self._base  # base + pending, frozen; None: not computed since a merge
+        self._pending = [torch.zeros_like(p) for p in self.params]
         self._dirty = False  # pending holds a merge not yet added to the live parameters
+        self._unsettled: _Served | None = None  # a reply sent whose merge is not computed yet (_settle)
+        self._encoded: tuple[list[torch.Tensor], int, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] | None = None
         self._inflight: dict[int, _InFlight] = {}  # xid -> our exchange in flight, oldest first
         self._overdue: OrderedDict[int, _InFlight] = OrderedDict()  # timed out, reply still welcome
-        self._last_served: tuple[int, str, list[torch.Tensor]] | None = None  # (xid, to, change): to undo
+        self._last_served: _Served | None = None  # the last request served, with its merge: to undo
         self._last_start_step = -(10**9)
         self._avoid_until: dict[str, float] = {}
         self._ready = False  # before our first safe point the model may still be replaced (state transfer)
@@ -532,11 +560,31 @@ class PairwiseAveraging(Averaging):
     def busy(self) -> bool:
         return bool(self._inflight)
 
+    @property
+    def view(self) -> list[torch.Tensor]:
+        """Our model as partners see it now: ``base`` plus the merges made since (frozen: do not write to it)."""
+        self._settle()
+        return self._current()
+
+    @property
+    def pending(self) -> list[torch.Tensor]:
+        """The merges made since the last safe point, which the next one adds to the live parameters."""
+        self._settle()
+        return self._pending
+
     def serve_as_is(self) -> None:
         if not self._ready:  # nothing merged yet (requests were refused): the model others see is the live one
-            with torch.no_grad():
-                torch._foreach_copy_(self.view, self.params)  # a downloaded state replaced the parameters in place
+            self._base = self._view = self._frozen(self.params)  # a downloaded state replaced the parameters in place
             self._ready = True
+
+    def after_send(self) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        served = self._unsettled
+        if served is not None:
+            self._unsettled = None
+            served.delta = self._move(served.remote, served.sent, served.a)
 
     def hold_until(self, now: float) -> float | None:
         deadlines = [x.expected_by for x in self._live() if x.may_hold and now < x.expected_by]
@@ -545,6 +593,7 @@ class PairwiseAveraging(Averaging):
         return min(deadlines)  # the driver asks again after each merge: one completed exchange lets the loop go on
 
     def handle(self, event: Event, now: float) -> list[Action]:
+        self._settle()
         if isinstance(event, AtSafePoint):
             return self._tick(event, now)
         if isinstance(event, Received):
@@ -601,7 +650,7 @@ class PairwiseAveraging(Averaging):
             if not tick.partners:
                 self._merged_at_step = tick.step  # alone: nobody to drift from, nothing to wait for
             return []
-        encoded = self._encode_own(self._frozen_view())  # == the live parameters: pending was just applied
+        encoded = self._encode_view()  # == the live parameters: pending was just applied
         if encoded is None:
             return []
         wire, sent = encoded
@@ -662,19 +711,36 @@ class PairwiseAveraging(Averaging):
         return [x for x in self._inflight.values() if not x.presumed_lost]
 
     def _apply_pending(self) -> None:
-        """Add the merges made since the last safe point to the live parameters, and refresh ``view``."""
-        with torch.no_grad():
-            if self._dirty:
-                torch._foreach_add_(self.params, self.pending)
-                torch._foreach_zero_(self.pending)
-                self._dirty = False
-            torch._foreach_copy_(self.view, self.params)
+        """Add the merges made since the last safe point to the live parameters, and take a new ``base``."""
+        if self._dirty:
+            with torch.no_grad():
+                torch._foreach_add_(self.params, self._pending)
+                torch._foreach_zero_(self._pending)
+            self._dirty = False
+        self._base = self._view = self._frozen(self.params)
         # _last_served stays undoable through pending: the network side releases the lock between our reply
         # and its failed send, so a safe point may apply the merge before the Undelivered comes back.
 
-    def _frozen_view(self) -> list[torch.Tensor]:
-        """``view`` to encode: copied where the codec would send it as is (it moves with every merge)."""
-        return self._frozen(self.view) if self.lossless else self.view
+    def _current(self) -> list[torch.Tensor]:
+        """``view``, computed once after each merge (the merge itself only adds to ``pending``)."""
+        if self._view is None:
+            view = self.buffers.like(self.params)
+            with torch.no_grad():
+                for v, b, p in zip(view, self._base, self._pending, strict=True):
+                    torch.add(b, p, out=v)
+            self._view = view
+        return self._view
+
+    def _encode_view(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
+        """``view`` encoded to send (``_encode_own``); a view sent again is not encoded again (the codecs keep no state)."""
+        values = self._current()
+        cached = self._encoded
+        if cached is not None and cached[0] is values and cached[1] == self.codec.name:
+            return cached[2]
+        encoded = self._encode_own(values)
+        if encoded is not None:
+            self._encoded = (values, self.codec.name, encoded)
+        return encoded
 
     def _pick(self, partners: Sequence[str], now: float) -> tuple[str | None, bool]:
         """A partner, preferring those that have not timed out lately; and whether it is one of those."""
@@ -688,18 +754,20 @@ class PairwiseAveraging(Averaging):
 
     # -- merging (network side) ----------------------------------------------------------------
 
-    def _merge(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], a: float) -> list[torch.Tensor]:
-        """Move ``view`` (and ``pending``) by ``a (remote - own)``; returns that change (to undo it)."""
+    def _merged(self) -> None:
+        """Note a merge: ``view`` moves (``_move`` computes by how much, now or once the reply is sent)."""
+        self._dirty = True
+        self._view = None
+        self.version += 1
+        self._merged_at_step = self._step
+
+    def _move(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], a: float) -> list[torch.Tensor]:
+        """Add ``a (remote - own)`` to ``pending``; returns ``remote - own`` (to undo it)."""
         with torch.no_grad():
             delta = self.buffers.like(self.params)  # reused: kept only until the next merge (to undo this one)
             for d, r, o in zip(delta, remote, own, strict=True):
                 torch.sub(r, o, out=d)
-            torch._foreach_mul_(delta, a)
-            torch._foreach_add_(self.pending, delta)
-            torch._foreach_add_(self.view, delta)
-        self._dirty = True
-        self.version += 1
-        self._merged_at_step = self._step
+            torch._foreach_add_(self._pending, delta, alpha=a)
         return delta
 
     # -- answering -------------------------------------------------------------------------
@@ -735,7 +803,8 @@ class PairwiseAveraging(Averaging):
         if clip is None:
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)"), SendExchange(msg.sender, XNAK, msg.xid, {})]
         a = share * weight * clip
-        self._last_served = (msg.xid, msg.sender, self._merge(remote, sent, a))
+        self._last_served = self._unsettled = _Served(msg.xid, msg.sender, remote, sent, a)  # moved by _settle
+        self._merged()
         self.stats.served += 1
         self._record_staleness(msg)
         for x in self._live():
@@ -755,11 +824,11 @@ class PairwiseAveraging(Averaging):
         """
         codec = self.codec
         if not isinstance(codec, AutoCodec):
-            return self._encode_own(self._frozen_view())
+            return self._encode_view()
         own = codec.level
         codec.level = max(own, codec.level_of(request.tensors))
         try:
-            return self._encode_own(self._frozen_view())
+            return self._encode_view()
         finally:
             codec.level = own
 
@@ -767,13 +836,14 @@ class PairwiseAveraging(Averaging):
         if event.kind == XREQ:  # our request never left: as a refusal
             return self._refused(Received(event.to, XNAK, event.xid), 0.0)
         served = self._last_served
-        if event.kind == XREP and served is not None and served[0] == event.xid and served[1] == event.to:
+        if event.kind == XREP and served is not None and served.xid == event.xid and served.to == event.to:
             # The requester will never apply its half: take ours back (pending, or in the model already: the next
-            # safe point subtracts it there).
+            # safe point subtracts it there). handle computed it first (_settle), so its delta is there.
+            assert served.delta is not None
             with torch.no_grad():
-                torch._foreach_sub_(self.pending, served[2])
-                torch._foreach_sub_(self.view, served[2])
+                torch._foreach_add_(self._pending, served.delta, alpha=-served.a)
             self._dirty = True
+            self._view = None
             self._last_served = None
             self.stats.served -= 1
             self.stats.undelivered += 1
@@ -803,7 +873,8 @@ class PairwiseAveraging(Averaging):
             return [Rejected(msg.sender, "difference far beyond recent ones (robust)")]
         a = float(msg.meta.get("a", 0.5)) * clip
         # keep local progress made in flight: x <- x + a * (x_remote - x_sent)
-        self._merge(remote, inflight.snapshot, a)
+        self._merged()
+        self._move(remote, inflight.snapshot, a)
         if now <= inflight.deadline:  # before its timeout (if after its presumed loss): the link as it is now
             self.rtt.observe(now - inflight.sent_at)
             self.stats.round_trip(now - inflight.sent_at, self.rtt.srtt)

@@ -118,10 +118,12 @@ class SafePoint:
         with self._lock:
             actions = self._handle(event, now) if isinstance(event, averaging.Received) else self.averaging.handle(event, now)
             self._note_rejections(actions, now)
-        self._progress.set()
         for action in actions:
             if isinstance(action, SendExchange):
                 self.node.send_exchange(action)
+        with self._lock:  # what could wait until the reply was out (pairwise: the server's own merge)
+            self.averaging.after_send()
+        self._progress.set()
 
     # -- flow control ----------------------------------------------------------------------------
 
