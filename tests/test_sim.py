@@ -170,7 +170,7 @@ def test_with_wait_for_no_peer_trains_before_the_swarm_is_complete() -> None:
 
 
 def test_evaluation_time_and_step_jitter_cost_virtual_time_and_stay_reproducible() -> None:
-    base = dict(peers=3, run=logreg(**{"train.shards": 3, "train.eval_every_seconds": 0.1}), duration=4, step_time=0.01, seed=4)
+    base = dict(peers=3, run=logreg(**{"train.shards": 3, "train.eval_every_seconds": 0.1}), duration=2, step_time=0.01, seed=4)
     plain = steps_by_peer(simulate(SimConfig(**base)).rows)
     evaluating = steps_by_peer(simulate(SimConfig(**base, eval_time=0.05)).rows)
     # an evaluation every 0.1 s costing 0.05 s: about a third of the time goes to evaluating

@@ -562,13 +562,16 @@ class PairwiseAveraging(Averaging):
 
     @property
     def view(self) -> list[torch.Tensor]:
-        """Our model as partners see it now: ``base`` plus the merges made since (frozen: do not write to it)."""
+        """Our model as partners see it now: ``base`` plus the merges made since (frozen: do not write to it).
+
+        For inspection (tests); like every call into the machine, with the driver's lock held.
+        """
         self._settle()
         return self._current()
 
     @property
     def pending(self) -> list[torch.Tensor]:
-        """The merges made since the last safe point, which the next one adds to the live parameters."""
+        """The merges made since the last safe point, which the next one adds to the live parameters (as ``view``)."""
         self._settle()
         return self._pending
 
