@@ -141,23 +141,30 @@ def test_clients_average_through_a_peer_that_relays() -> None:
 
 
 def test_clients_of_a_relay_that_dies_go_on_through_the_coordinator() -> None:
-    """The relaying peer crashes mid-run: once they suspect it its clients take the coordinator's relay (the
-    next one they have), and go on averaging with each other through it."""
+    """The relaying peer crashes mid-run, exchanges through it in flight: within one exchange timeout both
+    clients complete exchanges with other partners; once they suspect it they take the coordinator's relay
+    (the next one they have), and go on averaging with each other through it."""
     run = skewed_digits()
     crash_at = 3.0
     trace = (ChurnEvent(crash_at, 0, "crash"),)
-    cluster = Cluster(SimConfig(peers=4, run=run, duration=crash_at + 3,
+    cluster = Cluster(SimConfig(peers=4, run=run, duration=crash_at + 3, sample_every=0.25,
                                 step_time=0.01, behind_nat=(1, 2), relays=(0,), churn_trace=trace, wait_for=4))
     relayed_at: dict[float, dict[int, int]] = {}
     relays_at: dict[float, dict[int, str | None]] = {}
+    completed_at: dict[float, dict[int, int]] = {}
 
     def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
         clients = {s: cluster.peers[s].transport for s in (1, 2)}
         relayed_at[now] = {s: t.stats.received_relayed for s, t in clients.items() if t is not None}
         relays_at[now] = {s: t.relay for s, t in clients.items() if t is not None}
+        completed_at[now] = {s: a.stats.completed for s in (1, 2) if (a := cluster.peers[s].averaging) is not None}
 
     cluster.on_sample = on_sample
     run_virtual(cluster.run())
+    timeout = run.gossip.exchange_timeout_min  # the exchanges' timeout here (their round trips are far shorter)
+    at_crash = max(t for t in completed_at if t <= crash_at)
+    one_timeout_on = min(t for t in completed_at if t >= crash_at + timeout)
+    assert all(completed_at[one_timeout_on][s] > completed_at[at_crash][s] for s in (1, 2)), str(completed_at)
     before = max(t for t in relays_at if t < crash_at)
     assert all(r is not None and r.startswith("sim://peer0") for r in relays_at[before].values()), relays_at[before]
     end = max(relays_at)

@@ -141,6 +141,9 @@ class PeerNode(JoinAnsweringEndpoint):
         self._now: Callable[[averaging.Event], None] | None = None
         self._view: tuple[str, ...] = (me.id,)
         self._warned_fallback = False
+        # Members an exchange message could not be sent to (no route: gone, or behind a relay that is), and until
+        # when partner choice passes them over (see partners).
+        self._unsendable_until: dict[str, float] = {}
         self._addr_hints: OrderedDict[str, str] = OrderedDict()
         self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
         self._reported_at = -math.inf  # when our last report to the coordinator left (its deaths are those since)
@@ -192,7 +195,36 @@ class PeerNode(JoinAnsweringEndpoint):
         return self.membership.min_rtt.value
 
     def partners(self, round: int) -> list[str]:
-        """Our topology neighbours among the alive members at ``round``, those we can send to."""
+        """Our topology neighbours among the alive members at ``round``, those we can send to.
+
+        Neighbours under suspicion, or that an exchange message could not be
+        sent to lately, are passed over while others remain. Where none does,
+        any member we can send to will do: a client whose neighbours were its
+        dead relay and another client behind it went without averaging until
+        membership declared the relay dead (2.7 s in the simulator), where
+        the other public peer was there all along.
+        """
+        reachable = self._graph_neighbours(round)
+        now = self.clock.now()
+        usable = [m for m in reachable if self._usable(m, now)]
+        if usable or len(reachable) + 1 >= len(self._view):
+            return usable or reachable
+        me = self.me.id
+        others = [m for m in self._view if m != me and self._can_reach_id(m, relayed=True) and self._usable(m, now)]
+        return others or reachable
+
+    def _usable(self, member_id: str, now: float) -> bool:
+        """Neither under suspicion nor lately unsendable (``send_exchange``)."""
+        until = self._unsendable_until.get(member_id)
+        if until is not None:
+            if now < until:
+                return False
+            del self._unsendable_until[member_id]
+        m = self.membership.get(member_id)
+        return m is None or m.state != membership.SUSPECT
+
+    def _graph_neighbours(self, round: int) -> list[str]:
+        """Our topology neighbours at ``round`` that we can send to (directly, or through our relay)."""
         view = self._view
         try:
             i = view.index(self.me.id)
@@ -287,6 +319,8 @@ class PeerNode(JoinAnsweringEndpoint):
         ok = addr is not None and self.send(addr, action.kind, body, dict(action.tensors))
         if ok:
             return
+        # For a protocol period partner choice passes it over; by then membership has probed it.
+        self._unsendable_until[action.to] = self.clock.now() + self.config.membership.heartbeat_interval
         if action.kind in self._now_kinds and self._now is not None:
             # At once: a request need not wait out its timeout, a reply's merge is taken back.
             self._now(averaging.Undelivered(action.to, action.kind, action.xid))
@@ -517,6 +551,7 @@ class PeerNode(JoinAnsweringEndpoint):
                     self.deaths.append((self.clock.now(), a.member.id))
                 changed = True
                 self.transport.forget(a.member.addr)
+                self._unsendable_until.pop(a.member.id, None)
                 log.debug("member %s is down (%s)", a.member.id, a.reason)
                 self._tell(a)
                 if self._now is not None:
