@@ -219,7 +219,7 @@ class PeerNode(JoinAnsweringEndpoint):
         if until is not None:
             if now < until:
                 return False
-            del self._unsendable_until[member_id]
+            self._unsendable_until.pop(member_id, None)  # pop: the loop thread may drop it meanwhile (MemberDown)
         m = self.membership.get(member_id)
         return m is None or m.state != membership.SUSPECT
 
