@@ -74,8 +74,8 @@ def coordinators() -> Iterator[Callable[..., BackgroundCoordinator]]:
     """In-process coordinators on their own 127.0.0.x, secure when given ``security``; closed at teardown."""
     started: list[BackgroundCoordinator] = []
 
-    def start(config: RunConfig, security: SecurityConfig | None = None) -> BackgroundCoordinator:
-        started.append(BackgroundCoordinator(config, bind=f"{next_host()}:0", security=security))
+    def start(config: RunConfig, security: SecurityConfig | None = None, relay: bool = True) -> BackgroundCoordinator:
+        started.append(BackgroundCoordinator(config, bind=f"{next_host()}:0", security=security, relay=relay))
         return started[-1]
 
     try:
@@ -227,6 +227,58 @@ def test_two_secure_clients_talk_through_a_relay_that_sees_only_ciphertext(ring:
             assert bob.stats.sealed_dropped == 2 and bob.stats.received_relayed == 2 and len(bob.inbox) == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_two_secure_clients_average_through_a_peer_that_relays(ring: Keyring, coordinators: Any) -> None:
+    """Real peers end to end: a secure swarm whose coordinator relays nothing (``--no-relay``), carol runs
+    ``--relay``, alice and bob are behind NAT (``reachable=no``). Both clients take carol's relay and average
+    with each other through it, sealed for each other: carol passes their messages on, none is dropped as
+    unopenable, and the three models meet."""
+    pytest.importorskip("cryptography", reason="sealing needs the cryptography package (the nat extra)")
+    ring.make("carol")
+    coord = coordinators(fast_config(**EXTERNAL, **{"state.enabled": False}), security=ring.security("coordinator"),
+                         relay=False)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(torch.nn.Linear(8, 4))
+    carol = Peer(models[0], join_of(coord), bind=f"{next_host()}:0", security=ring.security("carol"), relay=True)
+    clients = [Peer(m, join_of(coord), bind=f"{next_host()}:0", security=ring.security(n), reachable="no")
+               for m, n in zip(models[1:], ("alice", "bob"))]
+    peers = [carol, *clients]
+    halt = threading.Event()
+
+    def loop(p: Peer) -> None:
+        while not halt.is_set():
+            p.step()  # safe points only: the models move by averaging alone
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=loop, args=(p,), daemon=True) for p in peers]
+    try:
+        wait_for(lambda: all(p.members == 3 for p in peers), 30, "the three to see each other")
+        for t in threads:
+            t.start()
+        wait_for(lambda: all(c._transport.relay == carol.address for c in clients), 30,  # type: ignore[union-attr]
+                 "both clients to take carol's relay")
+        relayed = lambda: [c._transport.stats.received_relayed for c in clients]  # type: ignore[union-attr]  # noqa: E731
+        wait_for(lambda: min(relayed()) >= 5, 30, "the clients' exchanges with each other through carol",
+                 state=lambda: str(relayed()))
+
+        def met() -> bool:
+            flat = torch.stack([torch.cat([q.detach().flatten() for q in p.model.parameters()]) for p in peers])
+            return float((flat - flat.mean(0)).abs().max()) < 1e-3
+
+        wait_for(met, 30, "the models to meet")
+        assert carol._transport.stats.relayed >= 10  # type: ignore[union-attr]
+        assert all(c._transport.stats.sealed_dropped == 0 for c in clients)  # type: ignore[union-attr]
+    finally:
+        halt.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(10)
+        for p in peers:
+            p.close()
 
 
 def test_a_join_target_key_outside_the_allow_list_is_refused_before_joining(ring: Keyring) -> None:

@@ -80,6 +80,7 @@ class BackgroundCoordinator:
         bind: str = "127.0.0.1:0",
         security: SecurityConfig | None = None,
         spec: ParamSpec | None = None,
+        relay: bool = True,
     ) -> None:
         self._thread = LoopThread("gossiptrain-coordinator").start()
         self._stop = asyncio.Event()
@@ -89,7 +90,7 @@ class BackgroundCoordinator:
             ready.set_result(c)
 
         async def start() -> Coordinator:
-            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready, security, spec))
+            self._task = asyncio.create_task(serve_coordinator(config, bind, self._stop, on_ready, security, spec, relay))
             done, _ = await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
             if self._task in done:
                 self._task.result()
