@@ -546,7 +546,8 @@ class PairwiseAveraging(Averaging):
         self._pending = [torch.zeros_like(p) for p in self.params]
         self._dirty = False  # pending holds a merge not yet added to the live parameters
         self._unsettled: _Served | None = None  # a reply sent whose merge is not computed yet (_settle)
-        self._encoded: tuple[list[torch.Tensor], int, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] | None = None
+        # the last view encoded, the codec (level) it was encoded at, and the encoding: sent again as it is
+        self._encoded: tuple[list[torch.Tensor], str, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] | None = None
         self._inflight: dict[int, _InFlight] = {}  # xid -> our exchange in flight, oldest first
         self._overdue: OrderedDict[int, _InFlight] = OrderedDict()  # timed out, reply still welcome
         self._last_served: _Served | None = None  # the last request served, with its merge: to undo
@@ -588,6 +589,7 @@ class PairwiseAveraging(Averaging):
         if served is not None:
             self._unsettled = None
             served.delta = self._move(served.remote, served.sent, served.a)
+            served.remote = served.sent = []  # an undo needs only the delta: let the received frames go
 
     def hold_until(self, now: float) -> float | None:
         deadlines = [x.expected_by for x in self._live() if x.may_hold and now < x.expected_by]
