@@ -71,6 +71,8 @@ STEP_TIME = 0.05  # virtual s per step at speed 1: a machine with an accelerator
 TARGETS = {"logreg": 0.93, "digits-small": 0.93}
 #: workload -> the peer counts it runs at by default (the largest counts logreg only: a 66-parameter model)
 SIZES = {"logreg": (16, 64, 256, 1024), "digits-small": (16, 64, 256)}
+#: Classes each machine holds under ``skew``: a workload with no more classes than this has no label skew to run.
+SKEW_CLASSES = 3
 CONDITIONS = ("none", "straggler", "10pct", "lognormal", "10gbit", "100mbit", "skew", "churn")
 SYSTEMS = ("gossip", "gossip-best", "ddp", "ddp-hd", "ps-sync", "ps-async")
 OTHER_ALGORITHMS = ("push-sum", "neighbor", "local-sgd")
@@ -109,7 +111,7 @@ def sim_config(spec: Spec) -> Any:
         "train.max_steps": 0, "train.max_seconds": 0,
     }
     if spec.condition == "skew":
-        overrides.update({"train.partition": "classes-per-peer", "train.partition_classes": 3})
+        overrides.update({"train.partition": "classes-per-peer", "train.partition_classes": SKEW_CLASSES})
     system, _, algorithm = spec.system.partition(":")
     if algorithm:
         overrides["gossip.algorithm"] = algorithm
@@ -165,11 +167,23 @@ def _round(x: Any, digits: int) -> Any:
     return round(x, digits) if isinstance(x, (int, float)) and math.isfinite(x) else x
 
 
+def skew_applies(workload: str) -> bool:
+    """Whether ``skew`` means anything for ``workload``: it has more classes than a machine holds (logreg has 2)."""
+    from gossiptrain.train.workload import load_workload
+
+    return getattr(load_workload(workload), "num_classes", 0) > SKEW_CLASSES
+
+
 def grid(args: argparse.Namespace) -> list[Spec]:
     specs = []
     for workload in args.workloads:
+        conditions = list(args.conditions)
+        if "skew" in conditions and not skew_applies(workload):
+            conditions.remove("skew")
+            print(f"skew: {workload} has no more than {SKEW_CLASSES} classes, so machines holding {SKEW_CLASSES} "
+                  "of them are not label-skewed: not run", flush=True)
         for peers in args.sizes or SIZES[workload]:
-            for condition in args.conditions:
+            for condition in conditions:
                 for system in args.systems:
                     names = [f"gossip:{a}" for a in OTHER_ALGORITHMS] if system == "gossip-best" else [system]
                     if system == "gossip-best" and peers > args.others_up_to:
