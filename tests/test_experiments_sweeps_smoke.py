@@ -128,3 +128,18 @@ def test_scale_quick_and_resume(tmp_path: Path) -> None:
     done = run_in_session(cmd, SCRIPT_TIMEOUT, "scale.py --quick --resume")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "0 runs to go (8 already" in done.stdout
+
+
+def test_scale_runs_skew_only_where_a_workload_has_more_classes_than_a_machine_holds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """logreg has 2 classes: 3 per machine is no skew (every peer's shard load failed before); digits has 10."""
+    import argparse
+
+    from experiments import scale
+
+    args = argparse.Namespace(workloads=["logreg", "digits-small"], sizes=[16], conditions=["none", "skew"],
+                              systems=["gossip"], seeds=1, others_up_to=64, gossip_duration=1.0, sync_duration=1.0)
+    runs = {(s.workload, s.condition) for s in scale.grid(args)}
+    assert runs == {("logreg", "none"), ("digits-small", "none"), ("digits-small", "skew")}
+    assert "skew: logreg has no more than 3 classes" in capsys.readouterr().out
