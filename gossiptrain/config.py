@@ -46,6 +46,9 @@ class Limits:
     max_container_len: int = 65_536  # msgpack array / map length
     max_str_len: int = 4096  # msgpack string length
     inbox_messages: int = 256  # received messages waiting for the peer loop
+    # ...and for the coordinator's: every member's join comes there, all at once when a scheduler starts them
+    # together (1,024 simulated peers started in one instant: 644 joins were dropped at 256 and came back 2-3 s later)
+    coordinator_inbox_messages: int = 4096
     send_queue_messages: int = 8  # ZMQ SNDHWM: queued messages per connection
     # Outgoing connections kept open; past it the least recently used is closed (and dialled again if needed),
     # so gossip about many members (or made-up ones) cannot use up the process's file descriptors.

@@ -14,6 +14,7 @@ from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol.membership import Member
 from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.vtime import LoopClock, run_virtual
 
 
@@ -217,3 +218,15 @@ def test_a_member_that_reports_itself_unreachable_is_handed_to_nobody() -> None:
     assert sample == ["pa"] and reported == ["pa"]  # newcomers are handed the dialable member only
     assert members == ["pa", "pn"]  # still a member: a roster (status, export) lists it
     assert refused == 1
+
+
+@pytest.mark.parametrize("coordinator_inbox, all_in", [(4096, True), (16, False)])
+def test_peers_started_in_one_instant_all_join_at_once(coordinator_inbox: int, all_in: bool) -> None:
+    """A scheduler starts every member together: their joins reach the coordinator in one instant. Its inbox
+    (``limits.coordinator_inbox_messages``) takes them all, where a member's would drop most (here 16 of 64)
+    and the rest would come back only after a join timeout (2-3 s)."""
+    run = RunConfig().with_overrides({"limits.inbox_messages": 16, "limits.coordinator_inbox_messages": coordinator_inbox})
+    cluster = Cluster(SimConfig(peers=64, run=run, membership_only=True, duration=0.5, join_spread=0.0, sample_every=0.5))
+    run_virtual(cluster.run())
+    joined = sum(1 for p in cluster.peers.values() if p.node is not None)
+    assert (joined == 64) == all_in, joined

@@ -18,13 +18,14 @@ coordinator send an address no more than its honest member's reports do. Who may
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from gossiptrain.config import RunConfig
+from gossiptrain.config import Limits, RunConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net import kinds
 from gossiptrain.net.addressing import is_client_address
@@ -42,6 +43,11 @@ from gossiptrain.runtime.final_phase import finish_event
 from gossiptrain.runtime.join_answering import JoinAnsweringEndpoint
 
 log = logging.getLogger(__name__)
+
+
+def coordinator_limits(limits: Limits) -> Limits:
+    """The limits a coordinator listens with: an inbox of ``limits.coordinator_inbox_messages``, at least."""
+    return dataclasses.replace(limits, inbox_messages=max(limits.inbox_messages, limits.coordinator_inbox_messages))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from gossiptrain.net.addressing import parse_hostport, tcp_url
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.admission import warn_open
 from gossiptrain.protocol.averaging import ParamSpec
-from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.runtime.coordinator import Coordinator, coordinator_limits
 from gossiptrain.runtime.loop_thread import LoopThread, new_event_loop
 
 
@@ -32,7 +32,7 @@ async def serve_coordinator(
     coordinator has a way to each; in a secure swarm what it passes is sealed for the target alone.
     """
     host, port = parse_hostport(bind, "bind address")
-    transport = listen(tcp_url(host, port), config.limits, security=security)
+    transport = listen(tcp_url(host, port), coordinator_limits(config.limits), security=security)
     async with transport, Coordinator(config, transport, spec=spec) as coordinator:
         if security is None:
             warn_open("coordinator", transport.address)

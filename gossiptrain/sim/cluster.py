@@ -35,7 +35,7 @@ from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork
-from gossiptrain.runtime.coordinator import Coordinator
+from gossiptrain.runtime.coordinator import Coordinator, coordinator_limits
 from gossiptrain.sim.collectives import ALLREDUCE
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec, churn_events
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
@@ -369,7 +369,7 @@ class Cluster:
         stop = asyncio.Event()
         background: list[asyncio.Task[None]] = []
         with self.network.activate():
-            transport = listen(COORDINATOR, self.config.run.limits, network=self.network)
+            transport = listen(COORDINATOR, coordinator_limits(self.config.run.limits), network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
                 if self.config.coordinator_relay:  # between clients (behind_nat), as `gossiptrain coordinator` does
                     transport.serve_as_relay(loop.time())
