@@ -560,7 +560,10 @@ def test_a_join_flood_from_one_source_is_dropped_in_bounded_memory(coordinators:
     answered_to_flood = stats.joins_answered - 1
     assert answered_to_flood == limits.join_burst, stats  # the burst, then nothing: no refill within the test
     assert stats.joins_throttled == n - answered_to_flood
-    assert peak < 3 << 20, f"{peak / 2**20:.1f} MiB of Python allocations during the flood"
+    # A coordinator that falls behind holds up to limits.coordinator_inbox_messages joins (a few hundred bytes
+    # each, with their frames) before its inbox drops the rest: 3.4 MiB was seen with 4,096 on a busy machine.
+    bound = (3 << 20) + limits.coordinator_inbox_messages * 1024
+    assert peak < bound, f"{peak / 2**20:.1f} MiB of Python allocations during the flood"
     assert rss_growth < 16, f"RSS grew {rss_growth:.1f} MB during the flood"
     assert len(coord.coordinator.join_limiter) == 2  # the attacker and the newcomer, nobody else
     assert coord.coordinator.status is Status.RUNNING
