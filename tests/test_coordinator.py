@@ -223,8 +223,8 @@ def test_a_member_that_reports_itself_unreachable_is_handed_to_nobody() -> None:
 @pytest.mark.parametrize("coordinator_inbox, all_in", [(4096, True), (16, False)])
 def test_peers_started_in_one_instant_all_join_at_once(coordinator_inbox: int, all_in: bool) -> None:
     """A scheduler starts every member together: their joins reach the coordinator in one instant. Its inbox
-    (``limits.coordinator_inbox_messages``) takes them all, where one the size of a member's (16 here) would drop 48 of 64
-    and the rest would come back only after a join timeout (2-3 s)."""
+    (``limits.coordinator_inbox_messages``) takes them all, where one the size of a member's (16 here) drops
+    most, and those come back only after a join timeout (2-3 s)."""
     run = RunConfig().with_overrides({"limits.inbox_messages": 16, "limits.coordinator_inbox_messages": coordinator_inbox})
     cluster = Cluster(SimConfig(peers=64, run=run, membership_only=True, duration=0.5, join_spread=0.0, sample_every=0.5))
     run_virtual(cluster.run())
