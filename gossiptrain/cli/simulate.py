@@ -106,6 +106,14 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     return p
 
 
+def peer_indexes(text: str, problem: str) -> tuple[int, ...]:
+    """Comma-separated peer indexes ("" for none); ConfigError(``problem``) if one is not a number."""
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise ConfigError(problem) from None
+
+
 def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
     from gossiptrain.sim.cluster import SimConfig
 
@@ -115,22 +123,14 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
     except ValueError:
         raise ConfigError(f"--stragglers {args.stragglers!r} must look like FRACTION[:SLOWDOWN], e.g. 0.25:4") from None
     indexes, _, scale = args.rogue.partition(":")
+    rogue = peer_indexes(indexes, f"--rogue {args.rogue!r} must look like PEERS[:SCALE], e.g. 0,3:100")
     try:
-        rogue = tuple(int(i) for i in indexes.split(",") if i.strip())
         rogue_scale = float(scale or 100.0)
     except ValueError:
         raise ConfigError(f"--rogue {args.rogue!r} must look like PEERS[:SCALE], e.g. 0,3:100") from None
-    try:
-        behind_nat = tuple(int(i) for i in args.behind_nat.split(",") if i.strip())
-    except ValueError:
-        raise ConfigError(f"--behind-nat {args.behind_nat!r} must be peer indexes, e.g. 0,3") from None
-    try:
-        relays = tuple(int(i) for i in args.relays.split(",") if i.strip())
-    except ValueError:
-        raise ConfigError(f"--relays {args.relays!r} must be peer indexes, e.g. 1,2") from None
     return SimConfig(
-        behind_nat=behind_nat,
-        relays=relays,
+        behind_nat=peer_indexes(args.behind_nat, f"--behind-nat {args.behind_nat!r} must be peer indexes, e.g. 0,3"),
+        relays=peer_indexes(args.relays, f"--relays {args.relays!r} must be peer indexes, e.g. 1,2"),
         coordinator_relay=not args.no_coordinator_relay,
         rogue=rogue,
         rogue_scale=rogue_scale,

@@ -97,10 +97,12 @@ class Registry:
             self._seen[member.id] = (member, now)
             if known is None or (known[0] is not member and known[0] != member):
                 self._lists.clear()
-        if reported and (member.id not in self._reported or (member.id in self._unreachable) == reachable):
+        if reported:
+            before = (member.id in self._reported, member.id in self._unreachable)
             self._reported.add(member.id)
             (self._unreachable.discard if reachable else self._unreachable.add)(member.id)
-            self._lists.clear()
+            if (True, not reachable) != before:  # newly reported, or its reachability changed
+                self._lists.clear()
         return True
 
     def reported(self, now: float) -> list[Member]:
