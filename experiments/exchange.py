@@ -27,7 +27,9 @@ throughput.png. The last line printed is a JSON object with
 fraction_of_raw_zmq_16mib (gossip / raw ZeroMQ) and over_gloo_16mib
 (gossip / gloo all-reduce), both at 16 MiB.
 
-With ``--model charlm-large`` (a 4.27M-parameter GRU, ``peers.charlm:large``)
+With ``--model charlm-large`` (a 4.27M-parameter GRU, ``peers.charlm:large``;
+``charlm-transformer`` is a 4.12M-parameter transformer in 114 tensors,
+``peers.charlm:transformer``)
 "gossip exchange" is the whole exchange of two single-worker peers instead:
 a ``PairwiseAveraging`` machine in this process and one in the responder,
 each over its own model, so a round is the initiator's safe point (last
@@ -49,6 +51,7 @@ fraction_of_raw_zmq, exchange_ms, raw_zmq_ms and step_ms.
     python experiments/exchange.py            # 1, 4, 16, 64 MiB
     python experiments/exchange.py --quick    # 1 and 16 MiB, a few repetitions (smoke test)
     python experiments/exchange.py --model charlm-large [--compression int8] [--quick]
+    python experiments/exchange.py --model charlm-transformer   # as many bytes in 114 tensors
 """
 
 from __future__ import annotations
@@ -93,7 +96,14 @@ def _charlm_large() -> Workload:
     return large()
 
 
+def _charlm_transformer() -> Workload:
+    from peers.charlm import transformer
+
+    return transformer()
+
+
 MODELS["charlm-large"] = _charlm_large
+MODELS["charlm-transformer"] = _charlm_transformer  # about the same bytes in 114 tensors: what an exchange pays per tensor
 MODEL_SYSTEMS = ("gossip exchange", "gossip wire", "raw zeromq")
 BARE = "bare"  # body flag of a --model request to answer without averaging (the "gossip wire" system)
 SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")

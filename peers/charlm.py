@@ -56,6 +56,34 @@ class CharGRU(nn.Module):
         return self.head(h)  # (B, T, VOCAB)
 
 
+class CharTransformer(nn.Module):
+    """Embedding + learned positions -> pre-norm causal transformer layers -> linear over bytes: (B, T) -> (B, T, VOCAB).
+
+    Each layer is a dozen tensors (attention, feed-forward, two norms), many
+    of one shape: the kind of model whose exchanges pay per tensor, not per
+    byte (``transformer()``).
+    """
+
+    def __init__(self, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.position = nn.Parameter(torch.randn(context, width) * 0.02)  # (context, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)  # (T, T): no peeking ahead
+        h = self.embed(x) + self.position[:t]  # (B, T, width)
+        for layer in self.layers:
+            h = layer(h, src_mask=mask, is_causal=True)  # (B, T, width)
+        return self.head(self.norm(h))  # (B, T, VOCAB)
+
+
 def read_text(limit: int = TEXT_BYTES) -> bytes:
     """The first ``limit`` bytes of the ``TEXT_MODULES`` sources, concatenated."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -72,15 +100,25 @@ def read_text(limit: int = TEXT_BYTES) -> bytes:
 
 
 class CharLMWorkload:
-    """Next-byte prediction on standard-library source with a GRU (about 120k parameters at the defaults)."""
+    """Next-byte prediction on standard-library source with a GRU (about 120k parameters at the defaults).
+
+    ``layers`` > 0 makes the model a causal transformer instead
+    (``CharTransformer``: width ``embed``, ``layers`` layers of ``heads``
+    heads; ``hidden`` is then unused).
+    """
 
     name = "charlm"
     _text: ClassVar[dict[int, Tensor]] = {}  # read once per process, per length
 
-    def __init__(self, context: int = 64, embed: int = 48, hidden: int = 128, text_bytes: int = TEXT_BYTES) -> None:
+    def __init__(
+        self, context: int = 64, embed: int = 48, hidden: int = 128, text_bytes: int = TEXT_BYTES,
+        layers: int = 0, heads: int = 4,
+    ) -> None:
         if context < 2 or embed < 1 or hidden < 1:
             raise WorkloadError(f"charlm: context must be >= 2 and sizes >= 1, got {context}, {embed}, {hidden}")
-        self.context, self.embed, self.hidden = context, embed, hidden
+        if layers < 0 or (layers and (heads < 1 or embed % heads)):
+            raise WorkloadError(f"charlm: layers must be >= 0 and embed ({embed}) a multiple of heads ({heads}), got {layers}, {heads}")
+        self.context, self.embed, self.hidden, self.layers, self.heads = context, embed, hidden, layers, heads
         if text_bytes not in self._text:
             self._text[text_bytes] = torch.frombuffer(bytearray(read_text(text_bytes)), dtype=torch.uint8).to(torch.int64)
         data = self._text[text_bytes]  # (L,)
@@ -88,9 +126,11 @@ class CharLMWorkload:
         self._train, self._valid = data[:cut], data[cut:]  # (L_train,), (L_valid,)
 
     def build_model(self, seed: int) -> nn.Module:
-        """The GRU, initialised from ``seed`` without disturbing the global RNG (peers share a process in the simulator)."""
+        """The model, initialised from ``seed`` without disturbing the global RNG (peers share a process in the simulator)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            if self.layers:
+                return CharTransformer(self.embed, self.layers, self.heads, self.context)
             return CharGRU(self.embed, self.hidden)
 
     def train_shard(self, index: int, count: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -135,6 +175,20 @@ def large() -> CharLMWorkload:
     peers of it on CUDA.
     """
     return CharLMWorkload(embed=LARGE_EMBED, hidden=LARGE_HIDDEN)
+
+
+#: ``transformer()``'s sizes: as many parameters as ``large()``, in many more tensors.
+TRANSFORMER_WIDTH, TRANSFORMER_LAYERS, TRANSFORMER_HEADS = 192, 9, 3
+
+
+def transformer() -> CharLMWorkload:
+    """``peers.charlm:transformer``: 9 pre-norm layers of width 192, 4,115,008 parameters in 114 tensors (16 MB).
+
+    About the bytes of ``large()`` (7 tensors) in 16 times as many tensors,
+    nine of most shapes, as in any transformer: experiments/exchange.py ``--model
+    charlm-transformer`` shows what an exchange costs per tensor.
+    """
+    return CharLMWorkload(embed=TRANSFORMER_WIDTH, layers=TRANSFORMER_LAYERS, heads=TRANSFORMER_HEADS)
 
 
 def _windows(text: Tensor, context: int) -> tuple[Tensor, Tensor]:

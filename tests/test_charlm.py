@@ -44,6 +44,27 @@ def test_the_model_is_the_same_for_the_same_seed_and_leaves_the_global_rng_alone
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
 
 
+def test_the_transformer_variant_is_causal_and_as_large_as_the_large_gru_in_many_more_tensors() -> None:
+    from peers.charlm import large, transformer
+
+    workload = transformer()
+    model = workload.build_model(0)
+    params = list(model.parameters())
+    gru = list(large().build_model(0).parameters())
+    assert len(params) == 114 and len(gru) == 7
+    assert abs(sum(p.numel() for p in params) / sum(p.numel() for p in gru) - 1) < 0.05
+    x = torch.randint(0, VOCAB, (2, 16))
+    changed = x.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % VOCAB  # later bytes differ
+    with torch.no_grad():
+        out, out_changed = model(x), model(changed)  # (2, 16, VOCAB) each
+    assert out.shape == (2, 16, VOCAB)
+    torch.testing.assert_close(out[:, :10], out_changed[:, :10])  # no position sees a later byte
+    assert not torch.allclose(out[:, 10:], out_changed[:, 10:])
+    with pytest.raises(Exception, match="multiple of heads"):
+        CharLMWorkload(embed=10, layers=2, heads=3)
+
+
 def test_adam_lowers_the_validation_bits_per_character() -> None:
     workload = CharLMWorkload()
     model = workload.build_model(0)

@@ -32,6 +32,7 @@ from gossiptrain.protocol.compression import (
     NoneCodec,
     TopKCodec,
     all_finite,
+    first_non_finite,
     get_codec,
 )
 
@@ -539,3 +540,28 @@ def test_the_fast_finiteness_check_agrees_with_torch(
     if poison is not None and t.numel() and t.is_floating_point():
         t.view(-1)[where % t.numel()] = poison
     assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]), min_size=0, max_size=6),
+    poisons=st.lists(st.sampled_from([None, None, math.nan, math.inf, -math.inf]), min_size=6, max_size=6),
+    extreme=st.lists(st.booleans(), min_size=6, max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_the_check_of_many_tensors_at_once_names_the_first_non_finite_one(
+    dtypes: list[torch.dtype], poisons: list[float | None], extreme: list[bool], seed: int
+) -> None:
+    """Exactly as one by one: a NaN or infinity anywhere is found, and the largest finite values (whose norms
+    overflow) are not mistaken for one."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, dtype in enumerate(dtypes):
+        t = torch.randn(3, 7, generator=g, dtype=torch.float64).to(dtype)
+        if extreme[i]:
+            t = torch.full((3, 7), torch.finfo(dtype).max, dtype=dtype)
+        if poisons[i] is not None:
+            t.view(-1)[seed % t.numel()] = poisons[i]
+        tensors[f"t{i}"] = t
+    want = next((n for n, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    assert first_non_finite(tensors) == want

@@ -77,12 +77,13 @@ class _PerTensorCodec:
         with torch.no_grad():
             for name, value in values.items():
                 _check_local(name, value, "values")
-                x = value.detach()
-                # Checked here so that a sender learns what receivers would refuse, and so that
-                # error feedback and references never absorb a NaN.
-                if not all_finite(x):
-                    raise ProtocolError(f"{_show(name)} has non-finite values, which receivers refuse")
-                for suffix, part in zip(self.suffixes, self._encode_one(x, pool), strict=True):
+            # Checked here so that a sender learns what receivers would refuse, and so that
+            # error feedback and references never absorb a NaN.
+            bad = first_non_finite(values)
+            if bad is not None:
+                raise ProtocolError(f"{_show(bad)} has non-finite values, which receivers refuse")
+            for name, value in values.items():
+                for suffix, part in zip(self.suffixes, self._encode_one(value.detach(), pool), strict=True):
                     out[name + suffix] = part
         return out
 
@@ -101,12 +102,16 @@ class _PerTensorCodec:
             for name, ref in like.items():
                 parts = [_tensor(wire, name + s) for s in self.suffixes]
                 out[name] = self._decode_one(name, parts, ref, pool)
+            bad = first_non_finite(out)  # what came, decoded: a finite int8 scale can still overflow like's dtype
+            if bad is not None:
+                raise ProtocolError(f"{_show(bad)}: non-finite values")
         return out
 
     def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
         raise NotImplementedError
 
     def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
+        """Part ``name`` decoded (its finiteness is checked by ``decode``, for all tensors at once)."""
         raise NotImplementedError
 
 
@@ -123,7 +128,7 @@ class NoneCodec(_PerTensorCodec):
     def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         (t,) = parts
         _expect(name, t, like.dtype, tuple(like.shape))
-        return _finite(name, t.to(like.device))
+        return t.to(like.device)
 
 
 class _CastCodec(_PerTensorCodec):
@@ -143,7 +148,7 @@ class _CastCodec(_PerTensorCodec):
     def _decode_one(self, name: str, parts: Sequence[Tensor], like: Tensor, pool: BufferPool | None) -> Tensor:
         (t,) = parts
         _expect(name, t, self.dtype, tuple(like.shape))
-        return _finite(name, _empty(pool, like.shape, like.dtype, like.device).copy_(t))
+        return _empty(pool, like.shape, like.dtype, like.device).copy_(t)
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,7 @@ class Int8Codec(_PerTensorCodec):
         torch.mul(q.to(like.device), scale_t.to(like.device), out=out)  # q as float32, times scale
         if like.dtype != torch.float32:
             out = _empty(pool, like.shape, like.dtype, like.device).copy_(out)
-        return _finite(name, out)  # a finite scale can still overflow float32 or like's dtype
+        return out
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -517,6 +522,35 @@ def all_finite(t: Tensor) -> bool:
         return math.isfinite(t.sum(dtype=torch.float64).item())
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def first_non_finite(tensors: Mapping[str, Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity; None if there is none. Exact.
+
+    Checking tensor by tensor costs a few torch calls each: for a
+    transformer's 114 tensors, 1.3 ms per check and four checks per
+    exchange. One norm per tensor in a single foreach call, summed, is
+    finite only if every value is (NaN and infinity carry through squares
+    and sums), so that answers for all at once; only where it is not
+    (a NaN, or a finite model so large that its norm overflows) are the
+    tensors checked one by one, to tell which.
+    """
+    floats = {name: t for name, t in tensors.items() if t.is_floating_point() and t.numel()}
+    if len(floats) > 1 and _norms_finite(list(floats.values())):
+        return None
+    return next((name for name, t in floats.items() if not all_finite(t)), None)
+
+
+def _norms_finite(tensors: Sequence[Tensor]) -> bool:
+    """True only if all ``tensors`` are finite (False also where a finite tensor's norm overflows)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t.detach())
+    for group in groups.values():
+        norms = torch._foreach_norm(group, 2)  # one 0-d tensor per tensor of the group
+        if not math.isfinite(torch.stack(norms).sum().item()):
+            return False
+    return True
 
 
 def _finite(name: str, t: Tensor) -> Tensor:

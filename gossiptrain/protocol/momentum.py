@@ -126,30 +126,42 @@ class QuasiGlobalMomentum:
             self._follow()
             return
         with torch.no_grad():
-            changes = []  # (parameter, its change per unit of lr, in its reference's buffer, momentum)
-            for p, prev, lr, mu in self._tracked():
-                changes.append((p, prev.sub_(p).div_(lr), mu))
+            # Per optimizer group, one foreach call per operation: a model of a few hundred tensors paid a few
+            # Python-level torch calls per tensor here at every safe point (2.4 ms for 150 small tensors).
+            groups = [(params, prevs, lr, mu) for params, prevs, lr, mu in self._tracked() if params]
+            changes: list[torch.Tensor] = []  # each parameter's change per unit of lr, in its reference's buffer
+            for params, prevs, lr, _ in groups:
+                torch._foreach_sub_(prevs, params)
+                torch._foreach_div_(prevs, lr)
+                changes.extend(prevs)
             for p in self._params():  # the first safe point, or a replaced parameter: a reference, a change next time
                 prev = self._prev.get(p)
                 if prev is None or prev.shape != p.shape:
                     self._prev[p] = p.detach().clone()
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d, dtype=torch.float64)
-                                                               for _, d, _ in changes]))) if changes else 0.0
+            norms = torch._foreach_norm(changes, 2, dtype=torch.float64) if changes else []
+            norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
             scale = self._clip_scale(norm)
-            for p, d, mu in changes:
+            for params, prevs, _, mu in groups:
                 if scale < 1.0:
-                    d.mul_(scale)
-                m = self._m.get(p)
-                if m is None:
-                    m = self._m[p] = torch.zeros_like(p)
-                m.mul_(mu).add_(d, alpha=1 - mu)
-                state = self.optimizer.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    state["momentum_buffer"] = m.clone()
-                else:
-                    buf.copy_(m)
-                d.copy_(p)  # the reference for the next safe point
+                    torch._foreach_mul_(prevs, scale)
+                for p in params:
+                    if p not in self._m:
+                        self._m[p] = torch.zeros_like(p)
+                ms = [self._m[p] for p in params]
+                torch._foreach_mul_(ms, mu)
+                torch._foreach_add_(ms, prevs, alpha=1 - mu)
+                buffers, kept = [], []
+                for p, m in zip(params, ms, strict=True):
+                    state = self.optimizer.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        state["momentum_buffer"] = m.clone()
+                    else:
+                        buffers.append(buf)
+                        kept.append(m)
+                if buffers:
+                    torch._foreach_copy_(buffers, kept)
+                torch._foreach_copy_(prevs, params)  # the reference for the next safe point
 
     def mid_run(self) -> None:
         """The model was replaced by a running swarm's state (a newcomer's download): no warm start.
@@ -170,16 +182,19 @@ class QuasiGlobalMomentum:
             if float(group.get("momentum", 0.0)) > 0 and float(group["lr"]) > 0:
                 yield from group["params"]
 
-    def _tracked(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float, float]]:
-        """(parameter, its value after the last safe point, lr, momentum) for each parameter with a reference."""
+    def _tracked(self) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor], float, float]]:
+        """Per optimizer group with momentum: (parameters with a reference, their values after the last safe point, lr, momentum)."""
         for group in self.optimizer.param_groups:
             lr, mu = float(group["lr"]), float(group.get("momentum", 0.0))
             if mu <= 0 or lr <= 0:
                 continue
+            params, prevs = [], []
             for p in group["params"]:
                 prev = self._prev.get(p)
                 if prev is not None and prev.shape == p.shape:
-                    yield p, prev, lr, mu
+                    params.append(p)
+                    prevs.append(prev)
+            yield params, prevs, lr, mu
 
     def _clip_scale(self, norm: float) -> float:
         """How much of this step's change (of ``norm``) enters the buffer: at most ``CHANGE_CLIP`` times the recent median.

@@ -70,6 +70,10 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._buffers: dict[Key, list[tuple[Tensor, int | None]]] = {}  # key -> [(buffer, its users when idle)]
+        # key -> where the next search starts: just after the buffer last handed out. Buffers come back in about
+        # the order they went out, so the search usually stops at once; from the start each time, a model of
+        # many same-shaped tensors (a transformer's layers) asked about every in-use buffer for every tensor.
+        self._cursor: dict[Key, int] = {}
         self.made = 0  # buffers allocated so far: constant once exchanges reach a steady state
         self.nbytes = 0  # ...and their bytes
 
@@ -82,23 +86,35 @@ class BufferPool:
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *, pin: bool = False) -> Tensor:
         """An uninitialised tensor nobody else holds (a view of a pooled buffer; dropping it frees the buffer)."""
-        key = (tuple(shape), dtype, torch.device(device), pin)
-        held = self._buffers.setdefault(key, [])
-        for buffer, idle in held:
-            if idle is not None and _users(buffer) == idle:
-                return buffer.detach()  # a new view: it counts as a user until dropped
-        buffer = torch.empty(key[0], dtype=dtype, device=key[2], pin_memory=pin)
-        held.append((buffer, _users(buffer)))
-        self.made += 1
-        self.nbytes += buffer.numel() * buffer.element_size()
-        return buffer.detach()
+        return self._take((tuple(shape), dtype, torch.device(device), pin))
 
     def empty_like(self, t: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
-        return self.empty(t.shape, dtype or t.dtype, t.device)
+        return self._take((tuple(t.shape), dtype or t.dtype, t.device, False))
 
     def like(self, tensors: Iterable[Tensor]) -> list[Tensor]:
         """Uninitialised buffers shaped as ``tensors``, on their devices."""
-        return [self.empty_like(t) for t in tensors]
+        return [self._take((tuple(t.shape), t.dtype, t.device, False)) for t in tensors]
+
+    def _take(self, key: Key) -> Tensor:
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = []
+        count, at = len(held), self._cursor.get(key, 0)
+        for _ in range(count):  # each buffer once, from the cursor round
+            if at >= count:
+                at = 0
+            buffer, idle = held[at]
+            at += 1
+            if idle is not None and _users(buffer) == idle:
+                self._cursor[key] = at
+                return buffer.detach()  # a new view: it counts as a user until dropped
+        shape, dtype, device, pin = key
+        buffer = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        held.append((buffer, _users(buffer)))
+        self._cursor[key] = len(held)
+        self.made += 1
+        self.nbytes += buffer.numel() * buffer.element_size()
+        return buffer.detach()
 
     def copies(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Frozen copies of ``tensors`` on their devices (a snapshot to send: the originals move on)."""
