@@ -524,6 +524,11 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
+#: From this many tensors ``first_non_finite`` checks them all at once (below, one by one is as fast: 2 us more
+#: for a 2-tensor model, in the simulator's million exchanges).
+FOREACH_FROM = 4
+
+
 def first_non_finite(tensors: Mapping[str, Tensor]) -> str | None:
     """The name of the first tensor holding a NaN or an infinity; None if there is none. Exact.
 
@@ -536,7 +541,7 @@ def first_non_finite(tensors: Mapping[str, Tensor]) -> str | None:
     tensors checked one by one, to tell which.
     """
     floats = {name: t for name, t in tensors.items() if t.is_floating_point() and t.numel()}
-    if len(floats) > 1 and _norms_finite(list(floats.values())):
+    if len(floats) >= FOREACH_FROM and _norms_finite(list(floats.values())):
         return None
     return next((name for name, t in floats.items() if not all_finite(t)), None)
 
