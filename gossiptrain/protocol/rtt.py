@@ -5,7 +5,7 @@ from __future__ import annotations
 #: An answer this many typical round trips late (or past the timeout RFC 6298 would compute from the answers that
 #: came) is presumed lost: ``RttEstimator.late_after``. Its timeout, which backs off and starts at a guess of
 #: seconds, stays what makes it overdue; the presumption only stops others waiting for it.
-LATE_ROUND_TRIPS = 4.0
+LATE_ROUND_TRIPS = 2.0
 
 
 class RttEstimator:
