@@ -90,20 +90,19 @@ MiB = 1 << 20
 MODELS: dict[str, Callable[[], Workload]] = {}
 
 
-def _charlm_large() -> Workload:
-    from peers.charlm import large
+def _charlm(factory: str) -> Callable[[], Workload]:
+    """``peers.charlm``'s ``factory`` (imported when used: the sizes runs need no model)."""
 
-    return large()
+    def build() -> Workload:
+        from peers import charlm
+
+        return getattr(charlm, factory)()
+
+    return build
 
 
-def _charlm_transformer() -> Workload:
-    from peers.charlm import transformer
-
-    return transformer()
-
-
-MODELS["charlm-large"] = _charlm_large
-MODELS["charlm-transformer"] = _charlm_transformer  # about the same bytes in 114 tensors: what an exchange pays per tensor
+MODELS["charlm-large"] = _charlm("large")
+MODELS["charlm-transformer"] = _charlm("transformer")  # about the same bytes in 114 tensors: what an exchange pays per tensor
 MODEL_SYSTEMS = ("gossip exchange", "gossip wire", "raw zeromq")
 BARE = "bare"  # body flag of a --model request to answer without averaging (the "gossip wire" system)
 SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")

@@ -128,7 +128,7 @@ class QuasiGlobalMomentum:
         with torch.no_grad():
             # Per optimizer group, one foreach call per operation: a model of a few hundred tensors paid a few
             # Python-level torch calls per tensor here at every safe point (2.4 ms for 150 small tensors).
-            groups = [(params, prevs, lr, mu) for params, prevs, lr, mu in self._tracked() if params]
+            groups = [group for group in self._tracked() if group[0]]  # (params, prevs, lr, mu), those with a reference
             changes: list[torch.Tensor] = []  # each parameter's change per unit of lr, in its reference's buffer
             for params, prevs, lr, _ in groups:
                 torch._foreach_sub_(prevs, params)

@@ -563,13 +563,13 @@ class TcpTransport(Transport):
         is skipped.
         """
         limits = self.limits
-        waiting: zmq.Frame | None = await sock.recv(copy=False)  # the first frame of a message
+        first = await sock.recv(copy=False)  # the first frame of a message: the rest is here then (_next_frame)
         route: bytes | None = None
+        waiting: zmq.Frame | None = None
         if routed:  # added by the ROUTER; the header names the sender
-            assert waiting is not None
-            route, more, waiting = waiting.bytes, waiting.more, None
+            route, more = first.bytes, first.more
         else:
-            more = True
+            more, waiting = True, first
         frames: list[zmq.Frame] = []
         total = 0
         dropped = False
