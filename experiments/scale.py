@@ -185,7 +185,7 @@ def grid(args: argparse.Namespace) -> list[Spec]:
         for peers in args.sizes or SIZES[workload]:
             for condition in conditions:
                 for system in args.systems:
-                    names = [f"gossip:{a}" for a in OTHER_ALGORITHMS] if system == "gossip-best" else [system]
+                    names = [f"gossip:{a}" for a in args.others] if system == "gossip-best" else [system]
                     if system == "gossip-best" and peers > args.others_up_to:
                         continue
                     for name in names:
@@ -357,6 +357,8 @@ def main() -> int:
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=list(CONDITIONS))
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--others-up-to", type=int, default=64, help="gossip-best runs only up to this many peers (default 64)")
+    ap.add_argument("--others", nargs="+", default=list(OTHER_ALGORITHMS), choices=list(OTHER_ALGORITHMS),
+                    help="gossip-best's candidates to run (default all; with --resume --refresh: refresh only these)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, each in its own process (default 2)")
     ap.add_argument("--gossip-duration", type=float, default=GOSSIP_DURATION)

@@ -3,7 +3,9 @@
 What a peer adds plus what it still owes is always ``gain`` times the sum of
 its merge displacements (hypothesis, float64), so a pairwise swarm's sum,
 counting what is owed, is conserved; a safe point without merges adds only
-what is owed; and in the simulator on label-skewed shards the default
+what is owed; a push-sum merge of a model from before our last step, like
+ours, adds no correction (it was a lag, not a drift: uncorrected, 16
+push-sum peers' corrections pointed against the swarm's progress); and in the simulator on label-skewed shards the default
 (gain 4) learns faster than no correction.
 """
 
@@ -16,10 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import random
+
 from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
+from gossiptrain.net.kinds import XPUSH
+from gossiptrain.protocol.averaging import Received
 from gossiptrain.protocol.drift import AUTO_GAIN, DriftCorrection, drift_gain
+from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.cluster import SimConfig, simulate
 
 
@@ -84,6 +91,54 @@ def test_without_merges_nothing_moves_and_the_gain_comes_from_the_configuration(
     for bad in (-0.5, 9.0):
         with pytest.raises(ConfigError, match="drift_gain"):
             GossipConfig(drift_gain=bad)
+
+
+def stale_merges(steps: list[list[float]], shares: list[float], compensate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peer whose every safe point merges, with weight ``share``, a model equal to its own before the step.
+
+    That is push-sum in a swarm that agrees: every partner's push left it as
+    our last safe point left us, and arrives after our next step. Returns
+    (the model's total change, what the correction still owes).
+    """
+    x = torch.zeros(3, dtype=torch.float64)
+    d = DriftCorrection([x], 4.0, stale_merges=compensate)
+    safe_point(d, None)  # the first safe point: nothing settled to compare with yet
+    start = x.clone()
+    for step, share in zip(steps, shares, strict=False):
+        settled = x.clone()
+        x -= torch.tensor(step, dtype=torch.float64)  # the local step
+        d.before()
+        with torch.no_grad():
+            x.mul_(1 - share).add_(settled, alpha=share)  # the stale merge
+        d.after(share)
+    return x - start, d.owed()[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.floats(-1, 1), min_size=3, max_size=3), min_size=1, max_size=60),
+    shares=st.lists(st.floats(0, 0.9), min_size=60, max_size=60),
+)
+def test_a_stale_merge_of_a_model_like_ours_adds_no_correction(steps: list[list[float]], shares: list[float]) -> None:
+    _, owed = stale_merges(steps, shares, compensate=True)
+    assert torch.allclose(owed, torch.zeros(3, dtype=torch.float64), atol=1e-9)
+
+
+def test_uncompensated_stale_merges_correct_against_the_progress() -> None:
+    """Why push-sum's correction is told the stale share: else it replays the lag, backwards."""
+    moved, owed = stale_merges([[1.0, 0.0, 0.5]] * 30, [0.5] * 30, compensate=False)
+    assert float(torch.dot(moved, owed)) < 0
+
+
+def test_push_sum_reports_the_share_of_the_model_its_merges_replaced_once() -> None:
+    params = {"x": torch.zeros(2, dtype=torch.float64)}
+    ps = PushSum(params, GossipConfig(algorithm="push-sum"), random.Random(0), me="A")
+    assert PushSum.merges_stale and ps.take_stale_share() == 0.0
+    for xid, w in ((1, 0.5), (2, 0.5)):  # weight 1 -> 1.5 -> 2: our own model keeps 2/3, then 3/4 of that
+        ps.handle(Received("B", XPUSH, xid, {"x": torch.full((2,), w, dtype=torch.float64)}, meta={"w": w}), 0.0)
+    assert ps.weight == 2.0 and ps.take_stale_share() == pytest.approx(0.5)
+    assert ps.take_stale_share() == 0.0
+    torch.testing.assert_close(params["x"], torch.full((2,), 0.5, dtype=torch.float64))
 
 
 def skewed_accuracy(gain: float) -> float:

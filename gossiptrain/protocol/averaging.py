@@ -344,6 +344,9 @@ class Averaging:
     network_kinds: frozenset[str] = frozenset()
     #: Flow control's bound where ``gossip.max_steps_ahead`` is 0 (automatic).
     auto_steps_ahead: int = AUTO_STEPS_AHEAD
+    #: Merges move the model toward partners' models of before our last local step, against the model as it
+    #: is now, not against the one we sent (push-sum): they undo part of that step (``take_stale_share``).
+    merges_stale: bool = False
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -414,6 +417,10 @@ class Averaging:
         Every ``handle`` does it first, so a driver that never calls this
         loses nothing; one that calls it after sending gets replies out sooner.
         """
+
+    def take_stale_share(self) -> float:
+        """The share of the model the merges since the last call replaced (``merges_stale`` algorithms; else 0)."""
+        return 0.0
 
     def checkpoint_state(self) -> dict[str, float]:
         """What a checkpoint must keep of this machine besides the model (push-sum: its weight); {}: nothing."""

@@ -66,6 +66,7 @@ class PushSum(Averaging):
 
     network_kinds = frozenset({XACK})  # receipts free the link as they arrive (``protocol.receipts``)
     auto_steps_ahead = PUSH_STEPS_AHEAD
+    merges_stale = True  # a push is a model of before our last step, merged against ours of now
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -75,6 +76,11 @@ class PushSum(Averaging):
         self._last_push_step = -(10**9)
         # xid -> (receiver, weight sent); the tensors come back with a refusal
         self._unacked: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._own_share = 1.0  # of the model as it was at the last ``take_stale_share``, what the merges since kept
+
+    def take_stale_share(self) -> float:
+        share, self._own_share = 1.0 - self._own_share, 1.0
+        return share
 
     def checkpoint_state(self) -> dict[str, float]:
         return {"push_sum_weight": self.weight}
@@ -190,6 +196,7 @@ class PushSum(Averaging):
         with torch.no_grad():
             torch._foreach_mul_(self.params, self.weight / total)
             torch._foreach_add_(self.params, x_in, alpha=1.0 / total)
+        self._own_share *= self.weight / total
         self.weight = total
 
 

@@ -101,7 +101,9 @@ class SafePoint:
         if self.after is not None:
             self.after()
         if self.drift is not None:
-            self.drift.after()
+            with self._lock:
+                stale_share = self.averaging.take_stale_share()
+            self.drift.after(stale_share)
 
     def locked(self) -> AbstractContextManager[Any]:
         """The lock both sides take to call into the algorithm: ``with safepoint.locked(): ...`` (checkpoints)."""
