@@ -102,9 +102,7 @@ class _PerTensorCodec:
             for name, ref in like.items():
                 parts = [_tensor(wire, name + s) for s in self.suffixes]
                 out[name] = self._decode_one(name, parts, ref, pool)
-            bad = first_non_finite(out)  # what came, decoded: a finite int8 scale can still overflow like's dtype
-            if bad is not None:
-                raise ProtocolError(f"{_show(bad)}: non-finite values")
+            _all_finite(out)  # what came, decoded: a finite int8 scale can still overflow like's dtype
         return out
 
     def _encode_one(self, x: Tensor, pool: BufferPool | None) -> Sequence[Tensor]:
@@ -286,7 +284,7 @@ class TopKCodec(_PerTensorCodec):
         # First in range, last in range and strictly increasing: all in range, none twice.
         if int(i[0]) < 0 or int(i[-1]) >= n or (k > 1 and not bool((i[1:] > i[:-1]).all())):
             raise ProtocolError(f"{_show(name)}: indices must be strictly increasing within [0, {n})")
-        out[i] = _finite(name, val.to(like.device, like.dtype))
+        out[i] = val.to(like.device, like.dtype)
         return out.reshape(like.shape)
 
 
@@ -447,8 +445,7 @@ class EdgeReference:
     def _commit(self, delta: Mapping[str, Tensor]) -> None:
         # New tensors, swapped in only when all are finite: a refused message leaves r as it was.
         new = {n: r + delta[n] for n, r in self.reference.items()}
-        for n, t in new.items():
-            _finite(n, t)
+        _all_finite(new)
         self.reference = new
         self.updates += 1
 
@@ -558,10 +555,11 @@ def _norms_finite(tensors: Sequence[Tensor]) -> bool:
     return True
 
 
-def _finite(name: str, t: Tensor) -> Tensor:
-    if not all_finite(t):
-        raise ProtocolError(f"{_show(name)}: non-finite values")
-    return t
+def _all_finite(tensors: Mapping[str, Tensor]) -> None:
+    """ProtocolError naming the first of ``tensors`` that holds a NaN or an infinity."""
+    bad = first_non_finite(tensors)
+    if bad is not None:
+        raise ProtocolError(f"{_show(bad)}: non-finite values")
 
 
 def _show(x: object) -> str:

@@ -95,14 +95,14 @@ class SafePoint:
                 self.rounds += 1
             actions += started
             self._note_rejections(actions, now)
+            # Of this safe point's merges, for the drift correction (gossiptrain.protocol.drift).
+            stale_share = self.averaging.take_stale_share() if self.drift is not None else 0.0
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
         if self.after is not None:
             self.after()
         if self.drift is not None:
-            with self._lock:
-                stale_share = self.averaging.take_stale_share()
             self.drift.after(stale_share)
 
     def locked(self) -> AbstractContextManager[Any]:
