@@ -90,20 +90,27 @@ class SafePoint:
             for event in _drained(node):
                 actions += self._handle(event, now)
             partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
-            started = self.averaging.handle(averaging.AtSafePoint(step, partners, node.latency()), now)
+            latency = node.latency()
+            started = self.averaging.handle(averaging.AtSafePoint(step, partners, latency), now)
             if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
                 self.rounds += 1
             actions += started
             self._note_rejections(actions, now)
             # Of this safe point's merges, for the drift correction (gossiptrain.protocol.drift).
-            stale_share = self.averaging.take_stale_share() if self.drift is not None else 0.0
+            stale_share, round_trip_steps = self._drift_inputs(latency) if self.drift is not None else (0.0, None)
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
         if self.after is not None:
             self.after()
         if self.drift is not None:
-            self.drift.after(stale_share)
+            self.drift.after(stale_share, round_trip_steps)
+
+    def _drift_inputs(self, latency: float | None) -> tuple[float, float | None]:
+        """What the drift correction measures by: the share of the model stale merges replaced, and the
+        link's round trip in local steps (None: not measured yet)."""
+        step_time = self.averaging.steps.step_time
+        return self.averaging.take_stale_share(), (latency / step_time if latency is not None and step_time else None)
 
     def locked(self) -> AbstractContextManager[Any]:
         """The lock both sides take to call into the algorithm: ``with safepoint.locked(): ...`` (checkpoints)."""
