@@ -20,7 +20,9 @@ from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.averaging import (
+    AUTO_STEPS_AHEAD,
     MAX_IN_FLIGHT,
+    ROUND_TRIP_STEPS_AHEAD,
     AtSafePoint,
     PairwiseAveraging,
     Received,
@@ -111,6 +113,20 @@ def test_the_automatic_count_is_as_many_as_the_latency_takes_steps() -> None:
     assert count(0.02) == 2
     assert count(0.1) == count(5.0) == MAX_IN_FLIGHT
     assert machine("a", 0.0, exchanges_in_flight=5).concurrency() == 5  # set: as set
+
+
+def test_flow_control_lets_a_peer_run_at_least_a_round_trip_ahead() -> None:
+    """No merge can come sooner than a round trip: on a far link the bound is that many steps and a little more."""
+    def bound(latency: float | None, **gossip: object) -> int:
+        m = machine("a", 0.0, **gossip)
+        for step in range(1, 5):  # 10 ms steps
+            m.handle(AtSafePoint(step, [], latency), 0.01 * step)
+        return m.flow_bound()
+
+    assert bound(None) == bound(0.001) == bound(0.05) == AUTO_STEPS_AHEAD  # a near link: as before
+    assert bound(0.1) == 10 + ROUND_TRIP_STEPS_AHEAD  # 50 ms each way: 10 steps' round trip
+    assert bound(0.2) == 20 + ROUND_TRIP_STEPS_AHEAD
+    assert bound(0.2, max_steps_ahead=4) == 4  # set: as set
 
 
 def test_the_latency_is_the_shortest_probe_round_trip_of_this_window_and_the_one_before() -> None:
