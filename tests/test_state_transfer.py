@@ -25,6 +25,8 @@ from gossiptrain.protocol import state_transfer as st
 from gossiptrain.protocol.state_transfer import (
     CLOSE,
     MIN_SILENCE_S,
+    OPEN_ATTEMPTS,
+    OPEN_LATE_ROUND_TRIPS,
     ChunkRequest,
     Donor,
     Expire,
@@ -62,6 +64,8 @@ def through_wire(reply: st.Reply, sender: str) -> st.FetchEvent:
     msg = decode(encode(Message(reply.kind, sender, "sim://donor:1", "fp", 0, reply.body, reply.tensors), LIMITS), LIMITS)
     if reply.kind == kinds.SREP:
         return st.Chunk.from_body(msg.sender, msg.body, msg.tensors)
+    if reply.kind == kinds.SACK:
+        return st.Accepted.from_body(msg.sender, msg.body)
     return st.Refusal.from_body(msg.sender, msg.body)
 
 
@@ -70,7 +74,8 @@ class Net:
 
     A donor takes its snapshot at once (its "safe point") when a session
     waits for one. ``answer`` limits how many requests a donor still answers
-    (then it is silent, as if killed); ``tamper`` may rewrite a reply.
+    (then it is silent, as if killed); ``lose`` how many of the requests to
+    a donor the network loses first; ``tamper`` may rewrite a reply.
     """
 
     def __init__(self, fetcher: Fetcher, states: dict[str, torch.Tensor], cfg: StateConfig) -> None:
@@ -81,19 +86,24 @@ class Net:
             d.ready = True
         self.served = {name: 0 for name in states}
         self.answer: dict[str, int] = {}
+        self.lose: dict[str, int] = {}
+        self.latency: float | None = None  # the round trip the newcomer's node measured (Wakeup.latency)
         self.tamper: Callable[[str, st.Reply], st.Reply] = lambda name, r: r
         self.requests: list[RequestChunk] = []
         self.now = 0.0
 
     def tick(self, members: list[str], at: float | None = None) -> None:
         self.now = self.now if at is None else at
-        self.run(self.fetcher.handle(Wakeup(members), self.now))
+        self.run(self.fetcher.handle(Wakeup(members, self.latency), self.now))
 
     def run(self, actions: list[RequestChunk]) -> None:
         queue = list(actions)
         while queue:
             req = queue.pop(0)
             self.requests.append(req)
+            if self.lose.get(req.to, 0) > 0:
+                self.lose[req.to] -= 1
+                continue
             if req.to not in self.donors or self.answer.get(req.to, 1) <= 0:
                 continue
             if req.to in self.answer:
@@ -165,6 +175,56 @@ def test_a_donor_silent_before_its_first_answer_gets_the_whole_request_timeout()
     assert net.asked("b") == []
     net.tick(["new", "a", "b"], at=1.0)
     assert net.asked("b") == [0, 1, 2] and net.fetcher.stats.state_timeouts == 1
+
+
+def test_a_lost_opening_request_is_asked_again_after_a_few_round_trips_not_a_timeout() -> None:
+    """With 1% of messages lost, a lost opening held a newcomer for state.request_timeout (5 s by default)."""
+    cfg = config(window=1, request_timeout=5.0)
+    data = state(3000, 1)
+    net = Net(fetcher(3000, cfg), {"a": data}, cfg)
+    net.latency, net.lose["a"] = 0.1, 1
+    net.tick(["new", "a"])
+    net.tick(["new", "a"], at=0.29)
+    assert net.fetcher.result is None and net.asked("a") == [0]
+    net.tick(["new", "a"], at=OPEN_LATE_ROUND_TRIPS * 0.1)
+    result = net.fetcher.result
+    assert result is not None and result.ok and torch.equal(result.data, data)
+    assert [r.manifest for r in net.requests if r.index != CLOSE] == [True, True, False, False]
+    stats = net.fetcher.stats
+    assert stats.state_opens_resent == 1 and stats.state_timeouts == 0 and stats.state_donors_tried == 1
+
+
+def test_a_donor_that_never_acknowledges_is_left_after_a_few_openings() -> None:
+    cfg = config(window=1, request_timeout=5.0)
+    net = Net(fetcher(3000, cfg), {"a": state(3000, 1), "b": state(3000, 2)}, cfg)
+    net.latency, net.lose = 0.1, {"a": 100, "b": 100}
+    net.tick(["new", "a", "b"])
+    first = net.requests[0].to
+    net.lose = {first: 100}
+    for k in range(1, OPEN_ATTEMPTS + 1):
+        net.tick(["new", "a", "b"], at=k * OPEN_LATE_ROUND_TRIPS * 0.1 * 1.01)
+    assert net.asked(first) == [0] * OPEN_ATTEMPTS
+    result = net.fetcher.result
+    assert result is not None and result.ok and result.donors == ("b" if first == "a" else "a",)
+    assert net.fetcher.stats.state_timeouts == 1 and net.fetcher.stats.state_opens_resent == OPEN_ATTEMPTS - 1
+
+
+def test_an_acknowledged_opening_waits_for_the_donors_safe_point() -> None:
+    """The acknowledgement comes at once; the first chunk at the donor's next safe point, for up to request_timeout."""
+    cfg = config(window=1, request_timeout=1.0)
+    f, donor = fetcher(3000, cfg), Donor(cfg, LIMITS)
+    donor.ready, donor.stepped_at = True, 0.0
+    (req,) = f.handle(Wakeup(["new", "a"], 0.01), 0.0)
+    (ack,) = donor.handle(ChunkRequest("new", "sim://new:1", req.sid, req.index, req.manifest), 0.0)
+    assert ack.kind == kinds.SACK
+    assert f.handle(through_wire(ack, "a"), 0.0) == []
+    assert f.handle(Wakeup(["new", "a"], 0.01), 0.9) == []  # far past a few round trips: not asked again
+    again = ChunkRequest("new", "sim://new:1", req.sid, req.index, True)
+    assert [r.kind for r in donor.handle(again, 0.1)] == [kinds.SACK]  # an opening asked twice: acknowledged again
+    snap = Snapshot.build(state(3000, 1), step=3, layout=LAYOUT, chunk_bytes=1024)
+    assert [r.body["index"] for r in donor.handle(SnapshotTaken(snap, donor.wanted), 0.2)] == [0]  # answered once
+    left = f.handle(Wakeup(["new", "a"], 0.01), 1.0)
+    assert [r.index for r in left] == [CLOSE] and f.stats.state_timeouts == 1 and f.stats.state_opens_resent == 0
 
 
 def test_a_donor_leaving_the_view_is_replaced_at_once() -> None:
@@ -241,7 +301,8 @@ def test_the_donor_serves_a_few_sessions_at_a_time_and_refuses_the_rest() -> Non
     (refused,) = ask("n1")
     assert refused.kind == kinds.SNAK and not refused.body["retry"] and "not training" in refused.body["reason"]
     donor.ready, donor.stepped_at = True, 0.0
-    assert ask("n1") == [] and ask("n2") == []  # both wait for the next safe point
+    # both wait for the next safe point, acknowledged at once
+    assert [r.kind for r in ask("n1") + ask("n2")] == [kinds.SACK, kinds.SACK]
     (busy,) = ask("n3")
     assert busy.kind == kinds.SNAK and busy.body["retry"] and "busy" in busy.body["reason"]
     assert donor.wanted == 2 and donor.stats.state_sessions_refused == 1
@@ -258,7 +319,7 @@ def test_the_donor_serves_a_few_sessions_at_a_time_and_refuses_the_rest() -> Non
     (idle,) = ask("n3", now=2.0)  # no safe point for longer than state.request_timeout: not training any more
     assert idle.kind == kinds.SNAK and "not training" in idle.body["reason"]
     donor.stepped_at = 2.0
-    assert ask("n3", now=2.0) == []
+    assert [r.kind for r in ask("n3", now=2.0)] == [kinds.SACK]
     donor.handle(Expire(), 20.0)  # idle past state.session_timeout
     assert not donor.sessions and donor.stats.state_sessions_expired == 2
 

@@ -20,7 +20,7 @@ XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
 XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
 XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)
 # State transfer to newcomers (gossiptrain.protocol.state_transfer).
-SREQ, SREP, SNAK = "sreq", "srep", "snak"
+SREQ, SREP, SNAK, SACK = "sreq", "srep", "snak", "sack"
 # A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
 READY = "ready"
 # The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
@@ -31,7 +31,7 @@ STATUS_ASK, STATUS = "status-ask", "status"
 JOINING = (JOIN, WELCOME, REFUSE, REACH)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
-STATE = (SREQ, SREP, SNAK)
+STATE = (SREQ, SREP, SNAK, SACK)
 RENDEZVOUS = (READY,)
 FINISH = (QUERY, ROSTER, STOP, FIN)
 STATUS_KINDS = (STATUS_ASK, STATUS)

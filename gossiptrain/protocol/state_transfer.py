@@ -17,14 +17,17 @@ Two sans-IO state machines, driven like the averaging and membership cores
   ``digest``, the SHA-256 over those chunk hashes (a hash list). Each chunk
   is checked against its donor's manifest before it is kept, and at the end
   the assembled bytes are hashed again, chunk by chunk, against the
-  manifests. A donor that stops answering (``state.request_timeout``),
+  manifests. An opening the donor does not acknowledge (``Accepted``)
+  within a few of the link's round trips is sent again, twice at most. A
+  donor that stops answering (``state.request_timeout``),
   refuses, or leaves the view is replaced and the download resumes from the
   chunks already verified; a donor whose data fails a check is not asked
   again; a state that fails the final check (or holds non-finite values) is
   discarded and fetched again from another donor. After ``state.max_donors``
   sessions or ``state.max_seconds`` the newcomer gives up and trains from its
   own initial weights.
-- ``Donor``, every member: answers a session from one snapshot taken at the
+- ``Donor``, every member: acknowledges a new session at once, and answers
+  it from one snapshot taken at the
   trainer's next safe point (the only place the parameters may be read), so
   the newcomer gets a consistent model and the donor's training waits only
   for one copy of its state; everything else (hashing, answering) happens on
@@ -93,7 +96,7 @@ import torch
 
 from gossiptrain.config import Limits, StateConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import SNAK, SREP
+from gossiptrain.net.kinds import SACK, SNAK, SREP
 from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.state.snapshot import (
     OPTIMIZER_PREFIX,
@@ -116,6 +119,11 @@ _SID_LIMIT = 1 << 31
 #: A donor whose chunks come at a measured pace is still given this long to answer (as TCP's minimum RTO: a
 #: scheduling hiccup of a busy machine is not silence).
 MIN_SILENCE_S = 0.2
+#: A session's opening request not acknowledged within this many of the link's round trips is presumed lost and
+#: sent again (the acknowledgement comes from the donor's network side at once, see ``Accepted``)...
+OPEN_LATE_ROUND_TRIPS = 3.0
+#: ...at most this many times in all before the donor is left (as one that stays silent).
+OPEN_ATTEMPTS = 3
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
 
 
@@ -124,9 +132,14 @@ _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
 
 @dataclass(frozen=True)
 class Wakeup:
-    """Time passed; ``members`` are the live members of our view now (us included or not)."""
+    """Time passed; ``members`` are the live members of our view now (us included or not).
+
+    ``latency``: the link's round trip of small messages lately (the node's
+    probes), None if unknown: how soon a session's opening is acknowledged.
+    """
 
     members: Sequence[str]
+    latency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,26 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """An sack: the donor opened session ``sid``; its first chunk follows its next safe point.
+
+    Sent by the donor's network side as the request arrives, so the
+    newcomer learns within a round trip that its opening request was not
+    lost, where the first chunk waits for a step of the donor's training
+    (``state.request_timeout`` bounds that wait). Without it, a request lost
+    on a lossy link held a newcomer for the whole timeout (5 s by default).
+    """
+
+    sender: str
+    sid: int
+
+    @classmethod
+    def from_body(cls, sender: str, body: Mapping[str, Any]) -> "Accepted":
+        """The sack ``sender`` sent, from its body; ProtocolError if malformed."""
+        return cls(sender, _sid(body))
+
+
+@dataclass(frozen=True)
 class Unreachable:
     """A request to ``member`` could not be sent (no address, or the transport refused it)."""
 
@@ -178,7 +211,7 @@ class Unreachable:
     sid: int
 
 
-FetchEvent = Wakeup | Chunk | Refusal | Unreachable
+FetchEvent = Wakeup | Chunk | Refusal | Accepted | Unreachable
 
 
 @dataclass(frozen=True)
@@ -201,6 +234,7 @@ class TransferStats:
     state_donors_tried: int = 0  # sessions opened
     state_refusals: int = 0  # snak answers
     state_timeouts: int = 0  # sessions left after state.request_timeout without an answer
+    state_opens_resent: int = 0  # opening requests sent again, not acknowledged within a few round trips
     state_checksum_failures: int = 0  # chunks or whole states that failed their SHA-256 check
     state_stale: int = 0  # answers for a session already left, or unasked for
     state_transfer_seconds: float = 0.0
@@ -239,6 +273,8 @@ class _FetchSession:
     inflight: set[int] = field(default_factory=set)
     todo: list[int] = field(default_factory=list)  # chunks still to ask for, in order
     asked_at: dict[int, float] = field(default_factory=dict)  # chunk -> when we asked for it
+    accepted: bool = False  # the donor acknowledged the opening request (an sack)
+    opens: int = 1  # times the opening request was sent
 
 
 class Fetcher:
@@ -297,6 +333,7 @@ class Fetcher:
         self._banned: set[str] = set()  # sent bad data, or refused for good: not asked again in this download
         self._cooling: dict[str, float] = {}  # donor -> when it may be asked again
         self._next_send = now  # pacing (state.max_bytes_per_second)
+        self._latency: float | None = None  # the link's round trip of small messages (Wakeup.latency)
         # Round trips of chunk answers after a session's first (which waits for the donor's safe point): a donor
         # silent for several of them is left before state.request_timeout (see _silence)
         self.rtt = RttEstimator(0.0, config.request_timeout)
@@ -317,6 +354,9 @@ class Fetcher:
         out: list[RequestChunk] = []
         if isinstance(event, Wakeup):
             self._members = sorted({m for m in event.members if m != self.me})
+            self._latency = event.latency if event.latency is not None else self._latency
+        elif isinstance(event, Accepted):
+            self._on_accepted(event, now)
         elif isinstance(event, Chunk):
             self._on_chunk(event, now, out)
         elif isinstance(event, Refusal):
@@ -455,6 +495,15 @@ class Fetcher:
         self.data = torch.empty(m.size, dtype=torch.uint8)
         self._restart()
 
+    def _on_accepted(self, ev: Accepted, now: float) -> None:
+        s = self._session
+        if s is None or (ev.sender, ev.sid) != (s.donor, s.sid):
+            self.stats.state_stale += 1
+            return
+        if not s.accepted:
+            s.accepted = True
+            s.last_progress = now  # from here the donor's safe point is what we wait for
+
     def _on_refusal(self, ev: Refusal, now: float) -> None:
         s = self._session
         if s is None or (ev.sender, ev.sid) != (s.donor, s.sid):
@@ -488,9 +537,11 @@ class Fetcher:
             return
         s = self._session
         if s is not None and s.inflight and now >= s.last_progress + self._silence(s):  # a paced pause is not silence
-            self.stats.state_timeouts += 1
-            self._leave(now, out, f"no answer within {self._silence(s):.3g} s (state.request_timeout="
-                                  f"{cfg.request_timeout:g} s, less once its chunks come at a measured pace)", cool=True)
+            if not self._open_again(s, now, out):  # an opening presumed lost is asked again first
+                self.stats.state_timeouts += 1
+                self._leave(now, out, f"no answer within {self._silence(s):.3g} s (state.request_timeout="
+                                      f"{cfg.request_timeout:g} s, less once its chunks come at a measured pace or "
+                                      "while its opening is not acknowledged)", cool=True)
         elif s is not None and s.donor not in self._members:
             self._leave(now, out, "it left our view", cool=True)
         if self._session is None and not self._open(now, out):
@@ -510,19 +561,41 @@ class Fetcher:
                 self._next_send = max(self._next_send, now) + self.chunk_bytes / rate
 
     def _silence(self, s: _FetchSession) -> float:
-        """How long the donor of ``s`` may stay silent before we leave it.
+        """How long the donor of ``s`` may stay silent before we leave it (or, unacknowledged, ask again).
 
-        ``state.request_timeout`` until its first answer (which waits for the
-        donor's next safe point, a step of its training); after it, chunks
-        come from the donor's network side at the link's pace, and silence
-        for several of their round trips (``RttEstimator.late_after``) means
-        a lost message or a donor gone: a newcomer should not sit out seconds
-        of ``request_timeout`` for it.
+        Until the donor acknowledges the session (``Accepted``), a few round
+        trips of the link (``OPEN_LATE_ROUND_TRIPS``), where we know them.
+        Then ``state.request_timeout`` until its first answer (which waits
+        for the donor's next safe point, a step of its training); after it,
+        chunks come from the donor's network side at the link's pace, and
+        silence for several of their round trips (``RttEstimator.late_after``)
+        means a lost message or a donor gone: a newcomer should not sit out
+        seconds of ``request_timeout`` for it.
         """
+        timeout = self.config.request_timeout
+        if s.manifest is None:
+            if s.accepted or self._latency is None:
+                return timeout
+            return min(timeout, max(OPEN_LATE_ROUND_TRIPS * self._latency, MIN_SILENCE_S))
         late = self.rtt.late_after()
-        if s.manifest is None or late is None:
-            return self.config.request_timeout
-        return min(self.config.request_timeout, max(late, MIN_SILENCE_S))
+        return timeout if late is None else min(timeout, max(late, MIN_SILENCE_S))
+
+    def _open_again(self, s: _FetchSession, now: float, out: list[RequestChunk]) -> bool:
+        """Send the unacknowledged opening request of ``s`` again, if it has tries left; whether it did.
+
+        The same session and chunk: a donor that did get the first one
+        acknowledges again (and answers again once it has the snapshot; the
+        newcomer counts the second answer stale).
+        """
+        if s.manifest is not None or s.accepted or self._latency is None or s.opens >= OPEN_ATTEMPTS:
+            return False
+        s.opens += 1
+        s.last_progress = now
+        self.stats.state_opens_resent += 1
+        first = min(s.inflight)
+        log.info("state transfer: no acknowledgement from %s yet: asking again (%d of %d)", s.donor, s.opens, OPEN_ATTEMPTS)
+        out.append(RequestChunk(s.donor, s.sid, first, manifest=True, optim=self.with_optimizer))
+        return True
 
     def _open(self, now: float, out: list[RequestChunk]) -> bool:
         """Open a session with a new donor; False if we wait (donors cooling) or gave up."""
@@ -725,10 +798,13 @@ class Donor:
                 self.wanted += 1
                 self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req], optim=req.optim)
                 self.stats.state_sessions_served += 1
+                out.append(_accept(req))
             return
         s.last_used = now
         if s.snapshot is not None:
             out.append(self._answer(s, req))
+        elif req.manifest and any(w.index == req.index for w in s.waiting):  # an opening asked again: ours was lost
+            out.append(_accept(req))
         elif len(s.waiting) < self.config.window:
             s.waiting.append(req)
         else:
@@ -771,6 +847,10 @@ class Donor:
 
 #: A donor's refusal when it has not trained yet (or not lately): nothing worth downloading from it.
 NOT_TRAINING = "not training: no state worth giving"
+
+
+def _accept(req: ChunkRequest) -> Reply:
+    return Reply(req.addr, SACK, {"sid": req.sid})
 
 
 def _refuse(req: ChunkRequest, reason: str, *, retry: bool) -> Reply:

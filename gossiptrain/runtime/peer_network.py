@@ -148,7 +148,7 @@ class PeerNode(JoinAnsweringEndpoint):
         self.deaths: deque[tuple[float, str]] = deque(maxlen=_DEATHS_KEPT)  # (when, member id) of recent death verdicts
         self._reported_at = -math.inf  # when our last report to the coordinator left (its deaths are those since)
         # State transfer: we answer newcomers as a donor, and download our own state through it when we are one.
-        self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock)
+        self.state = StateEndpoint(config, send=self.send, address_of=self._address_of, clock=clock, latency=self.latency)
         # The end of a run: stop requests, final-phase notices, queries from tools (gossiptrain.protocol.finish).
         self.finish = finish.FinishEndpoint(config, me=me.id, members=self.membership.alive)
         # Who is ready to train, for a peer that waits for a count first (`--wait-for`, Peer.wait_for_peers).

@@ -26,10 +26,11 @@ import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import GossipError
-from gossiptrain.net.kinds import SREP, SREQ
+from gossiptrain.net.kinds import SACK, SREP, SREQ
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.state_transfer import (
     CLOSE,
+    Accepted,
     Chunk,
     ChunkRequest,
     Donor,
@@ -81,6 +82,7 @@ class StateEndpoint:
         send: Callable[[str, str, dict[str, Any], dict[str, torch.Tensor]], bool],
         address_of: Callable[[str], str | None],
         clock: Clock,
+        latency: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.config = config.state
         self.donor = Donor(config.state, config.limits)
@@ -90,6 +92,7 @@ class StateEndpoint:
         self._send = send
         self._address_of = address_of
         self._clock = clock
+        self._latency = latency  # the link's round trip of small messages lately (None: unknown)
         self._inbox: asyncio.Queue[FetchEvent] | None = None
         self._snapshots: asyncio.Queue[StateCopy] = asyncio.Queue(maxsize=1)
 
@@ -103,7 +106,7 @@ class StateEndpoint:
     # -- messages (the node's receive loop) --------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
-        """Handle an sreq, srep or snak; ProtocolError if it is malformed."""
+        """Handle an sreq, srep, sack or snak; ProtocolError if it is malformed."""
         if msg.kind == SREQ:
             req = ChunkRequest.from_body(msg.sender, msg.addr, msg.body)
             # Answer a member at the address our membership knows (as exchanges do), a stranger where it says.
@@ -115,7 +118,9 @@ class StateEndpoint:
             self.transfer.state_stale += 1
             return
         event: FetchEvent = (
-            Chunk.from_body(msg.sender, msg.body, msg.tensors) if msg.kind == SREP else Refusal.from_body(msg.sender, msg.body)
+            Chunk.from_body(msg.sender, msg.body, msg.tensors) if msg.kind == SREP
+            else Accepted.from_body(msg.sender, msg.body) if msg.kind == SACK
+            else Refusal.from_body(msg.sender, msg.body)
         )
         try:
             inbox.put_nowait(event)
@@ -187,7 +192,7 @@ class StateEndpoint:
         self.fetcher = fetcher
         clock = self._clock
         try:
-            events: list[FetchEvent] = [Wakeup(members())]
+            events: list[FetchEvent] = [Wakeup(members(), self._latency())]
             while True:
                 while events:
                     for req in fetcher.handle(events.pop(0), clock.now()):
@@ -202,7 +207,7 @@ class StateEndpoint:
                 try:
                     events.append(await asyncio.wait_for(inbox.get(), timeout=max(0.0, fetcher.wakeup(now) - now)))
                 except TimeoutError:
-                    events.append(Wakeup(members()))
+                    events.append(Wakeup(members(), self._latency()))
         finally:
             self._inbox = None
             self.fetcher = None
