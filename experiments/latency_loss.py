@@ -16,7 +16,9 @@ calibrated simulator stands in (README "Simulator"):
    links); and iid shards on both links. The simulator drops a lost message
    whole, where TCP over a lossy link retransmits the packet and delivers
    it late, so its loss costs more than netem's would.
-3. The same 4 peers on the LAN, delay, WAN and far links trained for 10
+3. The WAN against the LAN at local steps of 10, 30 and 100 ms (the
+   first table's steps are 10 ms, a round trip 10 of them).
+4. The same 4 peers on the LAN, delay, WAN and far links trained for 10
    virtual s: do they stay together once at the target? (Replayed at a
    near link's pace, the drift correction drove peers apart on far links:
    ``gossiptrain.protocol.drift``.)
@@ -26,7 +28,7 @@ virtual minutes of membership, written to a scratch folder), and the last line
 printed is a JSON object {"smallest_view", "wan_over_lan",
 "wan_nat_over_lan_nat", "delay_over_lan", "far_delay_over_lan",
 "farthest_after_held", "loss_over_lan",
-"wan_one_in_flight_over_lan", "wan_over_lan_iid"} (time ratios of
+"wan_one_in_flight_over_lan", "wan_over_lan_iid", "wan_over_lan_by_step"} (time ratios of
 medians; the issue's target for the WAN one: at most 1.5).
 
     python experiments/latency_loss.py            # about 3 minutes
@@ -78,10 +80,15 @@ ROWS: dict[str, tuple[str, tuple[int, ...], dict[str, object]]] = {
 }
 
 
-def times(link: LinkProfile, behind_nat: tuple[int, ...], overrides: dict[str, object], seeds: int) -> list[float | None]:
+#: Step times (virtual s) of the second table: the WAN against the LAN as a step grows toward a real model's.
+STEP_TIMES = (0.01, 0.03, 0.1)
+
+
+def times(link: LinkProfile, behind_nat: tuple[int, ...], overrides: dict[str, object], seeds: int,
+          step_time: float = 0.01) -> list[float | None]:
     run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4, **overrides})
     return [
-        simulate(SimConfig(peers=4, run=run, duration=30, step_time=0.01, link=link, behind_nat=behind_nat, seed=seed,
+        simulate(SimConfig(peers=4, run=run, duration=30, step_time=step_time, link=link, behind_nat=behind_nat, seed=seed,
                            target_accuracy=0.9, target_hold=3, sample_every=0.25)).summary.get("time_to_target")
         for seed in range(seeds)
     ]
@@ -121,6 +128,7 @@ def main() -> int:
     rows = {name: times(LINKS[link], nat, overrides, args.seeds) for name, (link, nat, overrides) in ROWS.items()}
     med = {k: median(v) for k, v in rows.items()}
     kept = {name: held(LINKS[ROWS[name][0]], ROWS[name][2], args.seeds) for name in HELD_ROWS}
+    by_step = {step: (times(LAN, (), SKEW, args.seeds, step), times(WAN, (), SKEW, args.seeds, step)) for step in STEP_TIMES}
 
     def ratio(a: str, b: str) -> float | None:
         return round(med[a] / med[b], 3) if med[a] is not None and med[b] else None
@@ -140,11 +148,21 @@ def main() -> int:
               "| run | farthest peer | lowest accuracy |", "| --- | --- | --- |"]
     for name, values in kept.items():
         lines.append(f"| {name} | {', '.join(f'{d:.2f}' for d, _ in values)} | {', '.join(f'{a:.3f}' for _, a in values)} |")
+    lines += ["", "The WAN (50 ms each way, 1% lost) against the LAN as a local step grows toward a real model's "
+              f"(3 classes per peer, seeds 0-{args.seeds - 1}): a round trip of 100 ms is 10 steps of 10 ms, 1 of 100 ms.", "",
+              "| step | LAN (s) | WAN (s) | WAN / LAN (medians) |", "| --- | --- | --- | --- |"]
+    step_ratios = {}
+    for step, (lan, wan) in by_step.items():
+        step_ratios[f"{step * 1000:g}ms"] = r = (round(median(wan) / median(lan), 3)  # type: ignore[operator]
+                                                if median(lan) and median(wan) is not None else None)
+        shown = [", ".join("-" if v is None else f"{v:.2f}" for v in values) for values in (lan, wan)]
+        lines.append(f"| {step * 1000:g} ms | {shown[0]} | {shown[1]} | {'-' if r is None else f'{r:.2f}'} |")
     headline = {"smallest_view": view, "wan_over_lan": ratio("wan", "lan"), "wan_nat_over_lan_nat": ratio("wan+nat", "lan+nat"),
                 "delay_over_lan": ratio("delay", "lan"), "far_delay_over_lan": ratio("far delay", "lan"),
                 "farthest_after_held": round(max(d for values in kept.values() for d, _ in values), 2),
                 "loss_over_lan": ratio("loss", "lan"),
-                "wan_one_in_flight_over_lan": ratio("wan, one in flight", "lan"), "wan_over_lan_iid": ratio("wan iid", "lan iid")}
+                "wan_one_in_flight_over_lan": ratio("wan, one in flight", "lan"), "wan_over_lan_iid": ratio("wan iid", "lan iid"),
+                "wan_over_lan_by_step": step_ratios}
     lines += ["", f"Ratios of medians: {json.dumps(headline)} (the issue's target for the WAN link: at most 1.5)."]
     out = harness.results_dir("latency_loss", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)

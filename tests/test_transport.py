@@ -208,13 +208,15 @@ def test_a_flood_of_incoming_connections_from_one_host_is_cut_at_its_bound_and_o
                 deadline = time.monotonic() + 30
                 # The victim's own descriptors (our 600 sockets aside): the 20 kept, and what shut-down ones hold
                 # until libzmq closes them (polled), never one per attacking connection.
-                while (victim.stats.incoming_refused < flood // 2 or _open_fds() - before - flood > 40) \
+                while (victim.stats.incoming_refused < flood // 4 or _open_fds() - before - flood > 40) \
                         and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 assert _open_fds() - before - flood <= 40, _open_fds() - before - flood
                 # Most are refused as their events arrive; an event read after its descriptor was reused for a
-                # later connection counts that one instead, so "all but 20" is not exact.
-                assert victim.stats.incoming_refused >= flood // 2, victim.stats
+                # later connection counts that one instead, so "all but 20" is not exact, and on a loaded machine
+                # far from it (usually about 580 here; 296 once with 3 test workers on 2 cores). The descriptor
+                # bound above is the guarantee; this says that the bound was enforced by refusing, many times.
+                assert victim.stats.incoming_refused >= flood // 4, victim.stats
                 assert victim.incoming.count("127.0.0.9") <= 20
                 assert honest.send(victim.address, [b"still here"])  # another source is not refused
                 assert await receive(victim) == [b"still here"]
