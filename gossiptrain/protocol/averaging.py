@@ -713,9 +713,10 @@ class PairwiseAveraging(Averaging):
         peers lost a quarter of their steps while the swarm gathered, and at
         100 ms each way a peer ran at half speed for the whole run. So the
         automatic bound is the round trip in steps plus ``ROUND_TRIP_STEPS_AHEAD``
-        (experiments/latency_loss.py: 50 ms, seeds 0-4, 2.45 s median to the
-        target against 2.7 s; 100 ms, seeds 0-2, 4.6-5.8 s against 4.95 s
-        once and twice not in 8 s). On a near link nothing changes.
+        (experiments/latency_loss.py's setting: 50 ms, seeds 0-4, sampled
+        every 0.05 s, 2.5 s median to the target against 2.7 s; 100 ms, the
+        experiment's seeds 0-2, 3.75-9.25 s against 5.0-9.5 s). On a near
+        link nothing changes.
         """
         steps = self._round_trip_steps()
         if self.config.max_steps_ahead or steps is None:

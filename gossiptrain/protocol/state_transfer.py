@@ -18,7 +18,8 @@ Two sans-IO state machines, driven like the averaging and membership cores
   is checked against its donor's manifest before it is kept, and at the end
   the assembled bytes are hashed again, chunk by chunk, against the
   manifests. An opening the donor does not acknowledge (``Accepted``)
-  within a few of the link's round trips is sent again, twice at most. A
+  within a few of the link's round trips is sent again, twice at most
+  (the last waits as an acknowledged one does). A
   donor that stops answering (``state.request_timeout``),
   refuses, or leaves the view is replaced and the download resumes from the
   chunks already verified; a donor whose data fails a check is not asked
@@ -122,7 +123,8 @@ MIN_SILENCE_S = 0.2
 #: A session's opening request not acknowledged within this many of the link's round trips is presumed lost and
 #: sent again (the acknowledgement comes from the donor's network side at once, see ``Accepted``)...
 OPEN_LATE_ROUND_TRIPS = 3.0
-#: ...at most this many times in all before the donor is left (as one that stays silent).
+#: ...at most this many times in all; the last one waits ``state.request_timeout`` as any opening did before
+#: (a donor whose network side is slow to answer on a loaded machine is not left for it).
 OPEN_ATTEMPTS = 3
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
 
@@ -564,7 +566,8 @@ class Fetcher:
         """How long the donor of ``s`` may stay silent before we leave it (or, unacknowledged, ask again).
 
         Until the donor acknowledges the session (``Accepted``), a few round
-        trips of the link (``OPEN_LATE_ROUND_TRIPS``), where we know them.
+        trips of the link (``OPEN_LATE_ROUND_TRIPS``), where we know them,
+        for all but the last of ``OPEN_ATTEMPTS`` openings.
         Then ``state.request_timeout`` until its first answer (which waits
         for the donor's next safe point, a step of its training); after it,
         chunks come from the donor's network side at the link's pace, and
@@ -574,7 +577,7 @@ class Fetcher:
         """
         timeout = self.config.request_timeout
         if s.manifest is None:
-            if s.accepted or self._latency is None:
+            if not self._may_open_again(s):
                 return timeout
             return min(timeout, max(OPEN_LATE_ROUND_TRIPS * self._latency, MIN_SILENCE_S))
         late = self.rtt.late_after()
@@ -587,7 +590,7 @@ class Fetcher:
         acknowledges again (and answers again once it has the snapshot; the
         newcomer counts the second answer stale).
         """
-        if s.manifest is not None or s.accepted or self._latency is None or s.opens >= OPEN_ATTEMPTS:
+        if not self._may_open_again(s):
             return False
         s.opens += 1
         s.last_progress = now
@@ -596,6 +599,10 @@ class Fetcher:
         log.info("state transfer: no acknowledgement from %s yet: asking again (%d of %d)", s.donor, s.opens, OPEN_ATTEMPTS)
         out.append(RequestChunk(s.donor, s.sid, first, manifest=True, optim=self.with_optimizer))
         return True
+
+    def _may_open_again(self, s: _FetchSession) -> bool:
+        """Whether the opening of ``s`` is still unanswered, unacknowledged, and may be sent again."""
+        return s.manifest is None and not s.accepted and self._latency is not None and s.opens < OPEN_ATTEMPTS
 
     def _open(self, now: float, out: list[RequestChunk]) -> bool:
         """Open a session with a new donor; False if we wait (donors cooling) or gave up."""
