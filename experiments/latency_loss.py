@@ -166,10 +166,7 @@ def main() -> int:
     lines += ["", f"Ratios of medians: {json.dumps(headline)} (the issue's target for the WAN link: at most 1.5)."]
     out = harness.results_dir("latency_loss", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(json.dumps(headline))
-    return 0
+    return harness.publish(out, lines, headline)
 
 
 if __name__ == "__main__":

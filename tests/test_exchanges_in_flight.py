@@ -21,6 +21,7 @@ from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.averaging import (
     AUTO_STEPS_AHEAD,
+    MAX_AUTO_STEPS_AHEAD,
     MAX_IN_FLIGHT,
     ROUND_TRIP_STEPS_AHEAD,
     AtSafePoint,
@@ -126,6 +127,7 @@ def test_flow_control_lets_a_peer_run_at_least_a_round_trip_ahead() -> None:
     assert bound(None) == bound(0.001) == bound(0.05) == AUTO_STEPS_AHEAD  # a near link: as before
     assert bound(0.1) == 10 + ROUND_TRIP_STEPS_AHEAD  # 50 ms each way: 10 steps' round trip
     assert bound(0.2) == 20 + ROUND_TRIP_STEPS_AHEAD
+    assert bound(0.7) == bound(5.0) == MAX_AUTO_STEPS_AHEAD  # far beyond: the link's pace again
     assert bound(0.2, max_steps_ahead=4) == 4  # set: as set
 
 

@@ -1,0 +1,137 @@
+"""A TCP relay that delays every byte by a fixed time each way: link delay where the kernel has no ``tc netem``.
+
+This machine's kernel lacks netem (``gossiptrain.testing.netns.why_no_netem``)
+and loads no modules, so a link's delay cannot be set in the kernel. A
+``DelayProxy`` stands in front of one member: others dial the proxy (the
+member advertises the proxy's host, on the same port), and the proxy opens
+its own connection to the member and passes the bytes on, each chunk
+``delay`` seconds after it arrived, in order, in both directions. A round
+trip through it takes ``2 * delay`` more, for every message the real
+transport sends (ZeroMQ's handshake included), which is what netem's delay
+on both ends of a link does. It loses nothing and limits no rate: TCP's own
+recovery from loss is not emulated (the simulator's loss model is the
+pessimistic stand-in for that).
+
+Runs its own event loop in a thread (``start``/``close``, or ``with``), so
+a benchmark that waits on processes in blocking calls can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from types import TracebackType
+from typing import Any, Coroutine
+
+#: Bytes read at a time from either side.
+CHUNK = 1 << 16
+
+
+class DelayProxy:
+    """Listen on ``host:port`` (0: the OS picks), relay to ``target`` ("host:port", settable later), ``delay`` s each way."""
+
+    def __init__(self, host: str, delay: float, target: str | None = None, port: int = 0) -> None:
+        if delay < 0:
+            raise ValueError(f"delay must be >= 0, got {delay}")
+        self.host, self.delay, self.target = host, delay, target
+        self.port = port
+        self.relayed = 0  # bytes passed on, both ways
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"delay-proxy-{host}", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._target_set = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "DelayProxy":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
+        if self.target is not None:
+            self.set_target(self.target)
+        return self
+
+    def set_target(self, target: str) -> None:
+        """Where to relay to ("host:port"); connections that came before wait for it."""
+        self.target = target
+        self._loop.call_soon_threadsafe(self._target_set.set)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> "DelayProxy":
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._accepted, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._target_set.wait()
+        assert self.target is not None
+        host, _, port = self.target.rpartition(":")
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        except OSError:
+            writer.close()
+            return
+        self._spawn(self._pump(reader, up_writer))
+        self._spawn(self._pump(up_reader, writer))
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read from one side and write each chunk to the other ``delay`` seconds after it came, in order."""
+        loop = asyncio.get_running_loop()
+        due: collections.deque[tuple[float, bytes]] = collections.deque()
+        more = asyncio.Event()
+        done = False
+
+        async def deliver() -> None:
+            while due or not done:
+                if not due:
+                    more.clear()
+                    await more.wait()
+                    continue
+                at, data = due[0]
+                wait = at - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                due.popleft()
+                writer.write(data)
+                self.relayed += len(data)
+                await writer.drain()
+
+        sender = loop.create_task(deliver())
+        try:
+            while data := await reader.read(CHUNK):
+                due.append((loop.time() + self.delay, data))
+                more.set()
+            done = True
+            more.set()
+            await sender
+        except (OSError, asyncio.CancelledError):
+            sender.cancel()
+        finally:
+            writer.close()
