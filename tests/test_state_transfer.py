@@ -24,9 +24,12 @@ from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol import state_transfer as st
 from gossiptrain.protocol.state_transfer import (
     CLOSE,
+    ANSWER_STEPS,
+    FLOOR_RATE,
     MIN_SILENCE_S,
     OPEN_ATTEMPTS,
     OPEN_LATE_ROUND_TRIPS,
+    STEP_SMOOTHING,
     ChunkRequest,
     Donor,
     Expire,
@@ -87,6 +90,8 @@ class Net:
         self.served = {name: 0 for name in states}
         self.answer: dict[str, int] = {}
         self.lose: dict[str, int] = {}
+        self.lose_chunks: dict[str, int] = {}  # chunk answers (srep) of a donor the network loses first
+        self.step_seconds: float | None = None  # the donors' step time, told in their acknowledgements
         self.latency: float | None = None  # the round trip the newcomer's node measured (Wakeup.latency)
         self.tamper: Callable[[str, st.Reply], st.Reply] = lambda name, r: r
         self.requests: list[RequestChunk] = []
@@ -109,13 +114,16 @@ class Net:
             if req.to in self.answer:
                 self.answer[req.to] -= 1
             donor = self.donors[req.to]
-            donor.stepped_at = self.now  # it is training: a safe point just now
+            donor.stepped_at, donor.step_seconds = self.now, self.step_seconds  # training: a safe point just now
             replies = donor.handle(ChunkRequest(self.fetcher.me, "sim://newcomer:1", req.sid, req.index, req.manifest), self.now)
             if donor.wanted > self.served[req.to]:
                 self.served[req.to] = donor.wanted
                 snap = Snapshot.build(self.states[req.to].clone(), step=7, layout=LAYOUT, chunk_bytes=self.fetcher.chunk_bytes)
                 replies += donor.handle(SnapshotTaken(snap, donor.wanted), self.now)
             for reply in replies:
+                if reply.kind == kinds.SREP and self.lose_chunks.get(req.to, 0) > 0:
+                    self.lose_chunks[req.to] -= 1
+                    continue
                 queue += self.fetcher.handle(through_wire(self.tamper(req.to, reply), req.to), self.now)
 
     def asked(self, who: str | None = None) -> list[int]:
@@ -212,6 +220,38 @@ def test_a_donor_that_never_acknowledges_is_asked_a_few_times_then_waited_for_as
     result = net.fetcher.result
     assert result is not None and result.ok and result.donors == ("b" if first == "a" else "a",)
     assert net.fetcher.stats.state_timeouts == 1 and net.fetcher.stats.state_opens_resent == OPEN_ATTEMPTS - 1
+
+
+def test_a_first_chunk_lost_after_its_acknowledgement_is_asked_again_after_the_donors_steps() -> None:
+    """The acknowledgement says how long the donor's steps take: its first chunk is due after the next one."""
+    cfg = config(window=1, request_timeout=5.0)
+    data = state(3000, 1)
+    net = Net(fetcher(3000, cfg), {"a": data}, cfg)
+    net.latency, net.step_seconds, net.lose_chunks["a"] = 0.05, 0.05, 1
+    net.tick(["new", "a"])
+    due = ANSWER_STEPS * 0.05 + OPEN_LATE_ROUND_TRIPS * 0.05 + 1024 / FLOOR_RATE  # the first chunk is 1,024 bytes
+    assert due > MIN_SILENCE_S
+    net.tick(["new", "a"], at=due * 0.99)
+    assert net.fetcher.result is None and net.asked("a") == [0]
+    net.tick(["new", "a"], at=due * 1.01)
+    result = net.fetcher.result
+    assert result is not None and result.ok and torch.equal(result.data, data)
+    stats = net.fetcher.stats
+    assert stats.state_opens_resent == 1 and stats.state_timeouts == 0 and stats.state_donors_tried == 1
+
+
+def test_a_donor_tells_its_step_time_and_a_malformed_one_is_refused() -> None:
+    donor = Donor(config(), LIMITS)
+    donor.ready = True
+    for now in (0.0, 0.1, 0.3):
+        donor.stepped(now)
+    assert donor.step_seconds == pytest.approx(0.1 + STEP_SMOOTHING * (0.2 - 0.1))
+    (ack,) = donor.handle(ChunkRequest("n", "sim://n:1", 5, 0, True), 0.3)
+    accepted = through_wire(ack, "d")
+    assert isinstance(accepted, st.Accepted) and accepted.every == pytest.approx(donor.step_seconds)
+    for bad in (-1.0, float("inf"), "0.1", True):
+        with pytest.raises(ProtocolError, match="every"):
+            st.Accepted.from_body("d", {"sid": 5, "every": bad})
 
 
 def test_an_acknowledged_opening_waits_for_the_donors_safe_point() -> None:

@@ -18,8 +18,9 @@ Two sans-IO state machines, driven like the averaging and membership cores
   is checked against its donor's manifest before it is kept, and at the end
   the assembled bytes are hashed again, chunk by chunk, against the
   manifests. An opening the donor does not acknowledge (``Accepted``)
-  within a few of the link's round trips is sent again, twice at most
-  (the last waits as an acknowledged one does). A
+  within a few of the link's round trips, or whose first chunk is later
+  than the donor's steps, the link and its bytes make due, is sent again,
+  twice at most (the last waits ``state.request_timeout``). A
   donor that stops answering (``state.request_timeout``),
   refuses, or leaves the view is replaced and the download resumes from the
   chunks already verified; a donor whose data fails a check is not asked
@@ -89,6 +90,7 @@ the same in a real process and in the simulator. The driver that feeds it
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -126,7 +128,13 @@ OPEN_LATE_ROUND_TRIPS = 3.0
 #: ...at most this many times in all; the last one waits ``state.request_timeout`` as any opening did before
 #: (a donor whose network side is slow to answer on a loaded machine is not left for it).
 OPEN_ATTEMPTS = 3
+#: An acknowledged opening's first chunk is presumed lost after this many of the donor's steps (it comes at the
+#: next safe point; the acknowledgement says how long they take), a few round trips, and the chunk's bytes at...
+ANSWER_STEPS = 3.0
+#: ...this rate (bytes/s): a slower link may get the chunk twice, a faster one waits no longer than it must.
+FLOOR_RATE = 1e6
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
+STEP_SMOOTHING = 0.2  # weight of the latest gap between a donor's safe points in its smoothed step time
 
 
 # -- the newcomer ------------------------------------------------------------------------
@@ -191,18 +199,24 @@ class Accepted:
 
     Sent by the donor's network side as the request arrives, so the
     newcomer learns within a round trip that its opening request was not
-    lost, where the first chunk waits for a step of the donor's training
-    (``state.request_timeout`` bounds that wait). Without it, a request lost
-    on a lossy link held a newcomer for the whole timeout (5 s by default).
+    lost, where the first chunk waits for a step of the donor's training.
+    ``every``, the donor's time between steps lately, says when that chunk
+    is due (``ANSWER_STEPS``); without it ``state.request_timeout`` bounds
+    the wait. Before, a request or first chunk lost on a lossy link held a
+    newcomer for the whole timeout (5 s by default).
     """
 
     sender: str
     sid: int
+    every: float | None = None  # the donor's seconds between safe points lately (None: not known yet)
 
     @classmethod
     def from_body(cls, sender: str, body: Mapping[str, Any]) -> "Accepted":
         """The sack ``sender`` sent, from its body; ProtocolError if malformed."""
-        return cls(sender, _sid(body))
+        every = body.get("every")
+        if every is not None and (type(every) not in (int, float) or not 0 <= every < math.inf):
+            raise ProtocolError("sack every must be a finite number of seconds >= 0")
+        return cls(sender, _sid(body), None if every is None else float(every))
 
 
 @dataclass(frozen=True)
@@ -276,6 +290,7 @@ class _FetchSession:
     todo: list[int] = field(default_factory=list)  # chunks still to ask for, in order
     asked_at: dict[int, float] = field(default_factory=dict)  # chunk -> when we asked for it
     accepted: bool = False  # the donor acknowledged the opening request (an sack)
+    every: float | None = None  # ...and said how long its steps take (its first chunk follows the next one)
     opens: int = 1  # times the opening request was sent
 
 
@@ -503,7 +518,7 @@ class Fetcher:
             self.stats.state_stale += 1
             return
         if not s.accepted:
-            s.accepted = True
+            s.accepted, s.every = True, ev.every
             s.last_progress = now  # from here the donor's safe point is what we wait for
 
     def _on_refusal(self, ev: Refusal, now: float) -> None:
@@ -563,13 +578,15 @@ class Fetcher:
                 self._next_send = max(self._next_send, now) + self.chunk_bytes / rate
 
     def _silence(self, s: _FetchSession) -> float:
-        """How long the donor of ``s`` may stay silent before we leave it (or, unacknowledged, ask again).
+        """How long the donor of ``s`` may stay silent before we leave it (or, its opening, ask again).
 
         Until the donor acknowledges the session (``Accepted``), a few round
         trips of the link (``OPEN_LATE_ROUND_TRIPS``), where we know them,
-        for all but the last of ``OPEN_ATTEMPTS`` openings.
-        Then ``state.request_timeout`` until its first answer (which waits
-        for the donor's next safe point, a step of its training); after it,
+        for all but the last of ``OPEN_ATTEMPTS`` openings. Then until its
+        first answer (which waits for the donor's next safe point, a step of
+        its training) that and ``ANSWER_STEPS`` of the donor's steps and the
+        chunk's bytes at ``FLOOR_RATE``, where the donor said how long its
+        steps take; else, and for the last opening, ``state.request_timeout``. After it,
         chunks come from the donor's network side at the link's pace, and
         silence for several of their round trips (``RttEstimator.late_after``)
         means a lost message or a donor gone: a newcomer should not sit out
@@ -579,16 +596,21 @@ class Fetcher:
         if s.manifest is None:
             if not self._may_open_again(s):
                 return timeout
-            return min(timeout, max(OPEN_LATE_ROUND_TRIPS * self._latency, MIN_SILENCE_S))
+            assert self._latency is not None  # _may_open_again says so
+            late = OPEN_LATE_ROUND_TRIPS * self._latency
+            if s.accepted and s.every is not None:  # its first chunk: the donor's next step, the link, the bytes
+                late += ANSWER_STEPS * s.every + min(self.chunk_bytes, self.size or self.chunk_bytes) / FLOOR_RATE
+            return min(timeout, max(late, MIN_SILENCE_S))
         late = self.rtt.late_after()
         return timeout if late is None else min(timeout, max(late, MIN_SILENCE_S))
 
     def _open_again(self, s: _FetchSession, now: float, out: list[RequestChunk]) -> bool:
-        """Send the unacknowledged opening request of ``s`` again, if it has tries left; whether it did.
+        """Send the opening request of ``s`` again (unanswered past its due), if it has tries left; whether it did.
 
         The same session and chunk: a donor that did get the first one
-        acknowledges again (and answers again once it has the snapshot; the
-        newcomer counts the second answer stale).
+        acknowledges again, or answers again if it has the snapshot (its
+        answer was lost, or is slower than ``FLOOR_RATE``: the newcomer then
+        counts the second one stale).
         """
         if not self._may_open_again(s):
             return False
@@ -596,13 +618,16 @@ class Fetcher:
         s.last_progress = now
         self.stats.state_opens_resent += 1
         first = min(s.inflight)
-        log.info("state transfer: no acknowledgement from %s yet: asking again (%d of %d)", s.donor, s.opens, OPEN_ATTEMPTS)
+        log.info("state transfer: %s from %s yet: asking again (%d of %d)",
+                 "no first chunk" if s.accepted else "no acknowledgement", s.donor, s.opens, OPEN_ATTEMPTS)
         out.append(RequestChunk(s.donor, s.sid, first, manifest=True, optim=self.with_optimizer))
         return True
 
     def _may_open_again(self, s: _FetchSession) -> bool:
-        """Whether the opening of ``s`` is still unanswered, unacknowledged, and may be sent again."""
-        return s.manifest is None and not s.accepted and self._latency is not None and s.opens < OPEN_ATTEMPTS
+        """Whether the opening of ``s`` is still unanswered and may be sent again: unacknowledged, or acknowledged
+        by a donor that said how long its steps take (its first chunk may have been lost)."""
+        known = not s.accepted or s.every is not None
+        return s.manifest is None and known and self._latency is not None and s.opens < OPEN_ATTEMPTS
 
     def _open(self, now: float, out: list[RequestChunk]) -> bool:
         """Open a session with a new donor; False if we wait (donors cooling) or gave up."""
@@ -766,6 +791,7 @@ class Donor:
         self.limits = limits
         self.ready = False  # our own download is over (or there was none)
         self.stepped_at: float | None = None  # our trainer's latest safe point (written by the trainer thread)
+        self.step_seconds: float | None = None  # ...and the time between them lately (smoothed), for acknowledgements
         self.wanted = 0  # serial of the newest snapshot a session waits for; read by the trainer thread
         self.sessions: dict[tuple[str, int], _DonorSession] = {}
         self.stats = DonorStats()
@@ -805,17 +831,25 @@ class Donor:
                 self.wanted += 1
                 self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req], optim=req.optim)
                 self.stats.state_sessions_served += 1
-                out.append(_accept(req))
+                out.append(_accept(req, self.step_seconds))
             return
         s.last_used = now
         if s.snapshot is not None:
             out.append(self._answer(s, req))
         elif req.manifest and any(w.index == req.index for w in s.waiting):  # an opening asked again: ours was lost
-            out.append(_accept(req))
+            out.append(_accept(req, self.step_seconds))
         elif len(s.waiting) < self.config.window:
             s.waiting.append(req)
         else:
             out.append(_refuse(req, "more requests in flight than state.window", retry=False))
+
+    def stepped(self, now: float) -> None:
+        """Our trainer reached a safe point (called on the trainer thread; plain floats, no lock needed)."""
+        last = self.stepped_at
+        if last is not None and now > last:
+            gap, mean = now - last, self.step_seconds
+            self.step_seconds = gap if mean is None else mean + STEP_SMOOTHING * (gap - mean)
+        self.stepped_at = now
 
     def training(self, now: float) -> bool:
         """Whether a session would get a snapshot soon: our trainer reached a safe point lately."""
@@ -856,8 +890,11 @@ class Donor:
 NOT_TRAINING = "not training: no state worth giving"
 
 
-def _accept(req: ChunkRequest) -> Reply:
-    return Reply(req.addr, SACK, {"sid": req.sid})
+def _accept(req: ChunkRequest, every: float | None) -> Reply:
+    body: dict[str, Any] = {"sid": req.sid}
+    if every is not None:
+        body["every"] = round(every, 6)
+    return Reply(req.addr, SACK, body)
 
 
 def _refuse(req: ChunkRequest, reason: str, *, retry: bool) -> Reply:
