@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
+from gossiptrain.config import RunConfig  # noqa: E402
 from gossiptrain.train.metrics import read_metrics  # noqa: E402
 from gossiptrain.testing.delay_proxy import DelayProxy  # noqa: E402
 
@@ -56,6 +57,7 @@ def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: fl
     """
     harness.fresh_dir(workdir)
     overrides = {**harness.run_overrides(PEERS, seed, max_seconds=timeout + 60), **SKEW, **(gossip or {})}
+    batch_size = RunConfig().with_overrides(overrides).train.batch_size
     with harness.Procs(workdir) as procs, contextlib.ExitStack() as proxies:
         front = proxies.enter_context(DelayProxy("127.0.4.100", delay))
         front.set_target(harness.start_coordinator(procs, overrides))
@@ -70,7 +72,7 @@ def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: fl
             ))
 
         def read() -> list[harness.Point]:
-            return harness.gossip_series([read_metrics(workdir / f"peer-{i}.jsonl") for i in range(PEERS)], 32)[0]
+            return harness.gossip_series([read_metrics(workdir / f"peer-{i}.jsonl") for i in range(PEERS)], batch_size)[0]
 
         points = harness.poll_run(procs, read, target, timeout)
     per_peer = [read_metrics(workdir / f"peer-{i}.jsonl") for i in range(PEERS)]

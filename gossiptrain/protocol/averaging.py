@@ -393,6 +393,11 @@ class Averaging:
         """Local steps past the last completed averaging before the training loop waits (``hold_until``)."""
         return self.max_ahead
 
+    def round_trip_steps(self, latency: float | None) -> float | None:
+        """A round trip of ``latency`` seconds in our local steps (None: either not measured yet)."""
+        step = self.steps.step_time
+        return latency / step if latency is not None and step else None
+
     def compression_bound(self) -> int:
         """Local steps an exchange may take before ``auto`` compression sends fewer bytes: flow control's bound."""
         return self.flow_bound()
@@ -732,9 +737,8 @@ class PairwiseAveraging(Averaging):
         return max(self.max_ahead, min(MAX_AUTO_STEPS_AHEAD, math.ceil(steps) + ROUND_TRIP_STEPS_AHEAD))
 
     def _round_trip_steps(self) -> float | None:
-        """The link's round trip of small messages, in local steps (None: not measured yet)."""
-        latency, step = self._latency, self.steps.step_time
-        return latency / step if latency is not None and step else None
+        """The link's round trip of small messages at the last safe point, in local steps (None: not measured yet)."""
+        return self.round_trip_steps(self._latency)
 
     def _committed(self) -> float:
         """The weights our exchanges in flight may still take back of the model we sent, and what we served since.

@@ -109,8 +109,7 @@ class SafePoint:
     def _drift_inputs(self, latency: float | None) -> tuple[float, float | None]:
         """What the drift correction measures by: the share of the model stale merges replaced, and the
         link's round trip in local steps (None: not measured yet)."""
-        step_time = self.averaging.steps.step_time
-        return self.averaging.take_stale_share(), (latency / step_time if latency is not None and step_time else None)
+        return self.averaging.take_stale_share(), self.averaging.round_trip_steps(latency)
 
     def locked(self) -> AbstractContextManager[Any]:
         """The lock both sides take to call into the algorithm: ``with safepoint.locked(): ...`` (checkpoints)."""
