@@ -11,6 +11,7 @@ import asyncio
 import random
 import statistics
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -209,6 +210,7 @@ def test_with_one_message_in_a_hundred_lost_the_swarm_still_learns() -> None:
     assert all(t is not None and t < 8 for t in times), times
 
 
+@pytest.mark.slow  # a speed comparison (6 simulated swarms, 7.6 s): experiments/latency_loss.py shows it in every run
 def test_on_a_far_link_several_exchanges_in_flight_beat_one() -> None:
     """50 ms one way, 10 ms steps (experiments/latency_loss.py has the medians over seeds)."""
     far = LinkProfile(latency=0.05)
