@@ -82,11 +82,18 @@ ROWS: dict[str, tuple[str, tuple[int, ...], dict[str, object]]] = {
 
 #: Step times (virtual s) of the second table: the WAN against the LAN as a step grows toward a real model's.
 STEP_TIMES = (0.01, 0.03, 0.1)
+#: The local step of every other run (virtual s).
+STEP_TIME = STEP_TIMES[0]
+
+
+def four_peers(overrides: dict[str, object]) -> RunConfig:
+    """The run every row trains: 4 peers on digits-small, with ``overrides``."""
+    return RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4, **overrides})
 
 
 def times(link: LinkProfile, behind_nat: tuple[int, ...], overrides: dict[str, object], seeds: int,
-          step_time: float = 0.01) -> list[float | None]:
-    run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4, **overrides})
+          step_time: float = STEP_TIME) -> list[float | None]:
+    run = four_peers(overrides)
     return [
         simulate(SimConfig(peers=4, run=run, duration=30, step_time=step_time, link=link, behind_nat=behind_nat, seed=seed,
                            target_accuracy=0.9, target_hold=3, sample_every=0.25)).summary.get("time_to_target")
@@ -101,10 +108,10 @@ HELD_SECONDS = 10.0
 
 def held(link: LinkProfile, overrides: dict[str, object], seeds: int) -> list[tuple[float, float]]:
     """Per seed, after HELD_SECONDS virtual s: (the farthest peer's distance from the peers' mean model, the lowest accuracy)."""
-    run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4, **overrides})
+    run = four_peers(overrides)
     out = []
     for seed in range(seeds):
-        rows = simulate(SimConfig(peers=4, run=run, duration=HELD_SECONDS + 0.01, step_time=0.01, link=link, seed=seed,
+        rows = simulate(SimConfig(peers=4, run=run, duration=HELD_SECONDS + 0.01, step_time=STEP_TIME, link=link, seed=seed,
                                   sample_every=HELD_SECONDS / 2)).rows
         last = [r for r in rows if r["time"] == max(r["time"] for r in rows)]
         out.append((max(r["consensus_distance"] for r in last), min(r["test_acc"] for r in last)))
@@ -113,6 +120,16 @@ def held(link: LinkProfile, overrides: dict[str, object], seeds: int) -> list[tu
 
 def median(values: list[float | None]) -> float | None:
     return statistics.median(values) if values and all(v is not None for v in values) else None  # type: ignore[type-var]
+
+
+def ratio_of(slow: list[float | None], fast: list[float | None]) -> float | None:
+    """The ratio of two rows' medians (None where either missed a seed)."""
+    a, b = median(slow), median(fast)
+    return round(a / b, 3) if a is not None and b else None
+
+
+def shown(values: list[float | None]) -> str:
+    return ", ".join("-" if v is None else f"{v:.2f}" for v in values)
 
 
 def main() -> int:
@@ -128,10 +145,11 @@ def main() -> int:
     rows = {name: times(LINKS[link], nat, overrides, args.seeds) for name, (link, nat, overrides) in ROWS.items()}
     med = {k: median(v) for k, v in rows.items()}
     kept = {name: held(LINKS[ROWS[name][0]], ROWS[name][2], args.seeds) for name in HELD_ROWS}
-    by_step = {step: (times(LAN, (), SKEW, args.seeds, step), times(WAN, (), SKEW, args.seeds, step)) for step in STEP_TIMES}
+    by_step = {step: (rows["lan"], rows["wan"]) if step == STEP_TIME  # the first table's rows: the same runs
+               else (times(LAN, (), SKEW, args.seeds, step), times(WAN, (), SKEW, args.seeds, step)) for step in STEP_TIMES}
 
     def ratio(a: str, b: str) -> float | None:
-        return round(med[a] / med[b], 3) if med[a] is not None and med[b] else None
+        return ratio_of(rows[a], rows[b])
 
     lines = ["# 50 ms delay and 1% loss on every link, simulated", "",
              f"Regenerate: `python experiments/latency_loss.py`. 16 members for {args.minutes:g} virtual minutes at "
@@ -141,8 +159,7 @@ def main() -> int:
              "| run | link | behind NAT | times (s) | median |", "| --- | --- | --- | --- | --- |"]
     for key, values in rows.items():
         link, nat, _ = ROWS[key]
-        shown = ", ".join("-" if v is None else f"{v:.2f}" for v in values)
-        lines.append(f"| {key} | {link} | {'2 of 4' if nat else 'none'} | {shown} | {'-' if med[key] is None else f'{med[key]:.2f}'} |")
+        lines.append(f"| {key} | {link} | {'2 of 4' if nat else 'none'} | {shown(values)} | {'-' if med[key] is None else f'{med[key]:.2f}'} |")
     lines += ["", f"The same peers trained for {HELD_SECONDS:g} virtual s (seeds 0-{args.seeds - 1}): the farthest peer's "
               "distance from the peers' mean model (L2 over all parameters), and the lowest test accuracy, at the end:", "",
               "| run | farthest peer | lowest accuracy |", "| --- | --- | --- |"]
@@ -153,10 +170,8 @@ def main() -> int:
               "| step | LAN (s) | WAN (s) | WAN / LAN (medians) |", "| --- | --- | --- | --- |"]
     step_ratios = {}
     for step, (lan, wan) in by_step.items():
-        step_ratios[f"{step * 1000:g}ms"] = r = (round(median(wan) / median(lan), 3)  # type: ignore[operator]
-                                                if median(lan) and median(wan) is not None else None)
-        shown = [", ".join("-" if v is None else f"{v:.2f}" for v in values) for values in (lan, wan)]
-        lines.append(f"| {step * 1000:g} ms | {shown[0]} | {shown[1]} | {'-' if r is None else f'{r:.2f}'} |")
+        step_ratios[f"{step * 1000:g}ms"] = r = ratio_of(wan, lan)
+        lines.append(f"| {step * 1000:g} ms | {shown(lan)} | {shown(wan)} | {'-' if r is None else f'{r:.2f}'} |")
     headline = {"smallest_view": view, "wan_over_lan": ratio("wan", "lan"), "wan_nat_over_lan_nat": ratio("wan+nat", "lan+nat"),
                 "delay_over_lan": ratio("delay", "lan"), "far_delay_over_lan": ratio("far delay", "lan"),
                 "farthest_after_held": round(max(d for values in kept.values() for d, _ in values), 2),

@@ -80,7 +80,7 @@ def test_a_round_trip_that_changes_the_pace_changes_nothing_owed(merges: list[tu
 def test_the_memory_is_the_least_on_a_near_link_and_some_round_trips_on_a_far_one() -> None:
     assert memory_for(None) == memory_for(0.1) == memory_for(MEMORY_STEPS / MEMORY_ROUND_TRIPS) == MEMORY_STEPS
     assert memory_for(10.0) == 10 * MEMORY_ROUND_TRIPS > MEMORY_STEPS  # 50 ms each way at 10 ms steps
-    assert memory_for(float("inf")) == MEMORY_STEPS  # no step time yet
+    assert memory_for(float("inf")) == MEMORY_STEPS  # not a measurement
     with pytest.raises(ValueError, match="memory_steps"):
         DriftCorrection([torch.zeros(1)], 4.0, memory_steps=1)
 

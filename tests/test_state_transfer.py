@@ -29,7 +29,6 @@ from gossiptrain.protocol.state_transfer import (
     MIN_SILENCE_S,
     OPEN_ATTEMPTS,
     OPEN_LATE_ROUND_TRIPS,
-    STEP_SMOOTHING,
     ChunkRequest,
     Donor,
     Expire,
@@ -38,6 +37,7 @@ from gossiptrain.protocol.state_transfer import (
     SnapshotTaken,
     Wakeup,
 )
+from gossiptrain.protocol.step_timer import STEP_SMOOTHING
 from gossiptrain.runtime.state_endpoint import SnapshotHook, StateEndpoint
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent
@@ -114,7 +114,7 @@ class Net:
             if req.to in self.answer:
                 self.answer[req.to] -= 1
             donor = self.donors[req.to]
-            donor.stepped_at, donor.step_seconds = self.now, self.step_seconds  # training: a safe point just now
+            donor.stepped_at, donor.steps.step_time = self.now, self.step_seconds  # training: a safe point just now
             replies = donor.handle(ChunkRequest(self.fetcher.me, "sim://newcomer:1", req.sid, req.index, req.manifest), self.now)
             if donor.wanted > self.served[req.to]:
                 self.served[req.to] = donor.wanted
@@ -243,12 +243,12 @@ def test_a_first_chunk_lost_after_its_acknowledgement_is_asked_again_after_the_d
 def test_a_donor_tells_its_step_time_and_a_malformed_one_is_refused() -> None:
     donor = Donor(config(), LIMITS)
     donor.ready = True
-    for now in (0.0, 0.1, 0.3):
-        donor.stepped(now)
-    assert donor.step_seconds == pytest.approx(0.1 + STEP_SMOOTHING * (0.2 - 0.1))
+    for step, now in enumerate((0.0, 0.1, 0.3)):
+        donor.stepped(step, now)
+    assert donor.steps.step_time == pytest.approx(0.1 + STEP_SMOOTHING * (0.2 - 0.1))
     (ack,) = donor.handle(ChunkRequest("n", "sim://n:1", 5, 0, True), 0.3)
     accepted = through_wire(ack, "d")
-    assert isinstance(accepted, st.Accepted) and accepted.every == pytest.approx(donor.step_seconds)
+    assert isinstance(accepted, st.Accepted) and accepted.every == pytest.approx(donor.steps.step_time)
     for bad in (-1.0, float("inf"), "0.1", True):
         with pytest.raises(ProtocolError, match="every"):
             st.Accepted.from_body("d", {"sid": 5, "every": bad})

@@ -706,7 +706,7 @@ class PairwiseAveraging(Averaging):
         """
         if self.config.exchanges_in_flight:
             return self.config.exchanges_in_flight
-        steps = self._round_trip_steps()
+        steps = self.round_trip_steps(self._latency)
         if steps is None:
             return 1
         return max(1, min(MAX_IN_FLIGHT, math.ceil(steps - ROUND_TRIP_SLACK)))
@@ -731,14 +731,10 @@ class PairwiseAveraging(Averaging):
         in 7.1 s with 8, 9.2 s with 16, 7.4 s with 24, and unbounded drifted
         apart until their models were non-finite after 33 s.
         """
-        steps = self._round_trip_steps()
+        steps = self.round_trip_steps(self._latency)
         if self.config.max_steps_ahead or steps is None:
             return self.max_ahead
         return max(self.max_ahead, min(MAX_AUTO_STEPS_AHEAD, math.ceil(steps) + ROUND_TRIP_STEPS_AHEAD))
-
-    def _round_trip_steps(self) -> float | None:
-        """The link's round trip of small messages at the last safe point, in local steps (None: not measured yet)."""
-        return self.round_trip_steps(self._latency)
 
     def _committed(self) -> float:
         """The weights our exchanges in flight may still take back of the model we sent, and what we served since.

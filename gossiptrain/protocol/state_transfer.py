@@ -101,6 +101,7 @@ from gossiptrain.config import Limits, StateConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import SACK, SNAK, SREP
 from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.state.snapshot import (
     OPTIMIZER_PREFIX,
     Entry,
@@ -134,7 +135,6 @@ ANSWER_STEPS = 3.0
 #: ...this rate (bytes/s): a slower link may get the chunk twice, a faster one waits no longer than it must.
 FLOOR_RATE = 1e6
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
-STEP_SMOOTHING = 0.2  # weight of the latest gap between a donor's safe points in its smoothed step time
 
 
 # -- the newcomer ------------------------------------------------------------------------
@@ -791,7 +791,8 @@ class Donor:
         self.limits = limits
         self.ready = False  # our own download is over (or there was none)
         self.stepped_at: float | None = None  # our trainer's latest safe point (written by the trainer thread)
-        self.step_seconds: float | None = None  # ...and the time between them lately (smoothed), for acknowledgements
+        # ...and the time between them lately, waits included (a snapshot waits for the next one), for acknowledgements
+        self.steps = StepTimer()
         self.wanted = 0  # serial of the newest snapshot a session waits for; read by the trainer thread
         self.sessions: dict[tuple[str, int], _DonorSession] = {}
         self.stats = DonorStats()
@@ -831,24 +832,21 @@ class Donor:
                 self.wanted += 1
                 self.sessions[key] = _DonorSession(self.wanted, now, waiting=[req], optim=req.optim)
                 self.stats.state_sessions_served += 1
-                out.append(_accept(req, self.step_seconds))
+                out.append(_accept(req, self.steps.step_time))
             return
         s.last_used = now
         if s.snapshot is not None:
             out.append(self._answer(s, req))
         elif req.manifest and any(w.index == req.index for w in s.waiting):  # an opening asked again: ours was lost
-            out.append(_accept(req, self.step_seconds))
+            out.append(_accept(req, self.steps.step_time))
         elif len(s.waiting) < self.config.window:
             s.waiting.append(req)
         else:
             out.append(_refuse(req, "more requests in flight than state.window", retry=False))
 
-    def stepped(self, now: float) -> None:
-        """Our trainer reached a safe point (called on the trainer thread; plain floats, no lock needed)."""
-        last = self.stepped_at
-        if last is not None and now > last:
-            gap, mean = now - last, self.step_seconds
-            self.step_seconds = gap if mean is None else mean + STEP_SMOOTHING * (gap - mean)
+    def stepped(self, step: int, now: float) -> None:
+        """Our trainer reached the safe point after ``step`` (called on the trainer thread; plain floats, no lock needed)."""
+        self.steps.at_step(step, now, 0.0)
         self.stepped_at = now
 
     def training(self, now: float) -> bool:

@@ -332,7 +332,7 @@ class SnapshotHook:
     def __call__(self, step: int, samples: int = 0) -> None:
         """Our safe point after local step ``step``, having trained on ``samples`` samples in all."""
         donor = self.endpoint.donor
-        donor.stepped(self.clock.now())
+        donor.stepped(step, self.clock.now())
         wanted = donor.wanted
         if wanted == self._served:
             return

@@ -19,13 +19,14 @@ a benchmark that waits on processes in blocking calls can use it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import threading
 from types import TracebackType
 from typing import Any, Coroutine
 
-#: Bytes read at a time from either side.
+#: Bytes read at a time from either side...
 CHUNK = 1 << 16
+#: ...and reads held back for their delay at most, per direction of a connection (16 MiB).
+HELD_CHUNKS = 256
 
 
 class DelayProxy:
@@ -102,23 +103,19 @@ class DelayProxy:
         self._spawn(self._pump(up_reader, writer))
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Read from one side and write each chunk to the other ``delay`` seconds after it came, in order."""
+        """Read from one side and write each chunk to the other ``delay`` seconds after it came, in order.
+
+        At most ``HELD_CHUNKS`` wait at a time: past that the reading waits too,
+        and TCP slows the sender down, as a full link would.
+        """
         loop = asyncio.get_running_loop()
-        due: collections.deque[tuple[float, bytes]] = collections.deque()
-        more = asyncio.Event()
-        done = False
+        due: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(maxsize=HELD_CHUNKS)  # None: the other side ended
 
         async def deliver() -> None:
-            while due or not done:
-                if not due:
-                    more.clear()
-                    await more.wait()
-                    continue
-                at, data = due[0]
-                wait = at - loop.time()
-                if wait > 0:
+            while (item := await due.get()) is not None:
+                at, data = item
+                if (wait := at - loop.time()) > 0:
                     await asyncio.sleep(wait)
-                due.popleft()
                 writer.write(data)
                 self.relayed += len(data)
                 await writer.drain()
@@ -126,12 +123,11 @@ class DelayProxy:
         sender = loop.create_task(deliver())
         try:
             while data := await reader.read(CHUNK):
-                due.append((loop.time() + self.delay, data))
-                more.set()
-            done = True
-            more.set()
+                await due.put((loop.time() + self.delay, data))
+            await due.put(None)
             await sender
-        except (OSError, asyncio.CancelledError):
-            sender.cancel()
+        except ConnectionError:
+            pass  # either side reset: the other is closed below, as a broken link would leave it
         finally:
+            sender.cancel()
             writer.close()
