@@ -190,6 +190,24 @@ def test_the_probe_timeout_follows_measured_round_trips() -> None:
     assert not fast.deaths() and not slow.deaths()
 
 
+@pytest.mark.parametrize("delay", [0.15, 0.35])
+def test_on_links_slower_than_half_a_period_members_join_and_no_one_is_suspected(delay: float) -> None:
+    """Round trips of 0.3 and 0.7 s against periods of 1 s, 1% of messages lost: the timeouts follow the links.
+
+    Before, the direct timeout stopped at half a period and the indirect
+    probes had the rest: at 0.3 s every lost message made a suspicion, and
+    at 0.7 s no answer came in time, so no round trip was ever measured and
+    no candidate verified: every member stayed alone.
+    """
+    c = Cluster(8, seed=2, delay=delay, loss=0.01)
+    c.run(120.0)
+    assert all(view == set(c.nodes) for view in c.views().values())
+    assert [(t, who, a.member.id) for t, who, a in c.events if isinstance(a, Suspected)] == []
+    node = c.nodes["m000"]
+    assert node.probe_timeout() >= 0.99 * 2 * (2 * delay)  # at least twice the round trip, as TCP's
+    assert node.period() >= 3 * node.probe_timeout()  # room for the direct probe and the indirect one's two legs
+
+
 def test_a_member_that_cannot_hear_raises_its_health_multiplier_and_kills_no_one() -> None:
     """Lifeguard's local health: the deaf member's own probes fail; its lone suspicions are refuted."""
     c = Cluster(8, seed=5)
@@ -450,6 +468,20 @@ def test_a_candidate_that_probes_us_is_verified_by_echoing_the_challenge_on_our_
     assert a.is_alive("b") and echo.seq == ack.challenge and echo.addr == "sim://b" and not echo.challenge
     ups = [x for x in _deliver(b, echo, a, 0.03) if isinstance(x, MemberUp)]
     assert [u.member.id for u in ups] == ["a"] and b.is_alive("a")  # 3 messages, where two probes take 4
+
+
+def test_a_candidate_answering_its_first_probe_after_the_second_went_is_verified_and_its_round_trip_measured() -> None:
+    """A link slower than the first deadline (a period: nothing is measured yet) must still let members in."""
+    a = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    [first] = [x for x in a.handle(Digest((Member("b", "sim://b", 0, 1),)), 0.0) if isinstance(x, Send)]
+    now, again = 0.0, []
+    while not again:
+        now += 0.05
+        again = [x for x in a.handle(Tick(), now) if isinstance(x, Send) and x.kind == PING and x.addr == "sim://b"]
+    assert again[0].seq != first.seq and "b" in a.candidates
+    a.handle(Ack("b", first.seq, (Member("b", "sim://b", 0, 1),)), 1.4)  # the first probe's answer, 1.4 s on
+    assert a.is_alive("b")
+    assert a.probe_timeout() >= 2 * 1.4 and a.period() > CONFIG.heartbeat_interval  # the timeouts follow that link
 
 
 def test_a_challenge_is_echoed_only_on_an_ack_to_our_own_probe_and_only_to_the_address_probed() -> None:

@@ -45,6 +45,8 @@ class Candidate:
     heard_at: float
     seq: int = 0  # the nonce of our probe in flight (0: not probed yet)
     deadline: float = 0.0  # our probe's answer is due by then
+    sent_at: float = 0.0  # when we sent it
+    earlier: tuple[int, float] = (0, 0.0)  # the probe before it (nonce, when sent): its answer, if late, still counts
     attempts: int = 0  # probes sent
     wants_view: bool = False  # it asked for our full view (a sync): sent once it is verified
     via: str = ""  # the member asked to probe it for us (a client we cannot reach ourselves); "": probed directly
@@ -112,23 +114,31 @@ class Candidates:
         self._held[introducer] += 1
         return c
 
-    def probing(self, c: Candidate, seq: int, deadline: float) -> None:
-        """We sent ``c`` a probe with nonce ``seq``: its ack is due by ``deadline``."""
+    def probing(self, c: Candidate, seq: int, now: float, deadline: float) -> None:
+        """We sent ``c`` a probe with nonce ``seq`` at ``now``: its ack is due by ``deadline``.
+
+        The probe before it stays answerable: on a link slower than the
+        first deadline (sent before any round trip was measured) the answer
+        to the first probe comes during the second.
+        """
+        if c.earlier[0]:
+            self._by_seq.pop(c.earlier[0], None)
         if c.seq:
-            self._by_seq.pop(c.seq, None)
-        c.seq, c.deadline, c.attempts = seq, deadline, c.attempts + 1
+            c.earlier = (c.seq, c.sent_at)
+        c.seq, c.sent_at, c.deadline, c.attempts = seq, now, deadline, c.attempts + 1
         self._by_seq[seq] = c.claim.id
 
-    def answered(self, seq: int, sender: str) -> Candidate | None:
-        """The candidate that ``seq`` probed, if the ack is its own or relayed by the member we asked (then it
-        leaves the table); else None."""
+    def answered(self, seq: int, sender: str) -> tuple[Candidate, float] | None:
+        """The candidate that ``seq`` probed and when that probe was sent, if the ack is its own or relayed by the
+        member we asked (then it leaves the table); else None."""
         mid = self._by_seq.get(seq)
         if mid is None or (mid != sender and (not sender or self._by_id[mid].via != sender)):
             return None
         c = self._remove(mid)
+        sent_at = c.sent_at if seq == c.seq else c.earlier[1]
         self._charge(c.introducer, -1)
         self.stats.candidates_verified += 1
-        return c
+        return c, sent_at
 
     def unanswered(self, c: Candidate, now: float) -> None:
         """Drop ``c``, which never answered, and charge its introducer (quarantined past its share)."""
@@ -153,8 +163,9 @@ class Candidates:
 
     def _remove(self, member_id: str) -> Candidate:
         c = self._by_id.pop(member_id)
-        if c.seq:
-            self._by_seq.pop(c.seq, None)
+        for seq in (c.seq, c.earlier[0]):
+            if seq:
+                self._by_seq.pop(seq, None)
         self._held[c.introducer] -= 1
         if self._held[c.introducer] <= 0:
             del self._held[c.introducer]

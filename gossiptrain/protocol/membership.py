@@ -55,6 +55,7 @@ import dataclasses
 import math
 import random
 import re
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -79,6 +80,14 @@ _CANDIDATE_ATTEMPTS = 2  # probes a candidate gets before it is dropped as never
 REPORTED_DEATHS = 16
 #: About how many members send their whole view to a member they hold dead, per probe_dead_every periods.
 DEAD_VIEW_SENDERS = 4
+#: A probe's verdict is due by this share of its period; the rest is slack before the next probe starts.
+PROBE_SHARE = 0.9
+#: A measured timeout is at most this many protocol periods (``heartbeat_interval``): a member that answers
+#: late on purpose stretches the probes of itself, and of others only this far.
+MAX_RTO_PERIODS = 4
+#: The swarm's timeout is the median of the last this many members' (``Membership._rto``): one slow member
+#: stretches the probes of itself, not everyone's.
+RTO_SAMPLES = 16
 #: Placeholders of members we welcomed that have not started yet, at most (see ``Membership._welcome``).
 MAX_PLACEHOLDERS = 16
 #: The introducer our own welcomes' deferred newcomers are charged to in the candidate table.
@@ -292,6 +301,7 @@ class _Record:
     member: Member
     changed_at: float  # local time of the last state change (tombstones are forgotten from it)
     suspectors: set[str] = field(default_factory=set)  # independent members that suspect it (this incarnation)
+    rtt: tuple[float, float] | None = None  # smoothed round trip of our direct probes of it, and its variation
 
 
 @dataclass
@@ -399,14 +409,15 @@ class Membership:
         self._next_sync = 0.0
         self._sync_gap = 0.0  # doubles from one period to config.sync_interval: a newcomer swaps views often at first
         self._probe: _Probe | None = None
+        self._unanswered: _Probe | None = None  # the last probe concluded without an answer: a late one is measured
         self._probe_order: list[str] = []
         self._relays: dict[int, _Relay] = {}
         self._broadcasts: deque[list[Any]] = deque()  # [entry, transmits left], fresh first
         self._queued: dict[str, list[Any]] = {}  # member id -> its item in _broadcasts
         self._hinted: dict[str, float] = {}  # member id -> when we last told it what we think of it
         self.health = 0  # Lifeguard's local health multiplier, 0 (healthy) .. config.max_health
-        self._srtt: float | None = None  # smoothed RTT of direct probes and its variation (Jacobson)
-        self._rttvar = 0.0
+        self._rtos: deque[float] = deque(maxlen=RTO_SAMPLES)  # timeouts of the last members measured (_rto)
+        self._median_rto: float | None = None  # their median
         # The shortest direct probe round trip lately: the link's latency (averaging keeps more exchanges in flight
         # on a far link: PairwiseAveraging.concurrency)
         self.min_rtt = MinRtt()
@@ -478,19 +489,59 @@ class Membership:
         return least_loaded_shard((m.shard for m in self.alive()), shards)
 
     def period(self) -> float:
-        """The protocol period now: stretched by our local health multiplier when we are struggling."""
-        return self.config.heartbeat_interval * (1 + self.health)
+        """The protocol period now: ``heartbeat_interval``, or what the measured round trips need, if longer.
 
-    def probe_timeout(self) -> float:
+        A probe's verdict takes its direct timeout, then indirect probes'
+        two legs (to a helper, and the helper's to the target), all within
+        ``PROBE_SHARE`` of a period: three probe timeouts. On a far link
+        (150 ms one way) half a period of 0.5 s was shorter than a round
+        trip, so every probe went indirect and every lost message made a
+        suspicion (``tests/test_membership.py``). Stretched by our local
+        health multiplier when we are struggling.
+        """
+        rto = self._rto(None)
+        needed = 0.0 if rto is None else 3 * max(rto, self.config.min_probe_timeout) / PROBE_SHARE
+        return max(self.config.heartbeat_interval, needed) * (1 + self.health)
+
+    def probe_timeout(self, member_id: str | None = None) -> float:
         """How long a direct ping may take: the measured RTT plus four deviations (as TCP), at least twice the RTT.
 
-        Before any measurement, half a period. Stretched by the health
-        multiplier, and never past half a period, which leaves the rest of the
-        period for the indirect probes.
+        ``member_id``'s own round trips where we measured them (a swarm may
+        mix near and far members), else the median timeout of the last
+        members measured; before any measurement, half a period. Stretched
+        by the health multiplier.
         """
         c = self.config
-        rto = c.heartbeat_interval / 2 if self._srtt is None else self._srtt + max(4 * self._rttvar, self._srtt)
-        return min(max(rto, c.min_probe_timeout) * (1 + self.health), self.period() / 2)
+        rto = self._rto(member_id)
+        if rto is None:
+            rto = c.heartbeat_interval / 2
+        return max(rto, c.min_probe_timeout) * (1 + self.health)
+
+    def _rto(self, member_id: str | None) -> float | None:
+        """RFC 6298's timeout from ``member_id``'s round trips; for None or a member never measured, the median of
+        the last ``RTO_SAMPLES`` members measured; None before any measurement."""
+        rec = self._records.get(member_id) if member_id is not None else None
+        if rec is not None and rec.rtt is not None:
+            return self._rto_of(rec.rtt)
+        return self._median_rto
+
+    def _rto_of(self, estimate: tuple[float, float]) -> float:
+        """The timeout of a smoothed round trip and its variation, at least twice the round trip (as TCP's), at most
+        ``MAX_RTO_PERIODS`` protocol periods: a member that answers late on purpose gets no further."""
+        srtt, rttvar = estimate
+        return min(srtt + max(4 * rttvar, srtt), MAX_RTO_PERIODS * self.config.heartbeat_interval)
+
+    def _probe_span(self, member_id: str, period: float) -> float:
+        """Seconds from a probe of ``member_id`` to its verdict: its direct timeout, then the two legs of the
+        indirect probes; never under ``PROBE_SHARE`` of ``period``."""
+        if self._rto(member_id) is None:
+            return PROBE_SHARE * period
+        return max(PROBE_SHARE * period, 2 * self.probe_timeout(member_id) + self.probe_timeout())
+
+    def _stretch(self) -> float:
+        """How many nominal periods one takes now for the round trips (1 on a near link): suspicions, which wait for
+        refutations to travel, wait that much longer."""
+        return self.period() / (1 + self.health) / self.config.heartbeat_interval
 
     def next_timer(self) -> float:
         """The latest local time at which the machine needs its next ``Tick``."""
@@ -568,14 +619,16 @@ class Membership:
         self._rounds += 1
         self._candidate_budget = self.config.candidate_probes
         self._verdicts.clear()
-        self._next_period = now + self.period() * self._rng.uniform(0.9, 1.1)
+        period = self.period()
+        self._next_period = now + period * self._rng.uniform(0.9, 1.1)
         if self._probe is not None:
             self._conclude(self._probe, now, actions)
         target = self._next_target()
         if target is not None:
             seq = self._nonce()
-            timeout = self.probe_timeout()
-            self._probe = _Probe(target.id, seq, now, now + timeout, deadline=now + 0.9 * self.period())
+            deadline = now + self._probe_span(target.id, period)
+            self._next_period = max(self._next_period, deadline)  # a far member's probe ends before the next starts
+            self._probe = _Probe(target.id, seq, now, now + self.probe_timeout(target.id), deadline=deadline)
             self.stats.probes += 1
             actions.append(Send(target.addr, PING, self._piggyback(target.id), seq=seq))
         if now >= self._next_sync:
@@ -640,6 +693,7 @@ class Membership:
         if p.acked:
             self.health = max(0, self.health - 1)
             return
+        self._unanswered = p
         self.stats.probes_failed += 1
         self.health = min(self.config.max_health, self.health + 1)
         rec = self._records.get(p.target)
@@ -653,8 +707,11 @@ class Membership:
             actions.append(Send(addr, GOSSIP, (self.me, claim)))
 
     def _on_ack(self, event: Ack, now: float, actions: list[Action]) -> None:
-        candidate = self.candidates.answered(event.seq, event.sender)
-        if candidate is not None:
+        answer = self.candidates.answered(event.seq, event.sender)
+        if answer is not None:
+            candidate, sent_at = answer
+            if not candidate.via:  # its own answer to our ping: a round trip (through a helper it is two)
+                self._measured(candidate.claim.id, now - sent_at)
             self._verified(candidate, event.entries, now, actions)
             self._echo(event, candidate.claim.addr, actions)
             return
@@ -665,6 +722,15 @@ class Membership:
                 actions.append(Send(relay.origin_addr, ACK, self._piggyback(""), seq=relay.origin_seq))
             return
         p = self._probe
+        late = self._unanswered
+        if late is not None and late.seq == event.seq and event.sender == late.target:
+            # Its answer to a probe already concluded: a round trip longer than our timeouts, which follow it from
+            # now on (no verdict changes: the member refutes a suspicion itself). Without this a link slower than
+            # the first timeouts (half a period) was never measured, and every probe of it failed.
+            self._unanswered = None
+            self._measured(late.target, now - late.sent_at)
+            self.min_rtt.observe(now - late.sent_at, now)
+            return
         if p is None or p.seq != event.seq or p.acked:
             return
         if event.sender != p.target and event.sender not in p.helper_ids:
@@ -678,16 +744,22 @@ class Membership:
             rec = self._records.get(p.target)
             if rec is not None:
                 self._echo(event, rec.member.addr, actions)
-        if not p.indirect_sent and event.sender == p.target:
-            self._sample_rtt(now - p.sent_at)
+            self._measured(p.target, now - p.sent_at)  # its own answer, if after we asked others too: one ping
             self.min_rtt.observe(now - p.sent_at, now)
 
-    def _sample_rtt(self, rtt: float) -> None:
-        if self._srtt is None:
-            self._srtt, self._rttvar = rtt, rtt / 2
-        else:
-            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
-            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+    def _measured(self, member_id: str, rtt: float) -> None:
+        """``member_id`` answered our own ping after ``rtt`` seconds: its timeout, and the swarm's, follow.
+
+        ``min_rtt``, which averaging reads as the link's latency, is the caller's: it takes our probes of
+        members only, as before candidates were measured. Their answers come before exchanges load the link,
+        and moved averaging's settings (tests/test_momentum.py's skewed run fell from 0.94 to 0.89).
+        """
+        rec = self._records.get(member_id)
+        estimate = _smoothed(*(rec.rtt if rec is not None and rec.rtt is not None else (None, 0.0)), rtt)
+        if rec is not None:
+            rec.rtt = estimate
+        self._rtos.append(self._rto_of(estimate))
+        self._median_rto = statistics.median(self._rtos)
 
     def _relay(self, event: PingReq, now: float, actions: list[Action]) -> None:
         for seq in [s for s, r in self._relays.items() if r.expires <= now]:
@@ -695,7 +767,7 @@ class Membership:
         if len(self._relays) >= _MAX_RELAYS or event.target == self.me.id:
             return
         seq = self._nonce()
-        self._relays[seq] = _Relay(event.reply_to, event.seq, now + 2 * self.config.heartbeat_interval, event.target)
+        self._relays[seq] = _Relay(event.reply_to, event.seq, now + 2 * self.period(), event.target)
         actions.append(Send(event.target_addr, PING, self._piggyback(event.target), seq=seq))
 
     # -- suspicion and death ---------------------------------------------------------------
@@ -709,7 +781,8 @@ class Membership:
         Without the cap a real death there waits most of the maximum.
         """
         n = len(self._records) + 1
-        lo, hi = self.config.suspicion_timeout(n), self.config.suspicion_timeout_max(n)
+        stretch = self._stretch()
+        lo, hi = stretch * self.config.suspicion_timeout(n), stretch * self.config.suspicion_timeout_max(n)
         k = min(self.config.suspicion_confirmations, confirmers)
         if k <= 0:
             return lo  # nobody could confirm it (a swarm of two): the first suspicion is all there will be
@@ -975,7 +1048,7 @@ class Membership:
         if c is None or c.seq != 0 or c.claim.incarnation == 0 or c.claim.addr != ping.reply_to:
             return 0
         seq = self._nonce()
-        self.candidates.probing(c, seq, now + self.period())
+        self.candidates.probing(c, seq, now, now + self.period() * (1 + c.attempts))
         return seq
 
     def _echo(self, ack: Ack, addr: str, actions: list[Action]) -> None:
@@ -999,7 +1072,7 @@ class Membership:
             return
         self._candidate_budget -= 1
         seq = self._nonce()
-        self.candidates.probing(c, seq, now + self.period())
+        self.candidates.probing(c, seq, now, now + self.period() * (1 + c.attempts))
         if relay is None:
             c.via = ""
             actions.append(Send(c.claim.addr, PING, (self.me,), seq=seq))
@@ -1170,6 +1243,13 @@ class Membership:
             return []
         self.me = dataclasses.replace(self.me, state=LEFT)
         return [Send(m.addr, LEAVE, (self.me,)) for m in self.alive()]
+
+
+def _smoothed(srtt: float | None, rttvar: float, sample: float) -> tuple[float, float]:
+    """Jacobson's smoothed round trip and its variation after one more ``sample`` (RFC 6298)."""
+    if srtt is None:
+        return sample, sample / 2
+    return 0.875 * srtt + 0.125 * sample, 0.75 * rttvar + 0.25 * abs(srtt - sample)
 
 
 def _is_started(m: Member) -> bool:
