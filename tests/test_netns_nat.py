@@ -173,6 +173,19 @@ def test_a_tbf_rate_bounds_a_transfer(world: World) -> None:
     assert took >= 0.8 * nbytes * 8 / 8e6, took  # 1 s at 8 Mbit/s; a slower machine only makes it slower
 
 
+def test_packets_dropped_at_random_are_sent_again_by_tcp(world: World) -> None:
+    """Loss where the kernel has no netem (experiments/real_delay.py --loss): every byte still arrives."""
+    server, client = world.lan.hosts
+    serve(world, server, world.lan.addresses[0])
+    client.drop_at_random(0.05, "-o", "eth0", "-p", "tcp", "!", "--syn")  # not the SYN: the connect's timeout stays
+    nbytes = 1_000_000  # about 700 segments and their acknowledgements: some 35 dropped
+    connect(client, world.lan.addresses[0], nbytes)  # returns once the server has read all of them
+    listed = client.checked("iptables", "-L", "OUTPUT", "-v", "-x", "-n").stdout
+    assert sum(int(line.split()[0]) for line in listed.splitlines() if "statistic" in line) > 0, listed
+    with pytest.raises(ValueError, match="a probability is in"):
+        netns.random_drop(1.5)
+
+
 def test_link_shapes_say_what_they_ask_of_tc() -> None:
     shape = netns.LinkShape(delay="50ms", jitter="10ms", loss="1%", rate="100mbit")
     assert shape.netem == ["delay", "50ms", "10ms", "loss", "1%"]

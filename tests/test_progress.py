@@ -207,7 +207,7 @@ class FakePeer:
             "completed", "served", "timeouts", "refused", "crossed", "busy", "staleness_mean", "rtt_ms", "bytes_sent",
             "bytes_received", "bad_messages", "wrong_run", "rejected", "handshake_failures", "members_dead", "members_left",
             "waited_s", "compression_level", "gossip_refused", "messages_received", "received_over_own", "sent_over_routes",
-            "received_relayed", "presumed_lost", "in_flight_most", "relayed", "relay_dropped",
+            "received_relayed", "presumed_lost", "in_flight_most", "relayed", "relay_dropped", "suspicions",
         )}
 
     def step(self, samples_seen: int | None = None) -> None:

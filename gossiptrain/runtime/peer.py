@@ -618,6 +618,7 @@ class Peer:
             out.update(self._safepoint.quarantine.stats.to_dict())
             out.update(self._node.stats.to_dict())
             out.update(self._node.membership.trust_stats())
+            out["suspicions"] = self._node.membership.stats.suspicions
             out.update(self._node.state.stats())
             out["lr_scale"] = self._lr_scaling.last_factor if self._lr_scaling is not None else 1.0
         if self._transport is not None:

@@ -8,9 +8,10 @@ its own connection to the member and passes the bytes on, each chunk
 ``delay`` seconds after it arrived, in order, in both directions. A round
 trip through it takes ``2 * delay`` more, for every message the real
 transport sends (ZeroMQ's handshake included), which is what netem's delay
-on both ends of a link does. It loses nothing and limits no rate: TCP's own
-recovery from loss is not emulated (the simulator's loss model is the
-pessimistic stand-in for that).
+on both ends of a link does. It loses nothing and limits no rate; for loss,
+drop packets to and from it with ``iptables`` in a namespace
+(``gossiptrain.testing.netns.random_drop``, as ``experiments/real_delay.py
+--loss`` does), and TCP recovers them as over a lossy link.
 
 Runs its own event loop in a thread (``start``/``close``, or ``with``), so
 a benchmark that waits on processes in blocking calls can use it.

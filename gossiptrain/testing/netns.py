@@ -17,7 +17,8 @@ bridge, whose default route goes through it, masqueraded by ``iptables``
 (MASQUERADE) as they go out, and unreachable from the Lan, as behind any NAT.
 
 Needs root and iproute2 (``why_not`` says which is missing; NAT also
-``iptables``, delay and loss a kernel with netem: ``why_no_netem``).
+``iptables``, delay and loss a kernel with netem: ``why_no_netem``; without
+netem, ``Namespace.drop_at_random`` loses packets with ``iptables``).
 Addresses come from the benchmarking ranges (198.18.0.0/15, 2001:2::/48),
 never anyone's real network, and exist only inside the namespaces. Names
 carry the process id and a counter, so parallel test workers never clash;
@@ -157,6 +158,11 @@ class Namespace:
             self.checked(*tc, "root", "tbf", *shape.tbf)
         else:
             self.unshape_link(dev)
+
+    def drop_at_random(self, probability: float, *match: str) -> None:
+        """Drop ``probability`` of the packets leaving that match ``match`` (``iptables`` arguments, e.g. ``-d
+        127.0.4.0/24``), in this namespace only: loss on a kernel without netem (``random_drop``)."""
+        self.checked("iptables", "-A", *random_drop(probability, *match))
 
     def unshape_link(self, dev: str) -> None:
         """Back to the interface's default queue (nothing to remove is not an error)."""
@@ -315,6 +321,14 @@ class NatRouter:
     def __exit__(self, *exc: object) -> None:
         for ns in [*self.hosts, self.router]:
             ns.delete()  # the router's own rules and bridge go with its namespace
+
+
+def random_drop(probability: float, *match: str) -> list[str]:
+    """``iptables`` arguments after ``-A`` (or ``-D``): drop ``probability`` of the outgoing packets that match
+    ``match``, at random (the statistic match). TCP sends a dropped packet again, as it would one lost on the way."""
+    if not 0.0 <= probability <= 1.0:
+        raise ValueError(f"a probability is in [0, 1], got {probability}")
+    return ["OUTPUT", *match, "-m", "statistic", "--mode", "random", "--probability", f"{probability:g}", "-j", "DROP"]
 
 
 def why_no_netem() -> str | None:

@@ -376,6 +376,7 @@ class _Report:
             "relayed": stats["relayed"],  # as a relay (--relay): messages passed between client-mode members
             "relay_dropped": stats["relay_dropped"],  # ...and not passed on (no route, over the budget, not relaying)
             "members_dead": stats["members_dead"],
+            "suspicions": stats["suspicions"],  # members we came to suspect: each refuted, or then dead
             "members_left": stats["members_left"],
             # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts
             "gossip_refused": stats["gossip_refused"],
