@@ -301,10 +301,11 @@ class PeerNode(JoinAnsweringEndpoint):
         They are candidates until then (``gossiptrain.protocol.candidates``),
         so a newcomer that looked for a donor at once would find nobody. On
         loopback this takes a round trip; it never takes longer than the
-        probes' own deadlines (two protocol periods, and one more as slack):
-        a seed that has died meanwhile holds nobody up.
+        probes' own deadlines (two tries, one protocol period and then two,
+        and one more as slack): a seed that has died meanwhile holds nobody
+        up.
         """
-        deadline = self.clock.now() + 3 * self.config.membership.heartbeat_interval
+        deadline = self.clock.now() + 4 * self.membership.period()
         while self.clock.now() < deadline and len(self._view) < 2:
             if not any(mid in self.membership.candidates for mid in self._seeds):
                 return
