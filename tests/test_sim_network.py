@@ -209,6 +209,25 @@ def test_messages_in_flight_to_a_crashed_peer_are_unreachable_even_if_it_restart
     asyncio.run(main())
 
 
+def test_a_closed_transports_links_are_forgotten_and_what_was_on_them_still_counted() -> None:
+    """Simulated churn opens new addresses for ever: the network keeps state only for links of open transports."""
+
+    async def main() -> None:
+        network = SimNetwork(LinkProfile(latency=0.02))
+        async with node(network, "a") as a, node(network, "c") as c:
+            for generation in range(5):  # b crashes and comes back under a new address, as a rejoin does
+                b = await node(network, f"b{generation}").start()
+                assert a.send(b.address, [b"x"]) and b.send(a.address, [b"y"]) and b.send(c.address, [b"z"])
+                await b.close()  # with its messages on the wire
+                assert network.links_held == 0  # a -> b, b -> a, b -> c: all gone with it
+            assert a.send(c.address, [b"still"]) and network.links_held == 1
+            await until(lambda: network.in_flight == 0, "the messages to arrive")
+            assert network.stats.unreachable == 5 and a.stats.send_dropped == 5  # a's to each b, counted
+            assert len(c.inbox) + len(a.inbox) == 11  # the b's 10 to a and c, and a's to c, arrived
+
+    asyncio.run(main())
+
+
 def test_a_full_inbox_and_oversize_messages_are_dropped_on_arrival_and_counted() -> None:
     async def main() -> None:
         network = SimNetwork(FAST)
