@@ -484,6 +484,22 @@ def test_a_candidate_answering_its_first_probe_after_the_second_went_is_verified
     assert a.probe_timeout() >= 2 * 1.4 and a.period() > CONFIG.heartbeat_interval  # the timeouts follow that link
 
 
+def test_a_burst_of_candidates_answering_late_stretches_no_period_once_members_are_measured() -> None:
+    a = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
+    admit(a, [Member(f"m{i}", f"sim://m{i}", 0, 1) for i in range(16)], 0.0)  # answered at once: 16 round trips of 0
+    assert a.period() == CONFIG.heartbeat_interval
+    a.handle(Tick(), 0.05)  # a new period: a new budget of candidate probes
+    late = []
+    for sender in ("x", "y"):  # made-up members that answer, each 0.9 s after it is asked
+        flood = {f"sim://{sender}{i}": Member(f"{sender}{i}", f"sim://{sender}{i}", 0, 1) for i in range(8)}
+        late += [(s, flood[s.addr]) for s in a.handle(Digest(list(flood.values()), sender), 0.1)
+                 if isinstance(s, Send) and s.kind == PING and s.addr in flood]
+    for send, m in late:
+        a.handle(Ack(m.id, send.seq, (m,)), 1.0)
+    assert sum(a.is_alive(m.id) for _, m in late) == len(late) > 8  # members now, as any that answers
+    assert a.period() == CONFIG.heartbeat_interval  # but their answers did not set everyone's timeouts
+
+
 def test_a_challenge_is_echoed_only_on_an_ack_to_our_own_probe_and_only_to_the_address_probed() -> None:
     a = Membership(Member("a", "sim://a", 0, 1), CONFIG, random.Random(0))
     # an ack nobody asked for, with a challenge: no echo (no reflection off us), nothing learned

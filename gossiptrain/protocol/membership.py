@@ -710,7 +710,11 @@ class Membership:
         answer = self.candidates.answered(event.seq, event.sender)
         if answer is not None:
             candidate, sent_at = answer
-            if not candidate.via:  # its own answer to our ping: a round trip (through a helper it is two)
+            if not candidate.via and len(self._rtos) < RTO_SAMPLES:
+                # Its own answer to our ping: a round trip (through a helper it is two), the first ones a newcomer
+                # has. Only until members' probes fill the window: candidates come in bursts, and a burst of made-up
+                # members answering late would otherwise stretch everyone's period (the probes' round robin takes
+                # each member once a round).
                 self._measured(candidate.claim.id, now - sent_at)
             self._verified(candidate, event.entries, now, actions)
             self._echo(event, candidate.claim.addr, actions)
