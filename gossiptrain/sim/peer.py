@@ -202,7 +202,7 @@ class SimPeer:
         """Counters for the time series (zeros before the peer has joined)."""
         out: dict[str, float] = {"members": len(self.node.view()) if self.node else 0}
         if self.node is not None:
-            health = self.node.membership.stats  # failure detection: probes that failed, suspicions it took up or refuted
+            health = self.node.membership.stats  # its probes that failed, members it suspected, suspicions of it refuted
             out.update(probes_failed=health.probes_failed, suspicions=health.suspicions, refutations=health.refutations)
         if self.ready_at is not None:
             out["ready"] = self.ready_at
