@@ -219,6 +219,55 @@ def test_a_url_file_is_uploaded_when_due_and_a_failed_upload_is_retried(store: s
     assert storage.read_bytes(target) == b"a\nb\nc\nd\n"
 
 
+def test_a_url_file_goes_on_in_parts_so_a_long_run_holds_and_uploads_only_the_last(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [0.0]
+    target = storage.location(f"{store}/m.jsonl")
+    uploads: list[tuple[str, int]] = []
+    real = storage.write_atomic
+
+    def counted(where: storage.Location, data: bytes) -> None:
+        uploads.append((str(where).rsplit("/", 1)[-1], len(data)))
+        real(where, data)
+
+    monkeypatch.setattr(storage, "write_atomic", counted)
+    out = storage.open_append(target, upload_every=10, clock=lambda: now[0], part_bytes=8)
+    lines = [f"line {i}\n" for i in range(7)]  # 7 bytes each: a part is full at its second line
+    for line in lines:
+        out.write(line)
+    assert [name for name, _ in uploads] == ["m.jsonl", "m.jsonl.1", "m.jsonl.2"]  # each part once, when full
+    assert max(n for _, n in uploads) == 14
+    out.close()  # the last line, in a part of its own
+    assert storage.read_appended(target) == "".join(lines).encode()
+    assert read_metrics(f"{store}/m.jsonl") == []  # not JSON: skipped, but read without error
+    appended = storage.open_append(target, upload_every=0, part_bytes=8)  # a restarted peer continues the last part
+    appended.write("again\n")
+    appended.close()
+    assert [str(p).rsplit("/", 1)[-1] for p in storage.appended_parts(target)] == [
+        "m.jsonl", "m.jsonl.1", "m.jsonl.2", "m.jsonl.3"]  # it went on in the last line's part
+    assert storage.read_appended(target) == ("".join(lines) + "again\n").encode()
+
+
+def test_a_full_part_whose_upload_failed_goes_first_next_time(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = storage.location(f"{store}/m.jsonl")
+    out = storage.open_append(target, upload_every=1000, clock=lambda: 0.0, part_bytes=4)
+    real = storage.write_atomic
+
+    def store_down(where: storage.Location, data: bytes) -> None:
+        raise OSError("store down")
+
+    monkeypatch.setattr(storage, "write_atomic", store_down)
+    out.write("ab\n")
+    out.write("cd\n")  # part 0 is full: its upload fails, it is kept
+    monkeypatch.setattr(storage, "write_atomic", real)
+    out.write("ef\n")
+    out.write("gh\n")  # part 1 full: part 0 goes first, then it
+    assert storage.read_bytes(target) == b"ab\ncd\n"
+    out.close()
+    assert storage.read_appended(target) == b"ab\ncd\nef\ngh\n"
+
+
 # -- refused early -------------------------------------------------------------------------------
 
 

@@ -44,11 +44,16 @@ since 2020, GCS), a reader that lists a metadata object also reads the data
 it names. Remote stores have no lock: ``lock_directory`` guards local
 directories only, and one writer per URL is up to the user.
 
-Object stores cannot append, so ``open_append`` on a URL keeps the whole
-text in memory and uploads it (atomically, as above) at most every
+Object stores cannot append, so ``open_append`` on a URL keeps the text
+in memory and uploads it (atomically, as above) at most every
 ``upload_every`` seconds and at ``close``: a crash loses at most that much,
-and a reader always sees whole lines. An object that already exists is read
-first, so appending to it continues it as a local file would be.
+and a reader always sees whole lines. The text goes in parts of about
+``APPEND_PART_BYTES``: ``NAME``, then ``NAME.1``, ``NAME.2``, ...; only the
+last part is held and uploaded again, so a long run's memory and uploads
+stay bounded (a peer's metrics grow by about 3 MB an hour: one object for
+all of them would be 73 MB, uploaded every 30 s, after a day).
+``read_appended`` reads the parts back as one text. Appending to a target
+that exists continues its last part, as a local file would be continued.
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
 #: Seconds between uploads of an appended file on a URL (``open_append``): what a crash may lose.
 UPLOAD_EVERY_SECONDS = 30.0
+#: Bytes after which an appended file on a URL goes on in a new part (``NAME.1``, ``NAME.2``, ...): what is held
+#: in memory and uploaded again at each upload.
+APPEND_PART_BYTES = 4 << 20
 INSTALL_HINT = "pip install 'gossiptrain[storage]'"
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")  # two letters at least: C:// is a Windows drive
@@ -233,11 +241,34 @@ class TextAppender(Protocol):
 
 
 def open_append(
-    target: Location, *, upload_every: float = UPLOAD_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic
+    target: Location, *, upload_every: float = UPLOAD_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic,
+    part_bytes: int = APPEND_PART_BYTES,
 ) -> TextAppender:
     """Append text to ``target``, creating missing directories: a local file sees each write at once (flushed);
-    a URL is uploaded whole at most every ``upload_every`` seconds and at close (see the module docstring)."""
-    return _backend(target).open_append(target, upload_every, clock)
+    a URL is uploaded at most every ``upload_every`` seconds and at close, in parts of about ``part_bytes`` (see
+    the module docstring; ``read_appended`` reads them back)."""
+    return _backend(target).open_append(target, upload_every, clock, part_bytes)
+
+
+def read_appended(target: Location) -> bytes:
+    """What ``open_append`` wrote to ``target``: a local file, or a URL's parts in order; FileNotFoundError if none."""
+    return b"".join(read_bytes(part) for part in appended_parts(target))
+
+
+def appended_parts(target: Location) -> list[Location]:
+    """``target`` and, on a URL, its further parts (``NAME.1``, ``NAME.2``, ...) that exist; FileNotFoundError if
+    ``target`` does not."""
+    if not exists(target):
+        raise FileNotFoundError(str(target))
+    parts: list[Location] = [target]
+    while isinstance(target, URL) and exists(nxt := _part(target, len(parts))):
+        parts.append(nxt)
+    return parts
+
+
+def _part(target: URL, index: int) -> URL:
+    """Part ``index`` of an appended file on a URL: the target itself, then ``NAME.1``, ``NAME.2``, ..."""
+    return target if index == 0 else URL(f"{target.url}.{index}")
 
 
 # -- the backends ----------------------------------------------------------------------------------
@@ -307,7 +338,7 @@ class _Local:
         fh.flush()
         return fh  # closing the file releases its flock
 
-    def open_append(self, target: Path, upload_every: float, clock: Callable[[], float]) -> TextAppender:
+    def open_append(self, target: Path, upload_every: float, clock: Callable[[], float], part_bytes: int) -> TextAppender:
         target.parent.mkdir(parents=True, exist_ok=True)
         return _FlushedFile(open(target, "a", encoding="utf-8"))
 
@@ -388,13 +419,15 @@ class _Fsspec:
         self.make_dirs(directory)
         return _NoLock()
 
-    def open_append(self, target: URL, upload_every: float, clock: Callable[[], float]) -> TextAppender:
+    def open_append(self, target: URL, upload_every: float, clock: Callable[[], float], part_bytes: int) -> TextAppender:
         self.make_dirs(target.parent)
         try:
-            existing = self.read_bytes(target).decode("utf-8")
+            parts = appended_parts(target)
         except FileNotFoundError:
-            existing = ""
-        return _UploadedText(target, existing, upload_every, clock)
+            return _UploadedText(target, 0, "", upload_every, clock, part_bytes)
+        last = parts[-1]
+        assert isinstance(last, URL)
+        return _UploadedText(target, len(parts) - 1, self.read_bytes(last).decode("utf-8"), upload_every, clock, part_bytes)
 
 
 class _NoLock:
@@ -403,12 +436,22 @@ class _NoLock:
 
 
 class _UploadedText:
-    """Appended text held in memory and uploaded whole: object stores cannot append."""
+    """Appended text held in memory and uploaded whole, part by part: object stores cannot append.
 
-    def __init__(self, target: URL, text: str, upload_every: float, clock: Callable[[], float]) -> None:
+    Only the last part is held (``_pieces``), with any full part whose
+    upload failed (``_unsent``, tried again at each upload): memory and each
+    upload stay within about ``part_bytes``.
+    """
+
+    def __init__(self, target: URL, index: int, text: str, upload_every: float, clock: Callable[[], float],
+                 part_bytes: int) -> None:
         self.target = target
-        self._parts = [text] if text else []
+        self._index = index  # the part being written (0: the target itself)
+        self._pieces = [text] if text else []
+        self._size = len(text)
+        self._unsent: dict[int, str] = {}  # full parts whose upload failed, by index
         self._every = upload_every
+        self._part_bytes = part_bytes
         self._clock = clock
         self._last = clock()
         self._dirty = False
@@ -416,26 +459,41 @@ class _UploadedText:
 
     def write(self, text: str) -> None:
         with self._lock:
-            self._parts.append(text)
+            self._pieces.append(text)
+            self._size += len(text)
             self._dirty = True
-            if self._clock() - self._last >= self._every:
+            if self._size >= self._part_bytes:  # this part is full: it goes once more, the next one starts
+                self._unsent[self._index] = "".join(self._pieces)
+                self._index, self._pieces, self._size, self._dirty = self._index + 1, [], 0, False
+                self._upload(final=False)
+            elif self._clock() - self._last >= self._every:
                 self._upload(final=False)
 
     def close(self) -> None:
         with self._lock:
-            if self._dirty:
+            if self._dirty or self._unsent:
                 self._upload(final=True)
 
     def _upload(self, *, final: bool) -> None:
         self._last = self._clock()
-        text = "".join(self._parts)
-        self._parts = [text]
+        for index, text in sorted(self._unsent.items()):  # full parts first, in order
+            if not self._send(index, text, final):
+                return
+            del self._unsent[index]
+        if self._dirty:
+            text = "".join(self._pieces)
+            self._pieces = [text]
+            if self._send(self._index, text, final):
+                self._dirty = False
+
+    def _send(self, index: int, text: str, final: bool) -> bool:
+        target = _part(self.target, index)
         try:
-            write_atomic(self.target, text.encode("utf-8"))
+            write_atomic(target, text.encode("utf-8"))
         except OSError as e:  # a store that hiccups must not end the run: the text is kept and sent next time
-            log.log(logging.ERROR if final else logging.WARNING, "could not upload %s: %s", self.target, e)
-            return
-        self._dirty = False
+            log.log(logging.ERROR if final else logging.WARNING, "could not upload %s: %s", target, e)
+            return False
+        return True
 
 
 _LOCAL = _Local()

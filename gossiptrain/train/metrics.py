@@ -2,9 +2,10 @@
 
 The file may be a URL (``s3://bucket/run/peer.jsonl``, ``memory://...``;
 see ``gossiptrain.state.storage``). Object stores cannot append, so there
-the lines are kept in memory and the whole file is uploaded at most every
-``storage.UPLOAD_EVERY_SECONDS`` (30) and at close; a reader always sees
-whole lines, and a crash loses at most the last interval's.
+the lines are kept in memory and uploaded at most every
+``storage.UPLOAD_EVERY_SECONDS`` (30) and at close, in parts of 4 MiB
+(``NAME``, ``NAME.1``, ...; ``read_metrics`` reads them all); a reader
+always sees whole lines, and a crash loses at most the last interval's.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def read_metrics(path: str | Path | storage.URL) -> list[dict[str, Any]]:
     """All complete records of a JSON-lines file or URL (a line being written is skipped)."""
     out: list[dict[str, Any]] = []
     try:
-        text = storage.read_bytes(storage.location(path, "metrics file")).decode("utf-8")
+        text = storage.read_appended(storage.location(path, "metrics file")).decode("utf-8")
     except FileNotFoundError:
         return out
     for line in text.splitlines():
