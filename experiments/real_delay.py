@@ -9,7 +9,8 @@ to it (joins, probes, exchanges, state) crosses its proxy, and every round
 trip between two members takes 2 x delay more. The baseline runs through
 the same proxies with no delay, so both pay the same relaying.
 
-4 peers, digits-small, 3 classes per peer (label-skewed), started as they
+4 peers, digits-small (``--workload``: digits is the issue's own, a
+1.1M-parameter MLP), 3 classes per peer (label-skewed), started as they
 join; time from the first peer's start to a mean test accuracy of
 ``--target`` held for 3 evaluations (experiments/harness.py), seeds 0 to
 ``--seeds`` - 1; at `--slowdown` 1 (this machine's own step, a few ms: a
@@ -30,8 +31,9 @@ what the peers' membership saw: deaths (every one false: nobody fails),
 suspicions (each refuted or then a death) and the smallest view after the
 first 10 s.
 
-Output: experiments/results/real_delay/ (``--loss P``: its loss-P/ folder,
-``--soak``: soak/ under either; `--quick`: a scratch folder): runs.csv and
+Output: experiments/results/real_delay/ (another ``--workload``: its
+WORKLOAD/ folder; ``--loss P``: loss-P/ under either; ``--soak``: soak/
+under any; `--quick`: a scratch folder): runs.csv and
 summary.md; the last line printed is a JSON object
 {"delay_over_none_by_slowdown": {FACTOR: ratio of medians}, "steps_per_s_by_slowdown": {...},
 "deaths", "suspicions", "smallest_view"} (the membership counts over every delayed run).
@@ -66,7 +68,8 @@ from gossiptrain.testing.delay_proxy import DelayProxy  # noqa: E402
 
 PEERS = 4
 PROXIES = "127.0.4.0/24"  # where the proxies listen: every message between members crosses one of them
-SKEW = {"train.workload": "digits-small", "train.partition": "classes-per-peer", "train.partition_classes": 3}
+SKEW = {"train.partition": "classes-per-peer", "train.partition_classes": 3}
+WORKLOAD = "digits-small"  # --workload: digits is the issue's own (a 1.1M-parameter MLP, steps of tens of ms here)
 
 
 @contextlib.contextmanager
@@ -89,7 +92,8 @@ def lossy(loss: float) -> Iterator[dict[str, int]]:
 
 
 def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: float, workdir: Path,
-            gossip: dict[str, object] | None = None, loss: float = 0.0, min_seconds: float = 0.0) -> dict[str, object]:
+            gossip: dict[str, object] | None = None, loss: float = 0.0, min_seconds: float = 0.0,
+            workload: str = WORKLOAD) -> dict[str, object]:
     """A coordinator and PEERS peers, each behind a proxy of ``delay`` (losing ``loss`` of the packets: ``lossy``);
     the time to the target, the step rate, and what membership saw (deaths, suspicions, the smallest view).
 
@@ -97,7 +101,8 @@ def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: fl
     train at least that long, the target reached or not (a soak).
     """
     harness.fresh_dir(workdir)
-    overrides = {**harness.run_overrides(PEERS, seed, max_seconds=max(timeout, min_seconds) + 60), **SKEW, **(gossip or {})}
+    overrides = {**harness.run_overrides(PEERS, seed, max_seconds=max(timeout, min_seconds) + 60), **SKEW,
+                 "train.workload": workload, **(gossip or {})}
     batch_size = RunConfig().with_overrides(overrides).train.batch_size
     with lossy(loss) as lost, harness.Procs(workdir) as procs, contextlib.ExitStack() as proxies:
         front = proxies.enter_context(DelayProxy("127.0.4.100", delay))
@@ -126,7 +131,7 @@ def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: fl
         "time_to_target_s": harness.time_to_target(points, target),
         "final_acc": round(points[-1].acc, 4) if points else None,
         "steps_per_s": round(statistics.mean(steps) / elapsed, 1) if elapsed else None,
-        "rtt_ms": statistics.median(r.get("rtt_ms", 0.0) for r in last),
+        "rtt_ms": round(statistics.median(r.get("rtt_ms", 0.0) for r in last), 1),
         "trained_s": round(elapsed, 1),
         "deaths": sum(r.get("members_dead", 0) for r in last),  # every one false: nobody fails
         "suspicions": sum(r.get("suspicions", 0) for r in last),
@@ -156,6 +161,7 @@ def main() -> int:
     ap.add_argument("--loss", type=float, default=0.0,
                     help="share of packets lost each way on every delayed link (root and iptables; default 0)")
     ap.add_argument("--slowdowns", type=float, nargs="+", default=[1.0, 20.0])
+    ap.add_argument("--workload", default=WORKLOAD, help=f"what the peers train (default {WORKLOAD}; digits: the issue's)")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds of training a run may take (default 120)")
     ap.add_argument("--soak", type=float, default=0.0,
@@ -171,10 +177,11 @@ def main() -> int:
     if args.quick:
         args.seeds, args.slowdowns = 1, [20.0]
     out = harness.results_dir("real_delay", args.out, args.quick)
-    if args.loss and args.out is None and not args.quick:
-        out = out / f"loss-{args.loss:g}"
+    if args.out is None and not args.quick:  # each setting its own folder, beside the default's
+        out = out / (args.workload if args.workload != WORKLOAD else "") / (f"loss-{args.loss:g}" if args.loss else "")
     if args.soak:
         out = out / "soak"
+    args.command = " ".join(["python experiments/real_delay.py", *(a for a in sys.argv[1:] if a != "--in-namespace")])
     out.mkdir(parents=True, exist_ok=True)
     began = time.time()
     work = Path(tempfile.mkdtemp(prefix="gossiptrain-real-delay-"))  # the processes' logs and metrics
@@ -186,7 +193,7 @@ def main() -> int:
         for seed in range(args.seeds):
             for delay in (0.0, args.delay):  # interleaved: the machine's load drifts alike for both
                 row = one_run(seed, delay, slowdown, args.target, args.timeout, work / f"s{slowdown:g}-seed{seed}-d{delay:g}",
-                              loss=args.loss if delay else 0.0)
+                              loss=args.loss if delay else 0.0, workload=args.workload)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     harness.write_csv(out / "runs.csv", rows)
@@ -197,9 +204,9 @@ def main() -> int:
 
     ratios, rates = {}, {}
     lines = ["# Link delay on real network stacks (user-space delay proxies)", "",
-             f"Regenerate: `python experiments/real_delay.py{f' --loss {args.loss:g}' if args.loss else ''}`. "
+             f"Regenerate: `{args.command}`. "
              f"4 `gossiptrain peer` processes and a coordinator, each behind a proxy: {link} (a round trip "
-             f"{2 * args.delay * 1000:g} ms more), against the same proxies passing every byte at once; digits-small, 3 "
+             f"{2 * args.delay * 1000:g} ms more), against the same proxies passing every byte at once; {args.workload}, 3 "
              f"classes per peer; seconds from the first peer's start to a mean test accuracy of {args.target} held for 3 "
              f"evaluations; seeds 0-{args.seeds - 1}; one 2-core machine shared by all.", "",
              "| slowdown | steps/s per peer (no delay) | no delay (s) | delayed (s) | delayed / none (medians) |",
@@ -216,8 +223,9 @@ def main() -> int:
     delayed = [r for r in rows if r["delay_s"]]
     seen = membership_seen(delayed)
     headline = {"delay_over_none_by_slowdown": ratios, "steps_per_s_by_slowdown": rates, **seen}
+    views = "no run trained 10 s" if seen["smallest_view"] is None else f"smallest view after 10 s {seen['smallest_view']} of {PEERS}"
     lines += ["", f"Membership on the delayed links, all runs: {seen['deaths']} deaths (every one false: nobody fails), "
-              f"{seen['suspicions']} suspicions, smallest view after 10 s {seen['smallest_view']} of {PEERS}.", "",
+              f"{seen['suspicions']} suspicions, {views}.", "",
               f"Wall time: {time.time() - began:.0f} s. `-`: not reached within {args.timeout:g} s.", "",
               f"Headline: {json.dumps(headline)}"]
     return harness.publish(out, lines, headline)
@@ -233,15 +241,15 @@ def membership_seen(rows: list[dict[str, object]]) -> dict[str, object]:
 def soak(args: argparse.Namespace, out: Path, work: Path, link: str, began: float) -> int:
     """``--soak``: one delayed (and lossy) run trained ``args.soak`` seconds; what membership saw meanwhile."""
     slowdown = args.slowdowns[0]
-    row = one_run(0, args.delay, slowdown, args.target, args.timeout, work / "soak", loss=args.loss, min_seconds=args.soak)
+    row = one_run(0, args.delay, slowdown, args.target, args.timeout, work / "soak", loss=args.loss, min_seconds=args.soak,
+                  workload=args.workload)
     print(json.dumps(row), flush=True)
     harness.write_csv(out / "runs.csv", [row])
     seen = membership_seen([row])
     headline = {"trained_s": row["trained_s"], "time_to_target_s": row["time_to_target_s"], **seen}
     lines = ["# A soak on real network stacks: no false deaths?", "",
-             f"Regenerate: `python experiments/real_delay.py{f' --loss {args.loss:g}' if args.loss else ''} --slowdowns "
-             f"{slowdown:g} --soak {args.soak:g}`. 4 `gossiptrain peer` processes and a coordinator, each behind a proxy: "
-             f"{link}; digits-small, 3 classes per peer, seed 0, slowdown {slowdown:g}.", "",
+             f"Regenerate: `{args.command}`. 4 `gossiptrain peer` processes and a coordinator, each behind a proxy: "
+             f"{link}; {args.workload}, 3 classes per peer, seed 0, slowdown {slowdown:g}.", "",
              f"Trained {row['trained_s']} s (the target {args.target} after {row['time_to_target_s']} s); the peers "
              f"declared **{seen['deaths']}** members dead (nobody failed: every death would be false), took up "
              f"{seen['suspicions']} suspicions, and every view held at least {seen['smallest_view']} of {PEERS} "
