@@ -16,6 +16,10 @@ join; time from the first peer's start to a mean test accuracy of
 ``--seeds`` - 1; at `--slowdown` 1 (this machine's own step, a few ms: a
 round trip is tens of steps) and at larger ones (each step idles
 FACTOR - 1 times its compute, as a slower model's step would take).
+With ``--jitter J`` each chunk a proxy passes on waits up to J more, at
+random, never overtaking the one before it (what netem's jitter does to
+one connection's bytes, as TCP delivers them).
+
 With ``--loss P`` the delayed runs also lose P of their packets each way
 on every link (the kernel has no netem for that either): the whole run
 moves into a network namespace of its own, where ``iptables`` drops P of
@@ -32,8 +36,9 @@ suspicions (each refuted or then a death) and the smallest view after the
 first 10 s.
 
 Output: experiments/results/real_delay/ (another ``--workload``: its
-WORKLOAD/ folder; ``--loss P``: loss-P/ under either; ``--soak``: soak/
-under any; `--quick`: a scratch folder): runs.csv and
+WORKLOAD/ folder; ``--jitter J``: jitter-J/ under either; ``--loss P``:
+loss-P/ under any of those; ``--soak``: soak/ under any; `--quick`: a
+scratch folder): runs.csv and
 summary.md; the last line printed is a JSON object
 {"delay_over_none_by_slowdown": {FACTOR: ratio of medians}, "steps_per_s_by_slowdown": {...},
 "deaths", "suspicions", "smallest_view"} (the membership counts over every delayed run).
@@ -93,7 +98,7 @@ def lossy(loss: float) -> Iterator[dict[str, int]]:
 
 def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: float, workdir: Path,
             gossip: dict[str, object] | None = None, loss: float = 0.0, min_seconds: float = 0.0,
-            workload: str = WORKLOAD) -> dict[str, object]:
+            workload: str = WORKLOAD, jitter: float = 0.0) -> dict[str, object]:
     """A coordinator and PEERS peers, each behind a proxy of ``delay`` (losing ``loss`` of the packets: ``lossy``);
     the time to the target, the step rate, and what membership saw (deaths, suspicions, the smallest view).
 
@@ -105,10 +110,10 @@ def one_run(seed: int, delay: float, slowdown: float, target: float, timeout: fl
                  "train.workload": workload, **(gossip or {})}
     batch_size = RunConfig().with_overrides(overrides).train.batch_size
     with lossy(loss) as lost, harness.Procs(workdir) as procs, contextlib.ExitStack() as proxies:
-        front = proxies.enter_context(DelayProxy("127.0.4.100", delay))
+        front = proxies.enter_context(DelayProxy("127.0.4.100", delay, jitter=jitter, seed=seed))
         front.set_target(harness.start_coordinator(procs, overrides))
         for i in range(PEERS):
-            proxy = proxies.enter_context(DelayProxy(f"127.0.4.{i + 1}", delay))
+            proxy = proxies.enter_context(DelayProxy(f"127.0.4.{i + 1}", delay, jitter=jitter, seed=seed * PEERS + i + 1))
             proxy.set_target(f"127.0.5.{i + 1}:{proxy.port}")
             extra = ["--slowdown", slowdown] if slowdown > 1 else []
             procs.start(f"peer-{i}", harness.python_m(
@@ -150,14 +155,17 @@ def in_own_namespace(argv: list[str]) -> int:
         return ns.run([sys.executable, str(Path(__file__).resolve()), *argv, "--in-namespace"], check=False).returncode
 
 
-def link_words(delay: float, loss: float) -> str:
-    return f"{delay * 1000:g} ms each way" + (f" and {loss:.0%} of packets lost each way" if loss else "")
+def link_words(delay: float, loss: float, jitter: float = 0.0) -> str:
+    return (f"{delay * 1000:g} ms each way" + (f" (up to {jitter * 1000:g} ms more, at random)" if jitter else "")
+            + (f" and {loss:.0%} of packets lost each way" if loss else ""))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.05, help="seconds each way on every link (default 0.05)")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="seconds each chunk may wait beyond --delay, at random, in order (default 0)")
     ap.add_argument("--loss", type=float, default=0.0,
                     help="share of packets lost each way on every delayed link (root and iptables; default 0)")
     ap.add_argument("--slowdowns", type=float, nargs="+", default=[1.0, 20.0])
@@ -178,14 +186,15 @@ def main() -> int:
         args.seeds, args.slowdowns = 1, [20.0]
     out = harness.results_dir("real_delay", args.out, args.quick)
     if args.out is None and not args.quick:  # each setting its own folder, beside the default's
-        out = out / (args.workload if args.workload != WORKLOAD else "") / (f"loss-{args.loss:g}" if args.loss else "")
+        out = (out / (args.workload if args.workload != WORKLOAD else "") / (f"jitter-{args.jitter:g}" if args.jitter else "")
+               / (f"loss-{args.loss:g}" if args.loss else ""))
     if args.soak:
         out = out / "soak"
     args.command = " ".join(["python experiments/real_delay.py", *(a for a in sys.argv[1:] if a != "--in-namespace")])
     out.mkdir(parents=True, exist_ok=True)
     began = time.time()
     work = Path(tempfile.mkdtemp(prefix="gossiptrain-real-delay-"))  # the processes' logs and metrics
-    link = link_words(args.delay, args.loss)
+    link = link_words(args.delay, args.loss, args.jitter)
     if args.soak:
         return soak(args, out, work, link, began)
     rows = []
@@ -193,7 +202,7 @@ def main() -> int:
         for seed in range(args.seeds):
             for delay in (0.0, args.delay):  # interleaved: the machine's load drifts alike for both
                 row = one_run(seed, delay, slowdown, args.target, args.timeout, work / f"s{slowdown:g}-seed{seed}-d{delay:g}",
-                              loss=args.loss if delay else 0.0, workload=args.workload)
+                              loss=args.loss if delay else 0.0, workload=args.workload, jitter=args.jitter if delay else 0.0)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     harness.write_csv(out / "runs.csv", rows)
@@ -242,7 +251,7 @@ def soak(args: argparse.Namespace, out: Path, work: Path, link: str, began: floa
     """``--soak``: one delayed (and lossy) run trained ``args.soak`` seconds; what membership saw meanwhile."""
     slowdown = args.slowdowns[0]
     row = one_run(0, args.delay, slowdown, args.target, args.timeout, work / "soak", loss=args.loss, min_seconds=args.soak,
-                  workload=args.workload)
+                  workload=args.workload, jitter=args.jitter)
     print(json.dumps(row), flush=True)
     harness.write_csv(out / "runs.csv", [row])
     seen = membership_seen([row])

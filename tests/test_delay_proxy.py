@@ -58,6 +58,22 @@ def test_bytes_pass_both_ways_in_order_and_a_round_trip_takes_at_least_twice_the
         assert proxy.relayed >= 2 * (4 + len(payload))
 
 
-def test_a_negative_delay_is_refused() -> None:
+def test_with_jitter_chunks_wait_a_varying_time_and_never_overtake_and_bytes_keep_their_order() -> None:
+    proxy = DelayProxy("127.0.0.1", 0.01, jitter=0.03, seed=1)  # not started: its schedule alone
+    times = [proxy.release_time(0.0, 10.0) for _ in range(20)]
+    assert all(10.01 <= t <= 10.04 for t in times) and len(set(times)) == 20
+    assert proxy.release_time(20.0, 10.0) == 20.0  # the chunk ahead goes at 20: this one not before
+    proxy.close()
+    srv, target = echo_server(next_host())
+    with srv, DelayProxy(next_host(), 0.01, target, jitter=0.03, seed=1) as started:
+        with socket.create_connection((started.host, started.port), timeout=10) as sock:
+            payload = bytes(range(256)) * 20_000  # 5 MB, many reads, each with its own wait
+            sock.sendall(payload)
+            assert receive(sock, len(payload)) == payload  # never reordered
+
+
+def test_a_negative_delay_or_jitter_is_refused() -> None:
     with pytest.raises(ValueError, match="delay"):
         DelayProxy("127.0.0.1", -0.1)
+    with pytest.raises(ValueError, match="jitter"):
+        DelayProxy("127.0.0.1", 0.1, jitter=-1)

@@ -20,6 +20,7 @@ a benchmark that waits on processes in blocking calls can use it.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from types import TracebackType
 from typing import Any, Coroutine
@@ -31,12 +32,18 @@ HELD_CHUNKS = 256
 
 
 class DelayProxy:
-    """Listen on ``host:port`` (0: the OS picks), relay to ``target`` ("host:port", settable later), ``delay`` s each way."""
+    """Listen on ``host:port`` (0: the OS picks), relay to ``target`` ("host:port", settable later), ``delay`` s each way.
 
-    def __init__(self, host: str, delay: float, target: str | None = None, port: int = 0) -> None:
-        if delay < 0:
-            raise ValueError(f"delay must be >= 0, got {delay}")
-        self.host, self.delay, self.target = host, delay, target
+    ``jitter``: each chunk waits up to that much more, at random (``seed``), never overtaking the one before
+    (TCP delivers in order: what netem's jitter does to one connection's bytes, as TCP sees them).
+    """
+
+    def __init__(self, host: str, delay: float, target: str | None = None, port: int = 0, *, jitter: float = 0.0,
+                 seed: int | None = None) -> None:
+        if delay < 0 or jitter < 0:
+            raise ValueError(f"delay and jitter must be >= 0, got {delay} and {jitter}")
+        self.host, self.delay, self.jitter, self.target = host, delay, jitter, target
+        self._rng = random.Random(seed)
         self.port = port
         self.relayed = 0  # bytes passed on, both ways
         self._loop = asyncio.new_event_loop()
@@ -63,6 +70,8 @@ class DelayProxy:
 
     def close(self) -> None:
         if not self._thread.is_alive():
+            if not self._loop.is_running():
+                self._loop.close()  # never started (or closed already: closing again does nothing)
             return
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -85,6 +94,12 @@ class DelayProxy:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def release_time(self, ahead: float, now: float) -> float:
+        """When a chunk read at ``now`` goes on: ``delay`` and up to ``jitter`` later, never before the chunk ahead
+        of it (released at ``ahead``)."""
+        extra = self._rng.uniform(0.0, self.jitter) if self.jitter else 0.0
+        return max(ahead, now + self.delay + extra)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)
@@ -122,9 +137,11 @@ class DelayProxy:
                 await writer.drain()
 
         sender = loop.create_task(deliver())
+        last = 0.0
         try:
             while data := await reader.read(CHUNK):
-                await due.put((loop.time() + self.delay, data))
+                last = self.release_time(last, loop.time())
+                await due.put((last, data))
             await due.put(None)
             await sender
         except ConnectionError:
