@@ -22,8 +22,10 @@ one connection's bytes, as TCP delivers them).
 
 With ``--loss P`` the delayed runs also lose P of their packets each way
 on every link (the kernel has no netem for that either): the whole run
-moves into a network namespace of its own, where ``iptables`` drops P of
-the packets to and from the proxies at random, and TCP sends them again,
+moves into a network namespace of its own, whose loopback carries
+Ethernet-sized packets (MTU 1500, no segmentation offload:
+``Namespace.wire_sized``), where ``iptables`` drops P of the packets to
+and from the proxies at random, and TCP sends them again,
 as it would over a lossy link (the simulated form,
 experiments/latency_loss.py, drops whole messages instead). The baseline
 runs lose nothing. Needs root and iptables.
@@ -152,6 +154,7 @@ def in_own_namespace(argv: list[str]) -> int:
         print(f"--loss {why}", file=sys.stderr)
         return 2
     with netns.Namespace(netns.unique_name("gt-real-delay")) as ns:
+        ns.wire_sized("lo")  # 1% of wire packets, not of 64 KB segments (Namespace.drop_at_random)
         return ns.run([sys.executable, str(Path(__file__).resolve()), *argv, "--in-namespace"], check=False).returncode
 
 
