@@ -180,17 +180,13 @@ def test_packets_dropped_at_random_are_sent_again_by_tcp(world: World) -> None:
     client.wire_sized("eth0")  # 1,500-byte packets, as on a wire: 200 KB is some 140 of them
     client.drop_at_random(0.05, "-o", "eth0", "-p", "tcp", "!", "--syn")  # not the SYN: the connect's timeout stays
 
-    def dropped() -> int:
-        listed = client.checked("iptables", "-L", "OUTPUT", "-v", "-x", "-n").stdout
-        return sum(int(line.split()[0]) for line in listed.splitlines() if "statistic" in line)
-
     # Transfers go on until one lost some (at most 40: none lost in some 5,600 packets would be a chance of
     # 0.95^5600); each returns only once the server has read every byte.
     for _ in range(40):
         connect(client, world.lan.addresses[0], 200_000, timeout=30)
-        if dropped():
+        if netns.random_drops(client.run):
             break
-    assert dropped() > 0
+    assert netns.random_drops(client.run) > 0
 
 
 def test_link_shapes_say_what_they_ask_of_tc() -> None:

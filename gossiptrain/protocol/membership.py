@@ -65,7 +65,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, PING, PING_REQ, SYNC
 from gossiptrain.protocol.candidates import Candidate, Candidates
-from gossiptrain.protocol.rtt import MinRtt
+from gossiptrain.protocol.rtt import MinRtt, smoothed
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 _STATES = (ALIVE, SUSPECT, DEAD, LEFT)
@@ -759,7 +759,7 @@ class Membership:
         and moved averaging's settings (tests/test_momentum.py's skewed run fell from 0.94 to 0.89).
         """
         rec = self._records.get(member_id)
-        estimate = _smoothed(*(rec.rtt if rec is not None and rec.rtt is not None else (None, 0.0)), rtt)
+        estimate = smoothed(*(rec.rtt if rec is not None and rec.rtt is not None else (None, 0.0)), rtt)
         if rec is not None:
             rec.rtt = estimate
         self._rtos.append(self._rto_of(estimate))
@@ -1247,13 +1247,6 @@ class Membership:
             return []
         self.me = dataclasses.replace(self.me, state=LEFT)
         return [Send(m.addr, LEAVE, (self.me,)) for m in self.alive()]
-
-
-def _smoothed(srtt: float | None, rttvar: float, sample: float) -> tuple[float, float]:
-    """Jacobson's smoothed round trip and its variation after one more ``sample`` (RFC 6298)."""
-    if srtt is None:
-        return sample, sample / 2
-    return 0.875 * srtt + 0.125 * sample, 0.75 * rttvar + 0.25 * abs(srtt - sample)
 
 
 def _is_started(m: Member) -> bool:

@@ -8,6 +8,14 @@ from __future__ import annotations
 LATE_ROUND_TRIPS = 2.0
 
 
+def smoothed(srtt: float | None, rttvar: float, sample: float) -> tuple[float, float]:
+    """Jacobson's smoothed round trip and its variation after one more ``sample`` (RFC 6298): the first sample
+    sets them (its variation half of it)."""
+    if srtt is None:
+        return sample, sample / 2
+    return 0.875 * srtt + 0.125 * sample, 0.75 * rttvar + 0.25 * abs(srtt - sample)
+
+
 class RttEstimator:
     """Smoothed round-trip time and variance (RFC 6298) giving an adaptive timeout."""
 
@@ -21,11 +29,7 @@ class RttEstimator:
 
     def observe(self, rtt: float) -> None:
         self.typical = rtt if self.typical is None else 0.875 * self.typical + 0.125 * rtt
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.srtt, self.rttvar = smoothed(self.srtt, self.rttvar, rtt)
 
     def late_after(self) -> float | None:
         """Seconds after which an answer is presumed lost (``LATE_ROUND_TRIPS``); None before any answer came."""

@@ -35,7 +35,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 #: Addresses of a Lan: the benchmarking range (RFC 2544), never routed, so never anyone's real network.
 DEFAULT_SUBNET = "198.18.0.0/24"
@@ -339,6 +339,14 @@ def random_drop(probability: float, *match: str) -> list[str]:
     if not 0.0 <= probability <= 1.0:
         raise ValueError(f"a probability is in [0, 1], got {probability}")
     return ["OUTPUT", *match, "-m", "statistic", "--mode", "random", "--probability", f"{probability:g}", "-j", "DROP"]
+
+
+def random_drops(run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> int:
+    """Packets the ``random_drop`` rules have dropped so far, from iptables' own counters: in this process's
+    network namespace, or with ``run=ns.run`` in ``ns``."""
+    out = run(["iptables", "-L", "OUTPUT", "-v", "-x", "-n"], capture_output=True, check=True).stdout
+    listed = out if isinstance(out, str) else out.decode()  # Namespace.run reads text already
+    return sum(int(line.split()[0]) for line in listed.splitlines() if "statistic" in line)
 
 
 def why_no_netem() -> str | None:
