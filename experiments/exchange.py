@@ -61,6 +61,7 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -109,6 +110,7 @@ SYSTEMS = ("gossip exchange", "raw zeromq", "gloo all-reduce")
 UNCHUNKED = "raw zeromq, one frame"  # reference above the chunk size: why large tensors are chunked
 COLORS = {"gossip exchange": "tab:green", "raw zeromq": "tab:grey", "gloo all-reduce": "tab:blue", UNCHUNKED: "tab:grey"}
 TARGET_OF_RAW = 0.8
+CORES = os.cpu_count() or 1
 WAIT = datetime.timedelta(seconds=120)
 
 
@@ -311,6 +313,40 @@ def model_responder(address_file: Path, model_name: str, compression: str, threa
         runner.run(main())
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread: ZeroMQ's I/O thread too) of process ``pid`` so far; None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds both processes of a system spent over its timed rounds (this one and its responder)."""
+
+    def __init__(self, responders: dict[str, int]) -> None:
+        self.responders = responders  # system -> responder pid
+        self.spent: dict[str, float] = {}
+        self.rounds: dict[str, int] = {}
+        self._began: tuple[float, float] | None = None
+
+    def start(self, system: str) -> None:
+        theirs = cpu_seconds(self.responders[system])
+        self._began = None if theirs is None else (time.process_time(), theirs)
+
+    def stop(self, system: str, rounds: int) -> None:
+        theirs = cpu_seconds(self.responders[system])
+        if self._began is None or theirs is None:
+            return
+        ours0, theirs0 = self._began
+        self.spent[system] = self.spent.get(system, 0.0) + time.process_time() - ours0 + theirs - theirs0
+        self.rounds[system] = self.rounds.get(system, 0) + rounds
+
+    def per_round_ms(self, system: str) -> float | None:
+        return round(1000 * self.spent[system] / self.rounds[system], 2) if self.rounds.get(system) else None
+
+
 def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: int) -> list[float]:
     """Seconds per local step (forward, backward, Adam) on shard 0; the first step is not counted."""
     inputs, targets = workload.train_shard(0, 2, 0)
@@ -328,8 +364,13 @@ def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: in
     return out
 
 
-async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Exchanges of two averaging machines and raw ZeroMQ ping-pongs of the same frames, interleaved; step times."""
+async def measure_model(
+    args: argparse.Namespace, gossip_addr: str, zmq_addr: str, pids: dict[str, int]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Exchanges of two averaging machines and raw ZeroMQ ping-pongs of the same frames, interleaved; step times.
+
+    ``pids``: each system's responder process, whose CPU time is counted with ours.
+    """
     torch.set_num_threads(args.threads)
     limits = Limits()
     workload = MODELS[args.model]()
@@ -345,10 +386,13 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
     raw: list[bytearray] = []
     warm, reps = warm_rounds(args.quick), 5 if args.quick else 30
     step = warmed = 0
+    cpu = CpuMeter(pids)
     try:
         async with listen("tcp://127.0.0.1:0", limits) as me:
             for round_ in range(passes(args.quick)):
                 for i in range(warm + reps):
+                    if i == warm:
+                        cpu.start("gossip exchange")
                     step += 1
                     began = time.perf_counter()
                     (request,) = machine.handle(AtSafePoint(step, ["responder"]), time.monotonic())
@@ -366,8 +410,11 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
                         times["gossip exchange"].append(time.perf_counter() - began)
                     if round_ == 0 and i == warm - 1:
                         warmed = machine.buffers.made  # the pool after warm-up: what the steady state must not add to
+                cpu.stop("gossip exchange", reps)
                 ours = wire_tensors(model, args.compression)
                 for i in range(warm + reps):
+                    if i == warm:
+                        cpu.start("gossip wire")
                     began = time.perf_counter()
                     msg = Message(XREQ, "initiator", me.address, "exchange-bench", i, {"xid": i, BARE: True}, ours)
                     if not me.send(gossip_addr, encode(msg, limits)):
@@ -377,7 +424,10 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
                         raise RuntimeError("unexpected reply")
                     if i >= warm:
                         times["gossip wire"].append(time.perf_counter() - began)
+                cpu.stop("gossip wire", reps)
                 for i in range(warm + reps):
+                    if i == warm:
+                        cpu.start("raw zeromq")
                     began = time.perf_counter()
                     dealer.send_multipart(raw, copy=False)
                     back = dealer.recv_multipart(copy=False)
@@ -385,6 +435,7 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
                         raise RuntimeError("unexpected raw reply")
                     if i >= warm:
                         times["raw zeromq"].append(time.perf_counter() - began)
+                cpu.stop("raw zeromq", reps)
                 steps += step_times(workload, model, args.batch, 3 if args.quick else 5)
                 line = ", ".join(f"{name} {1000 * statistics.median(times[name]):.1f} ms" for name in MODEL_SYSTEMS)
                 print(f"pass {round_ + 1}: {line}, step {1000 * statistics.median(steps):.1f} ms", flush=True)
@@ -392,7 +443,7 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
         dealer.close(linger=0)
         ctx.term()
     params = sum(p.numel() for p in model.parameters())
-    rows = [model_row(args, name, wire_bytes, times[name]) for name in MODEL_SYSTEMS]
+    rows = [model_row(args, name, wire_bytes, times[name], cpu.per_round_ms(name)) for name in MODEL_SYSTEMS]
     rows.append({"system": "local step", "model": args.model, "params": params, "reps": len(steps),
                  "median_s": round(statistics.median(steps), 6), "min_s": round(min(steps), 6)})
     (exchange, bare, rawz), step_s = [statistics.median(times[name]) for name in MODEL_SYSTEMS], statistics.median(steps)
@@ -401,7 +452,11 @@ async def measure_model(args: argparse.Namespace, gossip_addr: str, zmq_addr: st
         "fraction_of_raw_zmq": round(rawz / exchange, 3), "wire_fraction_of_raw_zmq": round(rawz / bare, 3),
         "exchange_ms": round(1000 * exchange, 2), "wire_ms": round(1000 * bare, 2), "raw_zmq_ms": round(1000 * rawz, 2), "step_ms": round(1000 * step_s, 2), "exchange_over_step": round(exchange / step_s, 3),
         "exchanges": step, "buffers_after_warm_up": warmed, "buffers_at_end": machine.buffers.made,
+        "cpu_ms_per_round": {name: cpu.per_round_ms(name) for name in MODEL_SYSTEMS},
     }
+    exchange_cpu = cpu.per_round_ms("gossip exchange")
+    if exchange_cpu:  # no exchange can be shorter than its CPU time spread over every core, whatever overlaps
+        heads["fraction_bound_by_cores"] = round(min(1.0, 1000 * rawz / (exchange_cpu / CORES)), 3)
     return rows, heads
 
 
@@ -409,12 +464,13 @@ def warm_rounds(quick: bool) -> int:
     return 2 if quick else 3
 
 
-def model_row(args: argparse.Namespace, system: str, nbytes: int, times: list[float]) -> dict[str, Any]:
+def model_row(args: argparse.Namespace, system: str, nbytes: int, times: list[float], cpu_ms: float | None) -> dict[str, Any]:
     median = statistics.median(times)
     return {
         "system": system, "model": args.model, "compression": args.compression, "wire_mb": round(nbytes / 1e6, 3),
         "reps": len(times), "median_s": round(median, 6), "min_s": round(min(times), 6),
         "throughput_gb_s": round(2 * nbytes / median / 1e9, 4), "best_gb_s": round(2 * nbytes / min(times) / 1e9, 4),
+        "cpu_ms_per_round": cpu_ms if cpu_ms is not None else "",
     }
 
 
@@ -437,10 +493,11 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
         "DEALER/ROUTER ping-pong of the very frames of a request. Medians over "
         f"{passes(args.quick)} interleaved pass(es). One 2-core machine shared with other work, so numbers are noisy.",
         "",
-        "| system | median round (ms) | GB/s (2 x bytes / round) |",
-        "| --- | --- | --- |",
+        "| system | median round (ms) | GB/s (2 x bytes / round) | CPU per round, both processes (ms) |",
+        "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {r['system']} | {1000 * r['median_s']:.1f} | {r['throughput_gb_s']:.2f} |" for r in rows if "throughput_gb_s" in r]
+    lines += [f"| {r['system']} | {1000 * r['median_s']:.1f} | {r['throughput_gb_s']:.2f} | {r['cpu_ms_per_round'] or '-'} |"
+              for r in rows if "throughput_gb_s" in r]
     lines += [
         f"| local step (batch {args.batch}, Adam, forward + backward) | {heads['step_ms']:.1f} | - |",
         "",
@@ -449,6 +506,17 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
         f"Exchange {heads['exchange_ms']:.1f} ms against a step of {heads['step_ms']:.1f} ms "
         f"(ratio {heads['exchange_over_step']}): {overlap}.",
         "",
+    ]
+    bound = heads.get("fraction_bound_by_cores")
+    if bound is not None:
+        lines += [
+            f"CPU: an exchange keeps the two processes busy for {heads['cpu_ms_per_round']['gossip exchange']} ms in all "
+            f"(user and system time, every thread), raw ZeroMQ for {heads['cpu_ms_per_round']['raw zeromq']} ms. On "
+            f"{CORES} core(s) no exchange can take less than its CPU time over the cores, however well it overlapped: "
+            f"at most **{bound}** of raw ZeroMQ here.",
+            "",
+        ]
+    lines += [
         f"Exchange buffers the initiator allocated (gossiptrain.state.host_buffers): {heads['buffers_after_warm_up']} in its "
         f"first {warm_rounds(args.quick)} exchanges, {heads['buffers_at_end']} after all {heads['exchanges']} "
         "(equal: the steady state allocated nothing).",
@@ -467,12 +535,13 @@ def run_model(args: argparse.Namespace) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
     model_flags = ["--model", args.model, "--compression", args.compression, "--threads", str(args.threads)]
     with harness.Procs(runs) as procs:
-        procs.start("gossip-responder", me + ["--role", "model-responder", "--address-file", str(runs / "gossip.address"), *model_flags])
-        procs.start("zmq-responder", me + ["--role", "zmq-responder", "--address-file", str(runs / "zmq.address")])
+        gossip = procs.start("gossip-responder", me + ["--role", "model-responder", "--address-file", str(runs / "gossip.address"), *model_flags])
+        raw = procs.start("zmq-responder", me + ["--role", "zmq-responder", "--address-file", str(runs / "zmq.address")])
         gossip_addr = wait_for_file(runs / "gossip.address")
         zmq_addr = wait_for_file(runs / "zmq.address")
+        pids = {"gossip exchange": gossip.pid, "gossip wire": gossip.pid, "raw zeromq": raw.pid}
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            rows, heads = runner.run(measure_model(args, gossip_addr, zmq_addr))
+            rows, heads = runner.run(measure_model(args, gossip_addr, zmq_addr, pids))
         problem = procs.failed()
         if problem:
             raise RuntimeError(problem)

@@ -175,7 +175,7 @@ def test_a_reply_leaves_before_the_server_moves_and_the_move_is_never_lost() -> 
     b, pb = make([8.0, 8.0])
     (rep,) = b.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)
     assert rep.kind == XREP and float(rep.tensors["w"]) == 8.0 and rep.meta["a"] == 0.5
-    assert float(b._pending[0]) == 0.0  # not computed yet: the reply is on its way first
+    assert b._pending.empty  # not computed yet: the reply is on its way first
     b.after_send()
     assert [float(p) for p in b.pending] == [-4.0, -4.0]
     # A driver that never calls after_send loses nothing: the next event computes the merge first.

@@ -31,12 +31,13 @@ from gossiptrain.sim.cluster import SimConfig, simulate
 
 
 def safe_point(d: DriftCorrection, merge: torch.Tensor | None, round_trip_steps: float | None = None) -> None:
-    """One safe point whose merges move the model by ``merge`` (None: no merge)."""
+    """One safe point whose merges move the model by ``merge`` (None: no merge); told so where ``d.reported``."""
     d.before()
     if merge is not None:
         with torch.no_grad():
             d.params[0].add_(merge)
-    d.after(round_trip_steps=round_trip_steps)
+    moved = ([merge / 2], 2.0) if merge is not None else ([], 0.0)  # as pairwise's pending holds it: terms and a scale
+    d.after(round_trip_steps=round_trip_steps, moved=moved if d.reported else None)
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,9 +46,12 @@ def safe_point(d: DriftCorrection, merge: torch.Tensor | None, round_trip_steps:
     gain=st.floats(0, 8),
     memory=st.integers(2, 200),
 )
-def test_what_is_added_plus_what_is_owed_is_gain_times_the_merges(merges: list[float | None], gain: float, memory: int) -> None:
+@pytest.mark.parametrize("reported", [False, True])
+def test_what_is_added_plus_what_is_owed_is_gain_times_the_merges(
+    merges: list[float | None], gain: float, memory: int, reported: bool
+) -> None:
     x = torch.zeros(3, dtype=torch.float64)
-    d = DriftCorrection([x], gain, memory_steps=memory)
+    d = DriftCorrection([x], gain, memory_steps=memory, reported=reported)
     total = torch.zeros(3, dtype=torch.float64)
     for m in merges:
         merge = None if m is None else torch.tensor([m, -m, 0.5 * m], dtype=torch.float64)
@@ -63,10 +67,13 @@ def test_what_is_added_plus_what_is_owed_is_gain_times_the_merges(merges: list[f
     merges=st.lists(st.tuples(st.one_of(st.none(), st.floats(-10, 10)), st.one_of(st.none(), st.floats(0, 40))), min_size=1, max_size=300),
     gain=st.floats(0, 8),
 )
-def test_a_round_trip_that_changes_the_pace_changes_nothing_owed(merges: list[tuple[float | None, float | None]], gain: float) -> None:
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_round_trip_that_changes_the_pace_changes_nothing_owed(
+    merges: list[tuple[float | None, float | None]], gain: float, reported: bool
+) -> None:
     """The memory follows the link's round trip (in steps) as it is measured; what is owed stays exact."""
     x = torch.zeros(3, dtype=torch.float64)
-    d = DriftCorrection([x], gain)
+    d = DriftCorrection([x], gain, reported=reported)
     total = torch.zeros(3, dtype=torch.float64)
     for m, round_trip in merges:
         merge = None if m is None else torch.tensor([m, -m, 0.5 * m], dtype=torch.float64)
@@ -75,6 +82,29 @@ def test_a_round_trip_that_changes_the_pace_changes_nothing_owed(merges: list[tu
             total += merge
     assert d.memory == memory_for(merges[-1][1]) or abs(d.memory - memory_for(merges[-1][1])) * 10 < d.memory
     assert torch.allclose(x - total + d.owed()[0], gain * total, atol=1e-9 * (1 + float(total.abs().max())) * 600)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    merges=st.lists(st.tuples(st.one_of(st.none(), st.floats(-10, 10)), st.one_of(st.none(), st.floats(0, 40))), min_size=1, max_size=200),
+    gain=st.floats(0, 8),
+    memory=st.integers(2, 100),
+)
+def test_a_reported_move_corrects_as_the_measured_one(merges: list[tuple[float | None, float | None]], gain: float, memory: int) -> None:
+    """Told what the safe point added (pairwise), the correction copies and subtracts nothing and moves the model
+    as measuring would; ``c``'s scale, a number, is folded back into it as it decays (memory 2 halves it each step)."""
+    measured, reported = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    dm = DriftCorrection([measured], gain, memory_steps=memory)
+    dr = DriftCorrection([reported], gain, memory_steps=memory, reported=True)
+    for m, round_trip in merges:
+        merge = None if m is None else torch.tensor([m, -m, 0.25 * m], dtype=torch.float64)
+        safe_point(dm, merge, round_trip)
+        safe_point(dr, merge, round_trip)
+        scale = 1 + float(measured.abs().max())
+        assert torch.allclose(reported, measured, rtol=0, atol=1e-9 * scale)
+        assert torch.allclose(dr.owed()[0], dm.owed()[0], rtol=0, atol=1e-9 * scale * memory)
+    with pytest.raises(ValueError, match="moved"):
+        dr.after()
 
 
 def test_the_memory_is_the_least_on_a_near_link_and_some_round_trips_on_a_far_one() -> None:
@@ -90,10 +120,11 @@ def test_the_memory_is_the_least_on_a_near_link_and_some_round_trips_on_a_far_on
     schedule=st.lists(st.tuples(st.floats(-5, 5), st.integers(0, 3)), min_size=1, max_size=80),
     gain=st.floats(0.5, 8),
 )
-def test_a_pairwise_swarm_conserves_its_sum_counting_what_is_owed(schedule: list[tuple[float, int]], gain: float) -> None:
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_pairwise_swarm_conserves_its_sum_counting_what_is_owed(schedule: list[tuple[float, int]], gain: float, reported: bool) -> None:
     """A merge moves one peer by +v and its partner by -v, the partner up to 3 safe points later."""
     xs = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
-    ds = [DriftCorrection([x], gain) for x in xs]
+    ds = [DriftCorrection([x], gain, reported=reported) for x in xs]
     later: list[tuple[int, torch.Tensor]] = []  # (safe points to wait, the partner's half)
     for v, delay in schedule:
         move = torch.tensor([v, 2 * v], dtype=torch.float64)

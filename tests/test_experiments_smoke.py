@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,30 @@ def test_exchange_quick(tmp_path: Path) -> None:
     assert finite(heads["over_gloo_16mib"]) and heads["over_gloo_16mib"] > 0
     assert_outputs(tmp_path, ["throughput.png"])
     assert "gloo all-reduce" in (tmp_path / "results.csv").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_exchange_benchmark_counts_the_cpu_of_both_processes() -> None:
+    """``exchange.py --model`` bounds the exchange by its CPU time: read from /proc, ours and the responder's."""
+    from experiments.exchange import CpuMeter, cpu_seconds
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        meter = CpuMeter({"busy": child.pid})
+        meter.start("busy")
+        began = cpu_seconds(child.pid)
+        assert began is not None
+        deadline = time.monotonic() + 60
+        while cpu_seconds(child.pid) == began and time.monotonic() < deadline:  # a clock tick of the child's work
+            time.sleep(0.01)
+        meter.stop("busy", rounds=2)
+        spent = meter.per_round_ms("busy")
+        assert spent is not None and spent > 0
+        assert meter.per_round_ms("never measured") is None
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds(child.pid) is None  # gone: nothing to read
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where CUDA is absent")

@@ -79,6 +79,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.compression import AutoCodec, get_codec
+from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.protocol.robust import NormClip, norms
 from gossiptrain.protocol.rtt import RttEstimator, rtt_bucket
@@ -352,6 +353,9 @@ class Averaging:
     #: Merges move the model toward partners' models of before our last local step, against the model as it
     #: is now, not against the one we sent (push-sum): they undo part of that step (``take_stale_share``).
     merges_stale: bool = False
+    #: ``moved`` says what each safe point added to the live parameters, so the drift correction reads it instead
+    #: of copying the model before the safe point and subtracting after (two passes over the model fewer).
+    reports_moves: bool = False
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -377,6 +381,7 @@ class Averaging:
         # scales what it sends by this factor. 1.0, honest, everywhere else.
         self.poison = 1.0
         self.version = 0
+        self._moved: tuple[list[torch.Tensor], float] = ([], 0.0)  # see take_moved
         self._next_xid = rng.getrandbits(31)
         self._step = 0  # our latest local step, from the last AtSafePoint
         # Flow control: local steps past the last completed averaging before the loop waits (see hold_until).
@@ -431,6 +436,15 @@ class Averaging:
     def take_stale_share(self) -> float:
         """The share of the model the merges since the last call replaced (``merges_stale`` algorithms; else 0)."""
         return 0.0
+
+    def take_moved(self) -> tuple[list[torch.Tensor], float]:
+        """``(terms, scale)``: the last safe point added ``scale * terms`` to the live parameters (no terms: nothing).
+
+        Where ``reports_moves``; once per safe point (the tensors are then the
+        caller's to read, and let go), and only read.
+        """
+        moved, self._moved = self._moved, ([], 0.0)
+        return moved
 
     def checkpoint_state(self) -> dict[str, float]:
         """What a checkpoint must keep of this machine besides the model (push-sum: its weight); {}: nothing."""
@@ -552,6 +566,7 @@ class PairwiseAveraging(Averaging):
     """
 
     network_kinds = frozenset({XREQ, XREP, XNAK})
+    reports_moves = True  # a safe point adds ``pending`` and nothing else
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], config: GossipConfig, rng: random.Random, me: str = ""
@@ -560,8 +575,7 @@ class PairwiseAveraging(Averaging):
         self.rtt = RttEstimator(config.exchange_timeout_min, config.exchange_timeout_max)
         self._base = self._frozen(self.params)  # the live parameters at the last safe point (never written)
         self._view: list[torch.Tensor] | None = self._base  # base + pending, frozen; None: not computed since a merge
-        self._pending = [torch.zeros_like(p) for p in self.params]
-        self._dirty = False  # pending holds a merge not yet added to the live parameters
+        self._pending = PendingMerges(self.params, self.buffers)  # merges not yet added to the live parameters
         self._unsettled: _Served | None = None  # a reply sent whose merge is not computed yet (_settle)
         # the last view encoded, the codec (level) it was encoded at, and the encoding: sent again as it is
         self._encoded: tuple[list[torch.Tensor], str, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] | None = None
@@ -591,7 +605,7 @@ class PairwiseAveraging(Averaging):
     def pending(self) -> list[torch.Tensor]:
         """The merges made since the last safe point, which the next one adds to the live parameters (as ``view``)."""
         self._settle()
-        return self._pending
+        return self._pending.values()
 
     def serve_as_is(self) -> None:
         if not self._ready:  # nothing merged yet (requests were refused): the model others see is the live one
@@ -605,7 +619,12 @@ class PairwiseAveraging(Averaging):
         served = self._unsettled
         if served is not None:
             self._unsettled = None
-            served.delta = self._move(served.remote, served.sent, served.a)
+            delta = self.buffers.like(self.params)  # reused: kept only until the next merge (to undo this one)
+            with torch.no_grad():
+                for d, r, o in zip(delta, served.remote, served.sent, strict=True):
+                    torch.sub(r, o, out=d)
+            self._pending.add(delta, served.a)
+            served.delta = delta
             served.remote = served.sent = []  # an undo needs only the delta: let the received frames go
 
     def hold_until(self, now: float) -> float | None:
@@ -759,11 +778,9 @@ class PairwiseAveraging(Averaging):
 
     def _apply_pending(self) -> None:
         """Add the merges made since the last safe point to the live parameters, and take a new ``base``."""
-        if self._dirty:
-            with torch.no_grad():
-                torch._foreach_add_(self.params, self._pending)
-                torch._foreach_zero_(self._pending)
-            self._dirty = False
+        self._pending.add_to(self.params)
+        self._moved = self._pending.moved()  # for the drift correction (take_moved): what this safe point added
+        self._pending.clear()
         self._base = self._view = self._frozen(self.params)
         # _last_served stays undoable through pending: the network side releases the lock between our reply
         # and its failed send, so a safe point may apply the merge before the Undelivered comes back.
@@ -772,9 +789,7 @@ class PairwiseAveraging(Averaging):
         """``view``, computed once after each merge (the merge itself only adds to ``pending``)."""
         if self._view is None:
             view = self.buffers.like(self.params)
-            with torch.no_grad():
-                for v, b, p in zip(view, self._base, self._pending, strict=True):
-                    torch.add(b, p, out=v)
+            self._pending.plus(self._base, view)
             self._view = view
         return self._view
 
@@ -802,20 +817,10 @@ class PairwiseAveraging(Averaging):
     # -- merging (network side) ----------------------------------------------------------------
 
     def _merged(self) -> None:
-        """Note a merge: ``view`` moves (``_move`` computes by how much, now or once the reply is sent)."""
-        self._dirty = True
+        """Note a merge: ``view`` moves (``pending`` takes by how much, now or once the reply is sent: ``_settle``)."""
         self._view = None
         self.version += 1
         self._merged_at_step = self._step
-
-    def _move(self, remote: Sequence[torch.Tensor], own: Sequence[torch.Tensor], a: float) -> list[torch.Tensor]:
-        """Add ``a (remote - own)`` to ``pending``; returns ``remote - own`` (to undo it)."""
-        with torch.no_grad():
-            delta = self.buffers.like(self.params)  # reused: kept only until the next merge (to undo this one)
-            for d, r, o in zip(delta, remote, own, strict=True):
-                torch.sub(r, o, out=d)
-            torch._foreach_add_(self._pending, delta, alpha=a)
-        return delta
 
     # -- answering -------------------------------------------------------------------------
 
@@ -887,9 +892,7 @@ class PairwiseAveraging(Averaging):
             # The requester will never apply its half: take ours back (pending, or in the model already: the next
             # safe point subtracts it there). handle computed it first (_settle), so its delta is there.
             assert served.delta is not None
-            with torch.no_grad():
-                torch._foreach_add_(self._pending, served.delta, alpha=-served.a)
-            self._dirty = True
+            self._pending.add(served.delta, -served.a)
             self._view = None
             self._last_served = None
             self.stats.served -= 1
@@ -921,7 +924,7 @@ class PairwiseAveraging(Averaging):
         a = float(msg.meta.get("a", 0.5)) * clip
         # keep local progress made in flight: x <- x + a * (x_remote - x_sent)
         self._merged()
-        self._move(remote, inflight.snapshot, a)
+        self._pending.add_difference(remote, inflight.snapshot, a)
         if now <= inflight.deadline:  # before its timeout (if after its presumed loss): the link as it is now
             self.rtt.observe(now - inflight.sent_at)
             self.stats.round_trip(now - inflight.sent_at, self.rtt.srtt)

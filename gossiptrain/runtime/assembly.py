@@ -106,7 +106,7 @@ def training_side(
         keeps_up = (lambda: safepoint.wait_share < LINK_BOUND_SHARE) if gossip.momentum_mode == "auto" else None
         safepoint.after = momentum = QuasiGlobalMomentum(optimizer, active=keeps_up)
     if (gain := drift_gain(gossip)) > 0:
-        safepoint.drift = DriftCorrection(averaging.params, gain, stale_merges=averaging.merges_stale)
+        safepoint.drift = DriftCorrection(averaging.params, gain, stale_merges=averaging.merges_stale, reported=averaging.reports_moves)
     snapshots = SnapshotHook(node.state, model, offer, clock, optimizer=optimizer)
     scaling = None
     if optimizer is not None and wants_scaling(gossip.lr_scaling, optimizer):

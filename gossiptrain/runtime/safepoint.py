@@ -24,6 +24,8 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
+import torch
+
 from gossiptrain.net import kinds
 from gossiptrain.protocol import averaging, push_sum
 from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
@@ -97,19 +99,21 @@ class SafePoint:
             actions += started
             self._note_rejections(actions, now)
             # Of this safe point's merges, for the drift correction (gossiptrain.protocol.drift).
-            stale_share, round_trip_steps = self._drift_inputs(latency) if self.drift is not None else (0.0, None)
+            drift_inputs = self._drift_inputs(latency) if self.drift is not None else None
         for action in actions:
             if isinstance(action, SendExchange):
                 self.submit(action)
         if self.after is not None:
             self.after()
-        if self.drift is not None:
-            self.drift.after(stale_share, round_trip_steps)
+        if self.drift is not None and drift_inputs is not None:
+            self.drift.after(*drift_inputs)
 
-    def _drift_inputs(self, latency: float | None) -> tuple[float, float | None]:
-        """What the drift correction measures by: the share of the model stale merges replaced, and the
-        link's round trip in local steps (None: not measured yet)."""
-        return self.averaging.take_stale_share(), self.averaging.round_trip_steps(latency)
+    def _drift_inputs(self, latency: float | None) -> tuple[float, float | None, tuple[list[torch.Tensor], float] | None]:
+        """What the drift correction measures by: the share of the model stale merges replaced, the link's
+        round trip in local steps (None: not measured yet), and what the safe point added where the algorithm
+        says (``Averaging.take_moved``; None: the correction measures it)."""
+        moved = self.averaging.take_moved() if self.averaging.reports_moves else None
+        return self.averaging.take_stale_share(), self.averaging.round_trip_steps(latency), moved
 
     def locked(self) -> AbstractContextManager[Any]:
         """The lock both sides take to call into the algorithm: ``with safepoint.locked(): ...`` (checkpoints)."""
