@@ -44,14 +44,21 @@ wire / median round. The same run
 times a local step of the model (forward, backward, Adam; batch ``--batch``)
 so that exchange time and step time are printed side by side. Each process
 runs ``--threads`` torch threads (default 1: two single-worker peers on
-this 2-core machine).
-Output in experiments/results/exchange/<model>/; the headline has
-fraction_of_raw_zmq, exchange_ms, raw_zmq_ms and step_ms.
+this 2-core machine). Both processes' CPU time over each system's rounds is
+counted (user and system, every thread, from /proc): no exchange can take
+less than its CPU time spread over the cores, which bounds what overlap
+could reach (fraction_bound_by_cores). ``--device cuda`` puts both models on
+the GPU: merges run there, the wire goes through pinned host buffers, and
+each round waits for the device's work.
+Output in experiments/results/exchange/<model>/ (-cuda with --device cuda);
+the headline has fraction_of_raw_zmq, exchange_ms, raw_zmq_ms, step_ms,
+cpu_ms_per_round and fraction_bound_by_cores.
 
     python experiments/exchange.py            # 1, 4, 16, 64 MiB
     python experiments/exchange.py --quick    # 1 and 16 MiB, a few repetitions (smoke test)
     python experiments/exchange.py --model charlm-large [--compression int8] [--quick]
     python experiments/exchange.py --model charlm-transformer   # as many bytes in 114 tensors
+    python experiments/exchange.py --model charlm-large --device cuda   # merges on the GPU (results in charlm-large-cuda/)
 """
 
 from __future__ import annotations
@@ -274,7 +281,13 @@ def averaging_for(model: torch.nn.Module, compression: str, me: str, seed: int) 
 
 def wire_tensors(model: torch.nn.Module, compression: str) -> dict[str, torch.Tensor]:
     """The model as a request at ``compression`` carries it, encoded once ("gossip wire": no per-round arithmetic)."""
-    return get_codec(compression).encode({n: p.detach() for n, p in model.named_parameters()})
+    return get_codec(compression).encode({n: p.detach().cpu() for n, p in model.named_parameters()})
+
+
+def settled(device: torch.device) -> None:
+    """Wait for the device's queued work (merges run there asynchronously): a round's time is its work's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def exchange_message(action: SendExchange, me: str, addr: str, step: int) -> Message:
@@ -285,11 +298,11 @@ def received(msg: Message) -> Received:
     return Received(msg.sender, msg.kind, msg.body["xid"], msg.tensors, msg.step, exchange_meta(dict(msg.body)))
 
 
-def model_responder(address_file: Path, model_name: str, compression: str, threads: int) -> None:
+def model_responder(address_file: Path, model_name: str, compression: str, threads: int, device: torch.device) -> None:
     """A peer's network side and safe point: answer each request through our own machine, then apply the merge."""
     torch.set_num_threads(threads)
     limits = Limits()
-    model = MODELS[model_name]().build_model(1)
+    model = MODELS[model_name]().build_model(1).to(device)
     machine = averaging_for(model, compression, "responder", 1)
 
     async def main() -> None:
@@ -308,6 +321,7 @@ def model_responder(address_file: Path, model_name: str, compression: str, threa
                         me.send(msg.addr, encode(exchange_message(action, "responder", me.address, step), limits))
                 step += 1
                 machine.handle(AtSafePoint(step, []), time.monotonic())  # the trainer's next safe point
+                settled(device)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
@@ -347,18 +361,20 @@ class CpuMeter:
         return round(1000 * self.spent[system] / self.rounds[system], 2) if self.rounds.get(system) else None
 
 
-def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: int) -> list[float]:
+def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: int, device: torch.device) -> list[float]:
     """Seconds per local step (forward, backward, Adam) on shard 0; the first step is not counted."""
     inputs, targets = workload.train_shard(0, 2, 0)
     data = batches(inputs, targets, batch, 0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
     out = []
     for i in range(count + 1):
-        x, y = next(data)
+        x, y = (t.to(device) for t in next(data))
+        settled(device)
         began = time.perf_counter()
         optimizer.zero_grad()
         workload.loss(model, x, y).backward()
         optimizer.step()
+        settled(device)
         if i:
             out.append(time.perf_counter() - began)
     return out
@@ -374,7 +390,8 @@ async def measure_model(
     torch.set_num_threads(args.threads)
     limits = Limits()
     workload = MODELS[args.model]()
-    model = workload.build_model(0)
+    device = torch.device(args.device)
+    model = workload.build_model(0).to(device)
     machine = averaging_for(model, args.compression, "initiator", 0)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -406,6 +423,7 @@ async def measure_model(
                     reply = decode(await asyncio.wait_for(me.recv(), 120), limits)
                     if reply.kind != "xrep" or machine.handle(received(reply), time.monotonic()) or machine.busy:
                         raise RuntimeError(f"unexpected reply: {reply.kind}")
+                    settled(device)
                     if i >= warm:
                         times["gossip exchange"].append(time.perf_counter() - began)
                     if round_ == 0 and i == warm - 1:
@@ -436,7 +454,7 @@ async def measure_model(
                     if i >= warm:
                         times["raw zeromq"].append(time.perf_counter() - began)
                 cpu.stop("raw zeromq", reps)
-                steps += step_times(workload, model, args.batch, 3 if args.quick else 5)
+                steps += step_times(workload, model, args.batch, 3 if args.quick else 5, device)
                 line = ", ".join(f"{name} {1000 * statistics.median(times[name]):.1f} ms" for name in MODEL_SYSTEMS)
                 print(f"pass {round_ + 1}: {line}, step {1000 * statistics.median(steps):.1f} ms", flush=True)
     finally:
@@ -479,6 +497,7 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
     f, w, target = heads["fraction_of_raw_zmq"], heads["wire_fraction_of_raw_zmq"], TARGET_OF_RAW
     flags = f"--model {args.model}" + (f" --compression {args.compression}" if args.compression != "none" else "")
     flags += f" --threads {args.threads}" if args.threads != 1 else ""
+    flags += f" --device {args.device}" if args.device != "cpu" else ""
     overlap = (
         "an exchange takes longer than a step: a peer that does not wait starts its next exchange a step or more later"
         if heads["exchange_over_step"] > 1 else
@@ -488,7 +507,7 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
         f"# Exchange of a realistic model: {args.model} ({heads['params']:,} parameters, {heads['wire_mb']} MB on the wire "
         f"at compression {args.compression})",
         "",
-        f"Two processes on 127.0.0.1, {args.threads} torch thread(s) each. Gossip: two `PairwiseAveraging` machines over the tcp:// transport "
+        f"Two processes on 127.0.0.1, {args.threads} torch thread(s) each, models on {args.device}. Gossip: two `PairwiseAveraging` machines over the tcp:// transport "
         "(snapshot, encode, send, decode, merge at both ends; the responder's safe point after each reply). Raw ZeroMQ: "
         "DEALER/ROUTER ping-pong of the very frames of a request. Medians over "
         f"{passes(args.quick)} interleaved pass(es). One 2-core machine shared with other work, so numbers are noisy.",
@@ -528,12 +547,13 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
 
 def run_model(args: argparse.Namespace) -> None:
     began = time.monotonic()
-    out = args.out / (args.model + ("" if args.compression == "none" else f"-{args.compression}"))
+    out = args.out / (args.model + ("" if args.compression == "none" else f"-{args.compression}")
+                      + ("" if args.device == "cpu" else f"-{torch.device(args.device).type}"))
     runs = harness.fresh_dir(out / "runs")
     for old in runs.glob("*.address"):
         old.unlink()
     me = [sys.executable, str(Path(__file__).resolve())]
-    model_flags = ["--model", args.model, "--compression", args.compression, "--threads", str(args.threads)]
+    model_flags = ["--model", args.model, "--compression", args.compression, "--threads", str(args.threads), "--device", args.device]
     with harness.Procs(runs) as procs:
         gossip = procs.start("gossip-responder", me + ["--role", "model-responder", "--address-file", str(runs / "gossip.address"), *model_flags])
         raw = procs.start("zmq-responder", me + ["--role", "zmq-responder", "--address-file", str(runs / "zmq.address")])
@@ -567,6 +587,8 @@ def main() -> None:
     parser.add_argument("--compression", default="none", help="--model: the codec exchanges use (none, fp16, int8, ...)")
     parser.add_argument("--batch", type=int, default=32, help="--model: batch size of the timed local steps")
     parser.add_argument("--threads", type=int, default=1, help="--model: torch threads in each process (peers' arithmetic)")
+    parser.add_argument("--device", default="cpu",
+                        help="--model: where both peers' models live (cuda: merges on the GPU, the wire through pinned host buffers)")
     parser.add_argument("--role", choices=("gossip-responder", "model-responder", "zmq-responder", "gloo"), help=argparse.SUPPRESS)
     parser.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -578,11 +600,14 @@ def main() -> None:
     if args.role == "gossip-responder":
         return gossip_responder(args.address_file)
     if args.role == "model-responder":
-        return model_responder(args.address_file, args.model, args.compression, args.threads)
+        return model_responder(args.address_file, args.model, args.compression, args.threads, torch.device(args.device))
     if args.role == "zmq-responder":
         return zmq_responder(args.address_file)
     if args.role == "gloo":
         return gloo_rank(args.rank, args.store_port, args.sizes, args.quick)
+    if args.model and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"exchange: --device {args.device}, but CUDA is not available (torch {torch.__version__}): nothing to measure")
+        raise SystemExit(2)
     args.out = harness.results_dir("exchange", args.out, args.quick)  # the main process only: roles write none
     if args.model:
         return run_model(args)

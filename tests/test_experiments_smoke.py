@@ -125,6 +125,17 @@ def test_gpu_check_says_in_one_line_that_there_is_no_cuda_and_exits_2() -> None:
     assert line.startswith("gpu_check: CUDA is not available") and result.stderr == ""
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where CUDA is absent")
+def test_the_exchange_on_cuda_says_in_one_line_that_there_is_none_and_exits_2() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--device", "cuda", "--quick"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("exchange: --device cuda, but CUDA is not available") and result.stderr == ""
+
+
 # -- the harness: the baselines train what gossip trains ---------------------------------
 
 
