@@ -75,6 +75,33 @@ def test_a_change_far_larger_than_recent_ones_enters_the_buffer_clipped_and_does
     assert qg.clipped == 2
 
 
+def test_groups_of_different_rates_are_measured_per_unit_of_their_own_rate_and_clipped_as_one(no_warmup: None) -> None:
+    """The clip looks at the whole change per unit of lr: each group's change is divided by its own rate."""
+    import math
+
+    from gossiptrain.protocol.momentum import CHANGE_CLIP, CHANGE_WARMUP
+
+    fast, slow = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([{"params": [fast], "lr": 0.1}, {"params": [slow], "lr": 0.01}], lr=0.1, momentum=MU)
+    qg = QuasiGlobalMomentum(opt)
+    qg()
+    for _ in range(CHANGE_WARMUP):  # each coordinate moves by its group's lr: 1 per unit of lr everywhere
+        with torch.no_grad():
+            fast.sub_(0.1)
+            slow.sub_(0.01)
+        qg()
+    assert qg.clipped == 0
+    before = [opt.state[p]["momentum_buffer"].clone() for p in (fast, slow)]
+    with torch.no_grad():
+        fast.sub_(0.1)
+        slow.sub_(100 * 0.01)  # 100 per unit of lr in the slow group only
+    qg()
+    scale = CHANGE_CLIP * math.sqrt(8) / math.sqrt(4 * 1**2 + 4 * 100**2)  # the limit over the whole change's norm
+    assert qg.clipped == 1
+    assert torch.allclose(opt.state[fast]["momentum_buffer"], MU * before[0] + (1 - MU) * 1 * scale, atol=1e-6)
+    assert torch.allclose(opt.state[slow]["momentum_buffer"], MU * before[1] + (1 - MU) * 100 * scale, atol=1e-5)
+
+
 def test_while_inactive_the_optimizers_own_momentum_runs_and_a_return_starts_from_it(no_warmup: None) -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=LR, momentum=MU)

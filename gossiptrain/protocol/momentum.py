@@ -129,27 +129,26 @@ class QuasiGlobalMomentum:
             # Per optimizer group, one foreach call per operation: a model of a few hundred tensors paid a few
             # Python-level torch calls per tensor here at every safe point (2.4 ms for 150 small tensors).
             groups = [group for group in self._tracked() if group[0]]  # (params, prevs, lr, mu), those with a reference
-            changes: list[torch.Tensor] = []  # each parameter's change per unit of lr, in its reference's buffer
+            squares = 0.0  # of the changes per unit of lr
             for params, prevs, lr, _ in groups:
-                torch._foreach_sub_(prevs, params)
-                torch._foreach_div_(prevs, lr)
-                changes.extend(prevs)
+                torch._foreach_sub_(prevs, params)  # the change (prev - p), in its reference's buffer; / lr below
+                # In the tensors' own dtype, and scaled by 1 / lr as a number: a float64 norm cost 10x a float32
+                # one (1.27 against 0.13 ms for digits' 1.1M parameters, half of this call), and dividing the
+                # tensors by lr first was a pass of its own.
+                norms = torch._foreach_norm(prevs, 2)
+                squares += float(torch.stack(norms).double().square().sum()) / lr**2
             for p in self._params():  # the first safe point, or a replaced parameter: a reference, a change next time
                 prev = self._prev.get(p)
                 if prev is None or prev.shape != p.shape:
                     self._prev[p] = p.detach().clone()
-            norms = torch._foreach_norm(changes, 2, dtype=torch.float64) if changes else []
-            norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-            scale = self._clip_scale(norm)
-            for params, prevs, _, mu in groups:
-                if scale < 1.0:
-                    torch._foreach_mul_(prevs, scale)
+            scale = self._clip_scale(math.sqrt(squares))
+            for params, prevs, lr, mu in groups:
                 for p in params:
                     if p not in self._m:
                         self._m[p] = torch.zeros_like(p)
                 ms = [self._m[p] for p in params]
                 torch._foreach_mul_(ms, mu)
-                torch._foreach_add_(ms, prevs, alpha=1 - mu)
+                torch._foreach_add_(ms, prevs, alpha=(1 - mu) * scale / lr)  # m <- mu m + (1 - mu) (clipped change / lr)
                 buffers, kept = [], []
                 for p, m in zip(params, ms, strict=True):
                     state = self.optimizer.state[p]
