@@ -110,6 +110,7 @@ def test_flow_control_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+@pytest.mark.slow  # 2 conditions x 4 systems, ~16 s of a 2-core run; test_experiment_scripts.py checks it starts: `make test-slow`
 def test_scale_quick_and_resume(tmp_path: Path) -> None:
     heads = run_script("scale", tmp_path)
     for key in ("ddp_over_gossip_64_straggler", "ddp_over_gossip_64_lognormal", "ddp_over_gossip_256_100mbit", "largest_run"):
