@@ -63,7 +63,7 @@ def test_a_safe_point_adds_the_weighted_sum_of_its_merges_and_held_differences_s
         assert all(torch.equal(d, c) for d, c in zip(delta, copy))
     # Everything handed on is still held here: so nothing merged since wrote to it (the pool hands out only what
     # nobody holds), and the sum of now is elsewhere.
-    now = {x.data_ptr() for x in pending.values()}
+    now = {x.data_ptr() for x in pending.moved()[0]}
     for terms, scale, values in handed:
         assert all(torch.equal(scale * t, v) for t, v in zip(terms, values))
         assert all(t.data_ptr() not in now for t in terms)

@@ -619,7 +619,7 @@ class PairwiseAveraging(Averaging):
         served = self._unsettled
         if served is not None:
             self._unsettled = None
-            delta = self.buffers.like(self.params)  # reused: kept only until the next merge (to undo this one)
+            delta = self.buffers.like(self.params)  # reused once let go: kept to undo this merge, and as pending's sum
             with torch.no_grad():
                 for d, r, o in zip(delta, served.remote, served.sent, strict=True):
                     torch.sub(r, o, out=d)

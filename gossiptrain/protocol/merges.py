@@ -94,11 +94,11 @@ class PendingMerges:
         self._terms, self._scale, self._owned = None, 0.0, False
 
     def values(self) -> list[Tensor]:
-        """The sum as tensors (zeros when empty): for inspection and tests, not the exchange's path."""
+        """The sum as new tensors (zeros when empty): for inspection and tests, not the exchange's path; changes nothing."""
         if self._terms is None:
             return [torch.zeros_like(p) for p in self._params]
         with torch.no_grad():
-            return self._materialised()
+            return [t * self._scale for t in self._terms]
 
     def _materialised(self) -> list[Tensor]:
         """The sum in our own accumulator with scale 1 (one pass when it was a held difference or scaled)."""
