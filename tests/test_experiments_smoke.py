@@ -9,6 +9,7 @@ server process outlives a test.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -27,7 +28,7 @@ from experiments.baselines import param_server
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.workload import load_workload
 
-from .swarm import ROOT, run_quick_experiment
+from .swarm import ROOT, run_in_session, run_quick_experiment
 
 SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
 
@@ -88,6 +89,22 @@ def test_exchange_quick(tmp_path: Path) -> None:
     assert finite(heads["over_gloo_16mib"]) and heads["over_gloo_16mib"] > 0
     assert_outputs(tmp_path, ["throughput.png"])
     assert "gloo all-reduce" in (tmp_path / "results.csv").read_text()
+
+
+@pytest.mark.slow  # two 4.3M-parameter peers and their steps, ~10 s: `make test-slow`
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_exchange_of_a_realistic_model_quick(tmp_path: Path) -> None:
+    """``exchange.py --model``: the whole exchange, the wire and raw ZeroMQ timed with their CPU, and the pool's size."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--quick", "--out", str(tmp_path)]
+    done = run_in_session(cmd, SCRIPT_TIMEOUT, "exchange.py --model charlm-large --quick")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    heads = json.loads(done.stdout.strip().splitlines()[-1])
+    assert heads["params"] == 4_266_240 and finite(heads["fraction_of_raw_zmq"]) and heads["fraction_of_raw_zmq"] > 0
+    assert heads["buffers_at_end"] == heads["buffers_after_warm_up"] > 0  # nothing allocated past the warm-up
+    assert all(finite(heads["cpu_ms_per_round"][name]) for name in ("gossip exchange", "gossip wire", "raw zeromq"))
+    assert 0 < heads["fraction_bound_by_cores"] <= 1
+    summary = (tmp_path / "charlm-large" / "summary.md").read_text()
+    assert "| gossip exchange |" in summary and "CPU: an exchange keeps the two processes busy" in summary
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
