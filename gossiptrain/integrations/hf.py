@@ -121,7 +121,7 @@ class GossipCallback(TrainerCallback):
             log.warning("closing the peer of an earlier train() that did not end")
             self.close()
         self.final_report = None
-        self.peer = Peer(model, join=self.join, optimizer=_unwrapped(optimizer), group=group, **self._peer_kwargs)
+        self.peer = Peer(model, join=self.join, optimizer=optimizer, group=group, **self._peer_kwargs)
         self._open = True
         # The samples one optimizer step trains on: the Trainer's total batch, over all its processes.
         self._samples_per_step = args.train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
@@ -200,17 +200,6 @@ def _process_group(args: TrainingArguments) -> Any:
             "start the Trainer with torchrun (or accelerate launch)"
         )
     return dist.group.WORLD
-
-
-def _unwrapped(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (which the Trainer hands callbacks).
-
-    The peer hooks ``step()`` (the swarm's learning-rate scaling) and reads and
-    loads the optimizer's state (state transfer): the wrapper is not a real
-    ``torch.optim.Optimizer`` for either, its inner one is.
-    """
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _number(value: Any) -> float | None:

@@ -18,6 +18,7 @@ from gossiptrain.errors import GossipError
 from gossiptrain.runtime.final_phase import FinalReport
 from gossiptrain.runtime.peer import ModelFactory, OptimizerFactory, Peer
 from gossiptrain.runtime.peer_group import PeerGroup, control_dict
+from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
 
 
 class GroupWorker(Peer):
@@ -41,8 +42,8 @@ class GroupWorker(Peer):
         self.address, self.joined_via = info["address"], info["joined_via"]
         self.taken_from_swarm = list(info.get("taken_from_swarm", []))
         self.transfer = None
-        self.model = model if isinstance(model, torch.nn.Module) else model(self.config, self.shard)
-        self.optimizer = optimizer(self.config, self.model) if callable(optimizer) else optimizer
+        self.model = inner_model(model if isinstance(model, torch.nn.Module) else model(self.config, self.shard))
+        self.optimizer = inner_optimizer(optimizer(self.config, self.model) if callable(optimizer) else optimizer)
         self._step = 0
         self._samples: int | None = None
         self._control: dict[str, float] = {}

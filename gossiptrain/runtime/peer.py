@@ -66,6 +66,7 @@ from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.runtime.swarm_client import merge_members
+from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
 from gossiptrain.service import Status
 from gossiptrain.state.merged_model import MemberInfo
 
@@ -104,6 +105,8 @@ class Peer:
     When your loop ends (its budget spent, or ``finish_requested`` after a
     ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
     the others, and optionally the swarm's merged model (``gossiptrain.protocol.finish``).
+    ``model`` and ``optimizer`` may be what DDP or accelerate wrapped them
+    in: the peer takes what is inside (``gossiptrain.runtime.wrapped``).
     ``group``, a ``torch.distributed`` process group, makes one member of
     several workers training with DDP: call it on every rank; rank 0 joins,
     the others get a ``GroupWorker`` (``gossiptrain.runtime.peer_group``).
@@ -198,7 +201,7 @@ class Peer:
             self.address = self._transport.reachable_at(tcp_url(advertise, parse_hostport(plain_address(self._transport.address))[1]))
             if security is None:
                 warn_open("peer", self.address)
-            module = model if isinstance(model, torch.nn.Module) else None
+            module = inner_model(model) if isinstance(model, torch.nn.Module) else None  # DDP's: what it wraps
             spec = ParamSpec.of(dict(module.named_parameters())) if module is not None else None
             if reach.mode == NO:  # the caller knows nobody can dial us: a client from the start
                 self._become_client()
@@ -227,8 +230,9 @@ class Peer:
             welcome = join_once(reach, -1 if shard is None else shard)
             reach.welcomed(plain_address(welcome.answered_by), clock.now(), local.membership.join_timeout)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
-                self.model = module if module is not None else model(welcome.config, welcome.shard)  # type: ignore[operator]
-                self.optimizer = optimizer(welcome.config, self.model) if callable(optimizer) else optimizer
+                self.model = module if module is not None else inner_model(model(welcome.config, welcome.shard))  # type: ignore[operator]
+                # accelerate's AcceleratedOptimizer: the torch optimizer inside (gossiptrain.runtime.wrapped)
+                self.optimizer = inner_optimizer(optimizer(welcome.config, self.model) if callable(optimizer) else optimizer)
             except Exception:
                 self._withdraw(welcome)
                 raise
