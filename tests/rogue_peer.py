@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import sys
 
-import gossiptrain.runtime.peer as peer_module
+import gossiptrain.runtime.assembly as assembly  # where a peer builds its averaging machine
 from gossiptrain.cli.main import main
 
-_make = peer_module.make_averaging
+_make = assembly.make_averaging
 
 
 def _rogue(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -22,7 +22,7 @@ def _rogue(*args, **kwargs):  # type: ignore[no-untyped-def]
     return averaging
 
 
-peer_module.make_averaging = _rogue
+assembly.make_averaging = _rogue
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -62,17 +62,32 @@ def test_every_algorithm_and_topology_trains_digits_to_090(algorithm: str, topol
 
 
 @pytest.mark.slow
-def test_better_connected_topologies_reach_the_target_sooner_under_label_skew() -> None:
-    """Dirichlet(0.1) shards: each peer sees mostly one or two classes, so mixing speed decides.
+@pytest.mark.parametrize("seed", [1, 2])
+def test_better_connected_topologies_hold_label_skewed_peers_closer_together(seed: int) -> None:
+    """Dirichlet(0.1) shards: each peer sees mostly one or two classes, so mixing speed decides how far apart they are.
 
     Spectral gaps on 8 peers (`gossiptrain topology NAME --peers 8`): ring
-    0.20, exponential 0.50, complete 1.0. Measured once (seed 1, pairwise,
-    /tmp script with these settings): 4.5, 4.0 and 3.0 virtual seconds.
+    0.20, exponential 0.50, complete 1.0. This test once compared times to
+    0.9 (4.5, 4.0 and 3.0 virtual s, seed 1); since drift correction and
+    several exchanges in flight, every topology reaches it at the same
+    sample (2.0 s) and the accuracies agree to the third digit, so what it
+    compares now is the peers' mean consensus distance over the first 2
+    virtual seconds (measured, seeds 1 and 2: ring 0.065 and 0.084,
+    exponential 0.055 and 0.066, complete 0.052 and 0.066).
     """
-    skew = {"train.partition": "dirichlet", "train.partition_alpha": 0.1}
-    times = {t: reaches_target(digits_run("pairwise", t, **skew)) for t in ("ring", "exponential", "complete")}
-    assert times["complete"] < times["ring"], times
-    assert times["exponential"] <= times["ring"], times
+    import dataclasses
+    import statistics
+
+    skew = {"train.partition": "dirichlet", "train.partition_alpha": 0.1, "train.eval_every_seconds": 0.25}
+    apart = {}
+    for topology in ("ring", "exponential", "complete"):
+        config = dataclasses.replace(digits_run("pairwise", topology, seed=seed, **skew), duration=2.01, sample_every=0.25,
+                                     target_accuracy=0.0)
+        rows = simulate(config).rows
+        apart[topology] = statistics.mean(r["consensus_distance"] for r in rows)
+        assert statistics.mean(r["test_acc"] for r in rows if r["time"] == max(x["time"] for x in rows)) >= 0.9
+    assert apart["complete"] < 0.9 * apart["ring"], apart
+    assert apart["exponential"] < 0.9 * apart["ring"], apart
 
 
 def test_local_sgd_with_outer_momentum_trains_and_a_diverging_setting_is_refused_by_name() -> None:

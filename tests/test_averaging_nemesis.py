@@ -87,6 +87,7 @@ def test_top_k_edges_of_a_member_that_died_or_went_silent_leave_the_mixing() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 2,000 schedules of up to 200 faults: over the default 180 s on 2 busy cores
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(2, 8), seed=st.integers(0, 2**16), schedule=schedules(max_ops=200))

@@ -479,8 +479,9 @@ def test_export_with_no_live_member_is_a_clear_failure(coordinator_factory: Any,
 # -- real processes on loopback ---------------------------------------------------------------
 
 
-def digits_accuracy(tensors: dict[str, torch.Tensor]) -> float:
-    workload = load_workload("digits")
+def accuracy_of(tensors: dict[str, torch.Tensor], workload_name: str) -> float:
+    """The test accuracy of ``tensors`` as the run's own workload's model (fast_config trains digits-small)."""
+    workload = load_workload(workload_name)
     model = workload.build_model(0)
     model.load_state_dict(tensors)
     return workload.evaluate(model).accuracy
@@ -508,8 +509,9 @@ def test_export_from_a_running_swarm_then_stop_ends_it_with_the_merged_model(
     merged, meta = fm.read_merged(out)
     assert len(meta["members"]) == 3 and not meta["skipped"] and meta["fingerprint"] == config.fingerprint(), meta
     assert all(m["samples"] > 0 for m in meta["members"]) and "member 3/3" in printed and "3 members" in printed, printed
-    member_acc = [digits_accuracy(fm.read_merged(p)[0]) for p in sorted((procs.workdir / "members").glob("*.safetensors"))]
-    merged_acc = digits_accuracy(merged)
+    workload = config.train.workload
+    member_acc = [accuracy_of(fm.read_merged(p)[0], workload) for p in sorted((procs.workdir / "members").glob("*.safetensors"))]
+    merged_acc = accuracy_of(merged, workload)
     assert len(member_acc) == 3 and merged_acc >= sum(member_acc) / 3, (merged_acc, member_acc)
     assert all(p.alive() for p in peers)  # exporting took nothing from the swarm
 
@@ -525,6 +527,6 @@ def test_export_from_a_running_swarm_then_stop_ends_it_with_the_merged_model(
         p.records("done")[0]["peer"] for p in peers), writer
     tensors, meta = fm.read_merged(final)
     assert len(meta["members"]) == 3 and meta["written_by"] == writer["peer"]
-    final_acc = digits_accuracy(tensors)
+    final_acc = accuracy_of(tensors, workload)
     peers_acc = [p.records("done")[0]["test_acc"] for p in peers]
     assert final_acc >= min(peers_acc) - 0.01, (final_acc, peers_acc)  # after the consensus they are nearly one model

@@ -180,6 +180,9 @@ def _loopback_accuracy(procs: Procs, coordinator_factory: Any, rogue: bool, robu
     procs.wait_for(lambda: all(p.records("done") or not p.alive() for p in everyone), 280, "6 peers to finish")
     for p in honest:
         assert p.wait(30) == 0, p.output()[-3000:]
+    # The sixth peer trained to its end too: a rogue wrapper that fails to start (it once patched a function
+    # that had moved) must fail here, not pass as a harmless rogue.
+    assert last.records("done"), last.output()[-3000:]
     return sum(p.records("done")[0]["test_acc"] for p in honest) / len(honest)
 
 

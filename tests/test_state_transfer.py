@@ -664,6 +664,7 @@ def test_a_peer_joining_a_training_swarm_starts_from_its_state(procs: Procs, coo
 def test_a_donor_killed_mid_transfer_the_newcomer_completes_from_another(procs: Procs, coordinator_factory: Any) -> None:
     # 69 chunks of 64 KiB, one in flight, paced to 2 MB/s: a download of about 2.3 s, long enough to kill its donor.
     config = fast_config(**{
+        "train.workload": "digits",  # the 4.5 MB state the chunks above are counted for (fast_config's own is 77 KB)
         "train.max_steps": 0, "train.max_seconds": 120, "train.shards": 3, "state.chunk_bytes": 65536, "state.window": 1,
         "state.max_bytes_per_second": 2.0e6, "state.request_timeout": 1.0,
     })

@@ -72,6 +72,7 @@ CONSERVING = ("pairwise", "push-sum")  # the mass is conserved exactly, asynchro
 CONVEX = ("neighbor", "local-sgd")  # every merge is a convex combination: nothing is made up
 SUPPORTED = CONSERVING + CONVEX
 TICK = 0.01  # virtual seconds every operation takes
+HEAL_EXTRA = 3  # survivors not agreeing after the heal's rounds get up to this many times as many more
 
 
 # -- operations ------------------------------------------------------------------------------
@@ -263,21 +264,38 @@ class Nemesis:
             raise TypeError(f"unknown operation {op!r}")
 
     def heal(self, rounds: int) -> None:
-        """No more faults: every loop resumes, everything is delivered, ``rounds`` rounds run; then agreement."""
+        """No more faults: every loop resumes, everything is delivered, ``rounds`` rounds run; then agreement.
+
+        Survivors that do not agree yet get up to ``HEAL_EXTRA`` times as many
+        rounds more: how fast they mix is the topology's business (neighbor
+        averaging on 8 peers needed 120 rounds to agree within 1e-6, not 80),
+        whether they meet at all, and where, is the invariant's.
+        """
         self.paused.clear()
         self.failing.clear()
         self._drain_wire()
         for _ in range(rounds):
-            self.now += 1.0  # past any exchange timeout: a request to a dead member frees its sender
-            for i in self._alive():
-                self._safe_point(i, 0.0)
-                self._drain_wire()
-            self.check("while healing")
+            self._heal_round()
+        for _ in range(rounds * HEAL_EXTRA):
+            self._settle_last_round()
+            if self._disagreement() is None:
+                break
+            self._heal_round()
+        self._settle_last_round()
+        self.check("after healing")
+        self._check_agreement()
+
+    def _heal_round(self) -> None:
+        self.now += 1.0  # past any exchange timeout: a request to a dead member frees its sender
+        for i in self._alive():
+            self._safe_point(i, 0.0)
+            self._drain_wire()
+        self.check("while healing")
+
+    def _settle_last_round(self) -> None:
         for i in self._alive():  # the merges of the last round reach the parameters
             self._safe_point(i, 0.0, start=False)
         self._drain_wire()
-        self.check("after healing")
-        self._check_agreement()
 
     # -- the invariant -----------------------------------------------------------------------------
 
@@ -315,14 +333,20 @@ class Nemesis:
                 )
 
     def _check_agreement(self) -> None:
+        problem = self._disagreement()
+        if problem is not None:
+            raise InvariantViolation(f"after healing, {problem}")
+
+    def _disagreement(self) -> str | None:
+        """How the survivors' models miss agreement (with each other, or with the predicted mean); None: they agree."""
         alive = self._alive()
         if not self.conserves:  # no mean is predicted: the survivors must agree with each other
             first = self.params[alive[0]]["x"]
             for i in alive[1:]:
                 error = float((self.params[i]["x"] - first).abs().max())
                 if error > self.agreement * self.scale:
-                    raise InvariantViolation(f"after healing, {self.ids[i]} is {error:.3g} from {self.ids[alive[0]]}")
-            return
+                    return f"{self.ids[i]} is {error:.3g} from {self.ids[alive[0]]}"
+            return None
         if isinstance(self._machine(alive[0]), PushSum):
             target = self.expected[:-1] / self.expected[-1]  # sum x / sum w
         else:
@@ -331,7 +355,8 @@ class Nemesis:
             got = self.params[i]["x"]
             error = float((got - target).abs().max())
             if error > self.agreement * self.scale:
-                raise InvariantViolation(f"after healing, {self.ids[i]} is {error:.3g} from the predicted mean {target.tolist()}")
+                return f"{self.ids[i]} is {error:.3g} from the predicted mean {target.tolist()}"
+        return None
 
     # -- the driver, as SafePoint and PeerNode route ------------------------------------------------
 
