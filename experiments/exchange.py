@@ -49,7 +49,10 @@ counted (user and system, every thread, from /proc): no exchange can take
 less than its CPU time spread over the cores, which bounds what overlap
 could reach (fraction_bound_by_cores). ``--device cuda`` puts both models on
 the GPU: merges run there, the wire goes through pinned host buffers, and
-each round waits for the device's work.
+each round waits for the device's work. ``--phases`` instead times each
+step of an exchange (each end's safe point, answer and merge, the encoding
+and decoding between them) with both machines in this one process: where
+the work goes, without the wire (<model>-phases/phases.csv).
 Output in experiments/results/exchange/<model>/ (-cuda with --device cuda);
 the headline has fraction_of_raw_zmq, exchange_ms, raw_zmq_ms, step_ms,
 cpu_ms_per_round and fraction_bound_by_cores.
@@ -59,6 +62,7 @@ cpu_ms_per_round and fraction_bound_by_cores.
     python experiments/exchange.py --model charlm-large [--compression int8] [--quick]
     python experiments/exchange.py --model charlm-transformer   # as many bytes in 114 tensors
     python experiments/exchange.py --model charlm-large --device cuda   # merges on the GPU (results in charlm-large-cuda/)
+    python experiments/exchange.py --model charlm-large --phases --out /tmp/x   # each step of an exchange, in one process
 """
 
 from __future__ import annotations
@@ -545,6 +549,50 @@ def write_model_results(out: Path, rows: list[dict[str, Any]], heads: dict[str, 
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
+#: --phases: where an exchange's work goes, each end's steps timed in one process (no wire, no other process).
+PHASES = ("initiator's safe point", "encode request", "decode request", "responder's answer", "encode reply",
+          "decode reply", "initiator's merge", "responder's safe point")
+
+
+def run_phases(args: argparse.Namespace) -> None:
+    """Both machines in this process, one thread: each step of an exchange timed alone; medians after a warm-up."""
+    torch.set_num_threads(args.threads)
+    limits = Limits()
+    device = torch.device(args.device)
+    workload = MODELS[args.model]()
+    initiator = averaging_for(workload.build_model(0).to(device), args.compression, "initiator", 0)
+    responder = averaging_for(workload.build_model(1).to(device), args.compression, "responder", 1)
+    times: dict[str, list[float]] = {name: [] for name in PHASES}
+
+    def timed(name: str, work: Callable[[], Any]) -> Any:
+        began = time.perf_counter()
+        out = work()
+        settled(device)
+        times[name].append(time.perf_counter() - began)
+        return out
+
+    warm, rounds = 5, 10 if args.quick else 60
+    for step in range(1, warm + rounds + 1):
+        (request,) = timed(PHASES[0], lambda: initiator.handle(AtSafePoint(step, ["responder"]), time.monotonic()))
+        frames = timed(PHASES[1], lambda: encode(exchange_message(request, "initiator", "tcp://127.0.0.1:1", step), limits))
+        got = timed(PHASES[2], lambda: decode(frames, limits))
+        answer = timed(PHASES[3], lambda: responder.handle(received(got), time.monotonic()))
+        reply = next(a for a in answer if isinstance(a, SendExchange))
+        reply_frames = timed(PHASES[4], lambda: encode(exchange_message(reply, "responder", "tcp://127.0.0.1:2", step), limits))
+        back = timed(PHASES[5], lambda: decode(reply_frames, limits))
+        timed(PHASES[6], lambda: initiator.handle(received(back), time.monotonic()))
+        timed(PHASES[7], lambda: responder.handle(AtSafePoint(step, []), time.monotonic()))  # with its deferred merge
+    rows = [{"phase": name, "median_ms": round(1000 * statistics.median(times[name][warm:]), 3), "rounds": rounds}
+            for name in PHASES]
+    out = args.out / (args.model + "-phases")
+    harness.write_csv(out / "phases.csv", rows)
+    for r in rows:
+        print(f"{r['phase']}: {r['median_ms']:.2f} ms")
+    total = round(sum(r["median_ms"] for r in rows), 2)
+    print(harness.headline({"model": args.model, "device": args.device, "phases_ms": {r["phase"]: r["median_ms"] for r in rows},
+                            "total_ms": total}))
+
+
 def run_model(args: argparse.Namespace) -> None:
     began = time.monotonic()
     out = args.out / (args.model + ("" if args.compression == "none" else f"-{args.compression}")
@@ -587,6 +635,8 @@ def main() -> None:
     parser.add_argument("--compression", default="none", help="--model: the codec exchanges use (none, fp16, int8, ...)")
     parser.add_argument("--batch", type=int, default=32, help="--model: batch size of the timed local steps")
     parser.add_argument("--threads", type=int, default=1, help="--model: torch threads in each process (peers' arithmetic)")
+    parser.add_argument("--phases", action="store_true",
+                        help="--model: time each step of an exchange in this one process instead (where its work goes)")
     parser.add_argument("--device", default="cpu",
                         help="--model: where both peers' models live (cuda: merges on the GPU, the wire through pinned host buffers)")
     parser.add_argument("--role", choices=("gossip-responder", "model-responder", "zmq-responder", "gloo"), help=argparse.SUPPRESS)
@@ -609,6 +659,8 @@ def main() -> None:
         print(f"exchange: --device {args.device}, but CUDA is not available (torch {torch.__version__}): nothing to measure")
         raise SystemExit(2)
     args.out = harness.results_dir("exchange", args.out, args.quick)  # the main process only: roles write none
+    if args.model and args.phases:
+        return run_phases(args)
     if args.model:
         return run_model(args)
 

@@ -107,6 +107,21 @@ def test_exchange_of_a_realistic_model_quick(tmp_path: Path) -> None:
     assert "| gossip exchange |" in summary and "CPU: an exchange keeps the two processes busy" in summary
 
 
+@pytest.mark.slow  # two 4.3M-parameter machines in one process, ~5 s: `make test-slow`
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_exchange_phases_of_a_realistic_model_quick(tmp_path: Path) -> None:
+    """``exchange.py --model --phases``: each step of an exchange timed in one process, written and summed."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--phases", "--quick",
+           "--out", str(tmp_path)]
+    done = run_in_session(cmd, SCRIPT_TIMEOUT, "exchange.py --model charlm-large --phases --quick")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    heads = json.loads(done.stdout.strip().splitlines()[-1])
+    phases = heads["phases_ms"]
+    assert len(phases) == 8 and all(finite(ms) and ms > 0 for ms in phases.values()), phases
+    assert heads["total_ms"] == pytest.approx(sum(phases.values()), abs=0.02)
+    assert (tmp_path / "charlm-large-phases" / "phases.csv").read_text().count("\n") == 9  # a header and 8 phases
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_the_exchange_benchmark_counts_the_cpu_of_both_processes() -> None:
     """``exchange.py --model`` bounds the exchange by its CPU time: read from /proc, ours and the responder's."""
