@@ -95,6 +95,7 @@ from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Recei
 from gossiptrain.protocol.compression import get_codec  # noqa: E402
 from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
 from gossiptrain.runtime.peer_network import exchange_meta  # noqa: E402
+from gossiptrain.state.host_buffers import synchronize  # noqa: E402
 from gossiptrain.train.workload import Workload, batches  # noqa: E402
 
 MiB = 1 << 20
@@ -288,12 +289,6 @@ def wire_tensors(model: torch.nn.Module, compression: str) -> dict[str, torch.Te
     return get_codec(compression).encode({n: p.detach().cpu() for n, p in model.named_parameters()})
 
 
-def settled(device: torch.device) -> None:
-    """Wait for the device's queued work (merges run there asynchronously): a round's time is its work's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def exchange_message(action: SendExchange, me: str, addr: str, step: int) -> Message:
     return Message(action.kind, me, addr, "exchange-bench", step, {"xid": action.xid, **action.meta}, dict(action.tensors))
 
@@ -325,7 +320,7 @@ def model_responder(address_file: Path, model_name: str, compression: str, threa
                         me.send(msg.addr, encode(exchange_message(action, "responder", me.address, step), limits))
                 step += 1
                 machine.handle(AtSafePoint(step, []), time.monotonic())  # the trainer's next safe point
-                settled(device)
+                synchronize(device)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
@@ -373,12 +368,12 @@ def step_times(workload: Workload, model: torch.nn.Module, batch: int, count: in
     out = []
     for i in range(count + 1):
         x, y = (t.to(device) for t in next(data))
-        settled(device)
+        synchronize(device)
         began = time.perf_counter()
         optimizer.zero_grad()
         workload.loss(model, x, y).backward()
         optimizer.step()
-        settled(device)
+        synchronize(device)
         if i:
             out.append(time.perf_counter() - began)
     return out
@@ -427,7 +422,7 @@ async def measure_model(
                     reply = decode(await asyncio.wait_for(me.recv(), 120), limits)
                     if reply.kind != "xrep" or machine.handle(received(reply), time.monotonic()) or machine.busy:
                         raise RuntimeError(f"unexpected reply: {reply.kind}")
-                    settled(device)
+                    synchronize(device)
                     if i >= warm:
                         times["gossip exchange"].append(time.perf_counter() - began)
                     if round_ == 0 and i == warm - 1:
@@ -567,7 +562,7 @@ def run_phases(args: argparse.Namespace) -> None:
     def timed(name: str, work: Callable[[], Any]) -> Any:
         began = time.perf_counter()
         out = work()
-        settled(device)
+        synchronize(device)
         times[name].append(time.perf_counter() - began)
         return out
 
@@ -577,7 +572,9 @@ def run_phases(args: argparse.Namespace) -> None:
         frames = timed(PHASES[1], lambda: encode(exchange_message(request, "initiator", "tcp://127.0.0.1:1", step), limits))
         got = timed(PHASES[2], lambda: decode(frames, limits))
         answer = timed(PHASES[3], lambda: responder.handle(received(got), time.monotonic()))
-        reply = next(a for a in answer if isinstance(a, SendExchange))
+        reply = next((a for a in answer if isinstance(a, SendExchange) and a.kind == "xrep"), None)
+        if reply is None:  # refused (XNAK) or rejected: the timings would not be an exchange's
+            raise RuntimeError(f"the responder did not answer with its model: {answer}")
         reply_frames = timed(PHASES[4], lambda: encode(exchange_message(reply, "responder", "tcp://127.0.0.1:2", step), limits))
         back = timed(PHASES[5], lambda: decode(reply_frames, limits))
         timed(PHASES[6], lambda: initiator.handle(received(back), time.monotonic()))

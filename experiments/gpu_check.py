@@ -121,6 +121,7 @@ def _guarded(fn: Any, errors: list[BaseException], *args: Any) -> None:
 def run_peer(index: int, device: torch.device, join: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
     """One peer's training loop: ``args.seconds`` of Adam steps on its shard, ``peer.step()`` after each."""
     from gossiptrain.runtime.peer import Peer
+    from gossiptrain.state.host_buffers import synchronize
     from gossiptrain.train.workload import batches
     from peers.charlm import large
 
@@ -142,8 +143,7 @@ def run_peer(index: int, device: torch.device, join: str, args: argparse.Namespa
             optimizer.zero_grad()
             workload.loss(model, x, y).backward()
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the step's kernels are done: its time, not its launch
+            synchronize(device)  # the step's kernels are done: its time, not its launch
             t1 = time.perf_counter()
             peer.step()
             t2 = time.perf_counter()

@@ -162,8 +162,8 @@ def run_in_session(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str, Any], str]:
-    """Run experiments/NAME.py --quick --out OUT; its last line as JSON, and its output.
+def run_quick_experiment(name: str, out: Path, timeout: float, *flags: str) -> tuple[dict[str, Any], str]:
+    """Run experiments/NAME.py --quick --out OUT (and ``flags``); its last line as JSON, and its output.
 
     The script runs in its own session, so an overrun kills its peers and
     coordinator too; a non-zero exit or an overrun fails the test with the
@@ -171,8 +171,8 @@ def run_quick_experiment(name: str, out: Path, timeout: float) -> tuple[dict[str
     """
     import json
 
-    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)]
-    done = run_in_session(cmd, timeout, f"{name}.py --quick")
+    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), *flags, "--quick", "--out", str(out)]
+    done = run_in_session(cmd, timeout, " ".join([f"{name}.py", *flags, "--quick"]))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), output

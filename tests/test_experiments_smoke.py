@@ -9,7 +9,6 @@ server process outlives a test.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -28,14 +27,14 @@ from experiments.baselines import param_server
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.workload import load_workload
 
-from .swarm import ROOT, run_in_session, run_quick_experiment
+from .swarm import ROOT, run_quick_experiment
 
 SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
 
 
-def run_script(name: str, out: Path) -> dict[str, Any]:
-    """Run experiments/NAME.py --quick; return its last line as JSON."""
-    return run_quick_experiment(name, out, SCRIPT_TIMEOUT)[0]
+def run_script(name: str, out: Path, *flags: str) -> dict[str, Any]:
+    """Run experiments/NAME.py --quick (and ``flags``); return its last line as JSON."""
+    return run_quick_experiment(name, out, SCRIPT_TIMEOUT, *flags)[0]
 
 
 def assert_outputs(out: Path, pngs: list[str]) -> None:
@@ -95,10 +94,7 @@ def test_exchange_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_exchange_of_a_realistic_model_quick(tmp_path: Path) -> None:
     """``exchange.py --model``: the whole exchange, the wire and raw ZeroMQ timed with their CPU, and the pool's size."""
-    cmd = [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--quick", "--out", str(tmp_path)]
-    done = run_in_session(cmd, SCRIPT_TIMEOUT, "exchange.py --model charlm-large --quick")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    heads = json.loads(done.stdout.strip().splitlines()[-1])
+    heads = run_script("exchange", tmp_path, "--model", "charlm-large")
     assert heads["params"] == 4_266_240 and finite(heads["fraction_of_raw_zmq"]) and heads["fraction_of_raw_zmq"] > 0
     assert heads["buffers_at_end"] == heads["buffers_after_warm_up"] > 0  # nothing allocated past the warm-up
     assert all(finite(heads["cpu_ms_per_round"][name]) for name in ("gossip exchange", "gossip wire", "raw zeromq"))
@@ -111,11 +107,7 @@ def test_exchange_of_a_realistic_model_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_exchange_phases_of_a_realistic_model_quick(tmp_path: Path) -> None:
     """``exchange.py --model --phases``: each step of an exchange timed in one process, written and summed."""
-    cmd = [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--phases", "--quick",
-           "--out", str(tmp_path)]
-    done = run_in_session(cmd, SCRIPT_TIMEOUT, "exchange.py --model charlm-large --phases --quick")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    heads = json.loads(done.stdout.strip().splitlines()[-1])
+    heads = run_script("exchange", tmp_path, "--model", "charlm-large", "--phases")
     phases = heads["phases_ms"]
     assert len(phases) == 8 and all(finite(ms) and ms > 0 for ms in phases.values()), phases
     assert heads["total_ms"] == pytest.approx(sum(phases.values()), abs=0.02)

@@ -619,12 +619,8 @@ class PairwiseAveraging(Averaging):
         served = self._unsettled
         if served is not None:
             self._unsettled = None
-            delta = self.buffers.like(self.params)  # reused once let go: kept to undo this merge, and as pending's sum
-            with torch.no_grad():
-                for d, r, o in zip(delta, served.remote, served.sent, strict=True):
-                    torch.sub(r, o, out=d)
-            self._pending.add(delta, served.a)
-            served.delta = delta
+            served.delta = self._pending.difference(served.remote, served.sent)  # kept to undo this merge
+            self._pending.add(served.delta, served.a)  # ...and held as pending's sum while it is the only merge
             served.remote = served.sent = []  # an undo needs only the delta: let the received frames go
 
     def hold_until(self, now: float) -> float | None:

@@ -162,7 +162,7 @@ class DriftCorrection:
         self.gain = gain
         self.least_memory = memory_steps
         self.memory = memory_steps  # safe points; beta = 1 / memory
-        self.reported = reported
+        # The model as the safe point began (``before``); None where the safe point reports what it added.
         self._before = None if reported else [torch.empty_like(p) for p in self.params]
         # The smoothed merge displacement per safe point is ``_c_scale * _c``: decaying it, or rescaling it for a
         # new memory, changes the number only (renormalised into the tensors when it leaves [2^-20, 2^20]).
@@ -176,6 +176,11 @@ class DriftCorrection:
         if self._before is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self._before, [p.detach() for p in self.params])
+
+    @property
+    def reported(self) -> bool:
+        """Whether ``after`` is told what the safe point added (``moved``) instead of measuring it."""
+        return self._before is None
 
     @property
     def beta(self) -> float:

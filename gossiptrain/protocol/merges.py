@@ -60,18 +60,21 @@ class PendingMerges:
         with torch.no_grad():
             torch._foreach_add_(self._materialised(), list(delta), alpha=a)
 
-    def add_difference(self, remote: Sequence[Tensor], own: Sequence[Tensor], a: float) -> None:
-        """``sum += a * (remote - own)``: one pass into our accumulator when the sum is empty, else through a pooled buffer."""
+    def difference(self, remote: Sequence[Tensor], own: Sequence[Tensor]) -> list[Tensor]:
+        """``remote - own`` in a pooled buffer, one pass (a merge's difference, to ``add`` and keep for an undo)."""
+        delta = self._pool.like(self._params)
         with torch.no_grad():
-            if self._terms is None:
-                acc = self._pool.like(self._params)
-                for d, r, o in zip(acc, remote, own, strict=True):
-                    torch.sub(r, o, out=d)
-                self._terms, self._scale, self._owned = acc, a, True
-                return
-            delta = self._pool.like(self._params)
             for d, r, o in zip(delta, remote, own, strict=True):
                 torch.sub(r, o, out=d)
+        return delta
+
+    def add_difference(self, remote: Sequence[Tensor], own: Sequence[Tensor], a: float) -> None:
+        """``sum += a * (remote - own)``: one pass when the sum is empty (the difference becomes it), two else."""
+        delta = self.difference(remote, own)
+        if self._terms is None:
+            self._terms, self._scale, self._owned = delta, a, True  # nobody else holds it: ours to write
+            return
+        with torch.no_grad():
             torch._foreach_add_(self._materialised(), delta, alpha=a)
 
     def add_to(self, out: Sequence[Tensor]) -> None:

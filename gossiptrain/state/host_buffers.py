@@ -141,11 +141,21 @@ class BufferPool:
             out[name] = host
             devices.add(t.device)
         for device in devices:
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # the stream the copies were queued on, not the device
-            else:
-                torch.accelerator.synchronize(device)
+            synchronize(device)
         return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device``'s current stream is done (CPU: nothing to wait for).
+
+    Copies for the wire are queued there (``to_host``), and so are a merge's
+    and a step's kernels: a timing that stops before this measured their
+    launch, not their work.
+    """
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the stream the work was queued on, not the whole device
+    elif device.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(device)
 
 
 def to_device(tensors: Mapping[str, Tensor], device: torch.device | None) -> Mapping[str, Tensor]:
