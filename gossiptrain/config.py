@@ -253,11 +253,16 @@ class GossipConfig:
     staleness_weighting: str = "constant"  # constant, or polynomial: weight 1/(1+s)^staleness_exponent
     staleness_exponent: float = 0.5
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
-    momentum_mode: str = "auto"  # SGD momentum across averaging: quasi-global (follows the swarm), local (the optimizer's own), auto
+    # SGD momentum across averaging: auto (the optimizer's own, as local), local, quasi-global (follows the swarm;
+    # gossiptrain.protocol.momentum says why it is not the default)
+    momentum_mode: str = "auto"
     drift_gain: float = -1.0  # replay merges this many times more, smoothed (gossiptrain.protocol.drift); 0: off; -1: auto
     # Adam's square-root scaling rule for the swarm's n-fold batch (gossiptrain.protocol.lr_scaling): auto (adaptive
     # optimizers step at sqrt(members) x lr, SGD as set), sqrt (any optimizer), none
     lr_scaling: str = "auto"
+    # the stability guard (gossiptrain.protocol.stability): back the added methods off at a sign of a blow-up, restore
+    # a non-finite model; false: off (the methods run as configured whatever happens)
+    guard: bool = True
     compression: str = "auto"  # what exchanges send: auto (none, fp16 or int8 as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
     robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
     robust_clip: float = 3.0

@@ -222,7 +222,8 @@ def test_on_label_skewed_shards_the_default_correction_learns_faster_than_none()
 def test_on_a_far_link_the_default_correction_keeps_skewed_peers_together() -> None:
     """50 ms each way, 10 ms steps (a round trip of 10 steps): replayed at the pace of a near link, the merges of a
     round trip ago drove peers apart (seed 1: the farthest peer 5.0 from the mean model after 8 virtual s, one peer's
-    accuracy 0.69, the swarm collapsed by 20 s); paced by the round trip, 0.39 and 0.958."""
+    accuracy 0.69, the swarm collapsed by 20 s); paced by the round trip, 0.39 and 0.958 with quasi-global momentum,
+    0.31 and 0.883 (mean 0.931) with the optimizer's own, the default since issue 46."""
     run = RunConfig().with_overrides({"train.workload": "digits-small", "train.shards": 4,
                                       "train.partition": "classes-per-peer", "train.partition_classes": 3})
     rows = simulate(SimConfig(peers=4, run=run, duration=8.01, step_time=0.01, link=LinkProfile(latency=0.05), seed=1,
@@ -230,4 +231,4 @@ def test_on_a_far_link_the_default_correction_keeps_skewed_peers_together() -> N
     last = [r for r in rows if r["time"] == max(r["time"] for r in rows)]
     assert len(last) == 4
     assert max(r["consensus_distance"] for r in last) < 1.5
-    assert min(r["test_acc"] for r in last) > 0.9
+    assert min(r["test_acc"] for r in last) > 0.85 and statistics.mean(r["test_acc"] for r in last) > 0.9

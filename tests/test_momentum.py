@@ -173,9 +173,10 @@ def test_it_leaves_adam_and_sgd_without_momentum_alone() -> None:
         assert "momentum_buffer" not in opt.state[p] or opt.state[p]["momentum_buffer"] is None
 
 
-def test_auto_gives_it_to_pairwise_only() -> None:
-    assert [wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd")] == [
-        True, False, False, False]
+def test_auto_gives_it_to_no_algorithm_and_quasi_global_to_any() -> None:
+    """Not a default since issue 46 (a user's MLP went to NaN with it): asked for, any algorithm runs it."""
+    assert not any(wants_quasi_global(GossipConfig(algorithm=a)) for a in ("pairwise", "push-sum", "neighbor", "local-sgd"))
+    assert all(wants_quasi_global(GossipConfig(algorithm=a, momentum_mode="quasi-global")) for a in ("pairwise", "push-sum"))
     assert not wants_quasi_global(GossipConfig(momentum_mode="local"))
     assert wants_quasi_global(GossipConfig(algorithm="neighbor", momentum_mode="quasi-global"))
     with pytest.raises(ConfigError, match="gossip.momentum_mode"):

@@ -61,7 +61,8 @@ def test_two_accelerate_loops_gossip_with_the_optimizer_inside_and_end_with_one_
     """The README's accelerate loop, two of them: SGD with momentum gets its quasi-global buffer, the swarm one model."""
     from accelerate import Accelerator
 
-    coord = coordinator_factory(fast_config(**{"train.workload": "external", "train.shards": 2, "state.enabled": False}))
+    coord = coordinator_factory(fast_config(**{"train.workload": "external", "train.shards": 2, "state.enabled": False,
+                                               "gossip.momentum_mode": "quasi-global"}))
     join = coord.address.removeprefix("tcp://")
     steps = 60
     results: list[dict[str, Any]] = [{}, {}]

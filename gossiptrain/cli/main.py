@@ -34,7 +34,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--workload": ("train.workload", str, "digits, digits-small, logreg, charlm, or module:attr of your own"),
     "--topology": ("gossip.topology", str, "auto (the algorithm's own: push-sum one-peer-exponential, others exponential), a name or NAME:k=v,... spec; `gossiptrain topology --help`"),
     "--algorithm": ("gossip.algorithm", str, "pairwise, push-sum, neighbor or local-sgd"),
-    "--momentum-mode": ("gossip.momentum_mode", str, "auto (default: quasi-global with pairwise while the link keeps up, else local), local, quasi-global: how SGD momentum meets averaging"),
+    "--momentum-mode": ("gossip.momentum_mode", str, "auto (default: the optimizer's own, as local), local, quasi-global (opt-in; pairwise runs it while the link keeps up): how SGD momentum meets averaging"),
     "--lr-scaling": ("gossip.lr_scaling", str, "auto (default: adaptive optimizers such as Adam step at sqrt(members) x lr, the rule for an n-fold batch; SGD as set), sqrt, none"),
     "--drift-gain": ("gossip.drift_gain", float, "replay merges this many times more, smoothed, against label-skew drift (0: off; -1: auto, 4)"),
     "--compression": ("gossip.compression", str, "auto (default: none, fp16 or int8, as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)"),

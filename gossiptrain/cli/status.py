@@ -102,6 +102,8 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("STALE", "staleness_mean", lambda v: f"{v:.1f}"),
     ("RTT MS", "rtt_ms", lambda v: f"{v:.1f}"),
     ("IDLE S", "idle_s", lambda v: f"{v:.1f}"),
+    ("OFF", "backed_off", str),  # added methods the stability guard turned off (0: the defaults all run)
+    ("NAN", "restores", str),  # times the model went non-finite and was restored
     ("HEARD", "heard_s_ago", lambda v: f"{v:.0f}s ago"),
 )
 _LEFT_ALIGNED = {"ID", "ADDRESS", "ROLE", "STATE"}

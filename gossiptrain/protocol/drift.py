@@ -90,9 +90,10 @@ merges on in the optimizer's buffer as well, the correction is faster
 still where the link keeps up (pairwise 0.33-0.37 s at 1 Gbit/s,
 0.55-0.57 s at 100 Mbit/s) but made pairwise diverge at 1.7 Mbit/s even at
 gain 2 (accuracy 0.32-0.37 after 12 s). So ``gossip.drift_gain = -1``
-(auto) is 4 for every algorithm, and pairwise's ``momentum_mode = "auto"``
-is quasi-global only while its link keeps up (``gossiptrain.protocol.momentum``):
-6.9-9.5 s at 1.7 Mbit/s, as with local momentum.
+(auto) is 4 for every algorithm, and pairwise's quasi-global momentum,
+where asked for, runs only while its link keeps up (``gossiptrain.protocol.momentum``):
+6.9-9.5 s at 1.7 Mbit/s, as with local momentum. It is no longer a default
+(issue 46: with it, a user's MLP went to NaN).
 """
 
 from __future__ import annotations
@@ -171,9 +172,26 @@ class DriftCorrection:
         # The model as the last safe point left it: before the local step the merged models did not take.
         self._settled = [torch.empty_like(p) for p in self.params] if stale_merges else None
         self._has_settled = False  # no safe point yet (a downloaded state may still replace the model)
+        self.suspended = False  # by the stability guard (gossiptrain.protocol.stability): adds nothing
+
+    def suspend(self) -> None:
+        """The stability guard backs off: add nothing more, and forget what is owed (it may carry the blow-up)."""
+        self.suspended = True
+        self._forget()
+
+    def resume(self) -> None:
+        """Tried again: from nothing owed."""
+        self.suspended = False
+        self._forget()
+
+    def _forget(self) -> None:
+        with torch.no_grad():
+            torch._foreach_zero_(self._c)
+        self._c_scale = 1.0
+        self._has_settled = False
 
     def before(self) -> None:
-        if self._before is not None:
+        if self._before is not None and not self.suspended:
             with torch.no_grad():
                 torch._foreach_copy_(self._before, [p.detach() for p in self.params])
 
@@ -199,6 +217,8 @@ class DriftCorrection:
         before = self._before
         if before is None and moved is None:
             raise ValueError("a reported drift correction needs what the safe point moved")
+        if self.suspended:
+            return
         self._pace(memory_for(round_trip_steps, self.least_memory))
         beta = self.beta
         self._c_scale *= 1 - beta  # c <- (1 - beta) c

@@ -39,6 +39,22 @@ class LocalSGD(NeighborAveraging):
         self._anchor = self._snapshot() if self.outer else []  # the model at the start of the round
         self._momentum = [torch.zeros_like(p) for p in self.params] if config.outer_momentum else []
 
+    def suspend(self) -> None:
+        """The stability guard backs off the outer step: plain local SGD until ``resume``, momentum forgotten."""
+        self.outer = False
+        for m in self._momentum:
+            m.zero_()
+
+    def resume(self) -> None:
+        """The outer step again, from this round's start (the model as it is now)."""
+        self._anchor = self._snapshot()
+        self.outer = True
+
+    @property
+    def has_outer_step(self) -> bool:
+        """Whether this run's configuration asks for an outer step (``outer_lr`` or ``outer_momentum`` set)."""
+        return self.config.outer_lr != 1.0 or self.config.outer_momentum != 0.0
+
     def _end_of_round(self) -> None:
         if not self.outer:
             return

@@ -80,13 +80,14 @@ class SwarmLrScaling:
         self.optimizer = optimizer
         self.members = members
         self.last_factor = 1.0
+        self.suspended = False  # by the stability guard (gossiptrain.protocol.stability): the user's rate
         self._saved: list[Any] = []
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._saved:  # the last step raised before its post hook ran: its rates are still scaled
             self._post(optimizer, args, kwargs)
-        f = self.last_factor = factor(self.members())
+        f = self.last_factor = 1.0 if self.suspended else factor(self.members())
         self._saved = [group["lr"] for group in optimizer.param_groups]
         if f != 1.0:
             for group in optimizer.param_groups:
@@ -96,6 +97,13 @@ class SwarmLrScaling:
         for group, lr in zip(optimizer.param_groups, self._saved):
             group["lr"] = lr
         self._saved = []
+
+    def suspend(self) -> None:
+        """The stability guard backs off: steps at the user's rate until ``resume``."""
+        self.suspended = True
+
+    def resume(self) -> None:
+        self.suspended = False
 
     def close(self) -> None:
         """Remove the hooks: the optimizer steps at the user's rate again (a peer that left the swarm)."""

@@ -18,28 +18,41 @@ Works on ``torch.optim.SGD`` groups with momentum > 0 (others are left as
 they are); ``mu`` is each group's own momentum. Costs two copies of the
 model and a few element-wise operations per step.
 
-``gossip.momentum_mode = "auto"`` (the default) uses it with pairwise, where
-it measured best and safe. Simulated, 4 peers, digits-small, 3 classes per
-shard, 2 ms steps, compression auto, seeds 0 and 1, time to a mean test
-accuracy of 0.95: on 100 Mbit/s links pairwise 4.0 s -> 1.25 s (the first
+**Not a default.** ``gossip.momentum_mode = "auto"`` (the default) runs
+the optimizer's own momentum for every algorithm; ``quasi-global`` asks for
+it. It was the default with pairwise, measured on the project's own
+workload (below), until a user's model showed it unsafe (issue 46): an MLP
+64-512-512-10 with SGD at lr 0.1 and momentum 0.9, 4 peers, went to NaN on
+label-sorted shards over a shared 100 Mbit/s link (real processes, 2 runs
+of 2; simulated, seed 1 of 0-1), and stalled at 0.958-0.961 test accuracy
+on iid shards on loopback where the target was 0.97. Its buffer carries
+every merge on for about ``1 / (1 - mu)`` steps, drift correction's replay
+included, so a merge with a partner that drifted far is amplified tenfold
+at mu = 0.9. A default must never do worse than plain averaging; this one
+helps where it was tuned and breaks elsewhere. The stability guard
+(``gossiptrain.protocol.stability``) backs it off first where it is asked
+for and a blow-up starts.
+
+What it did on the project's own workload: simulated, 4 peers, digits-small,
+3 classes per shard, 2 ms steps, compression auto, seeds 0 and 1, time to a
+mean test accuracy of 0.95: on 100 Mbit/s links pairwise 4.0 s -> 1.25 s (the first
 sample), push-sum never in 6 s -> 5.0-5.25 s, neighbour and local SGD never
 -> 1.25-1.5 s; on 1.7 Mbit/s links pairwise never in 20 s -> 10.3-18.5 s,
 push-sum about even, but neighbour and local SGD fell from 0.81-0.87 to
 0.48-0.58 after 20 s. And in a real run (experiments/wan.py, 100 Mbit/s,
 seed 1) push-sum with it diverged to non-finite values: its model
 ``z = x / w`` jumps whenever a push arrives or leaves, and the buffer
-carries each jump on. So the others keep their local momentum by default
-(``quasi-global`` asks for it anyway); iid shards and Adam are unaffected.
+carries each jump on.
 
 With drift correction (``gossiptrain.protocol.drift``, on by default) the
 two together are the fastest on links that keep up with the computation
 (experiments/wan.py, pairwise, label-skewed digits-small, 3 seeds: 1 Gbit/s
 0.51-0.53 s against 0.52-1.31 s with local momentum; 100 Mbit/s 0.53-1.85 s
 against 1.04-1.32 s), but made pairwise diverge in the simulator on a
-1.7 Mbit/s link, where flow control waits most of the time. So ``auto``
-gives pairwise quasi-global momentum only while its link keeps up: while
-its safe points waited less than ``LINK_BOUND_SHARE`` of the time lately
-(``SafePoint.wait_share``); past that the optimizer's own momentum runs.
+1.7 Mbit/s link, where flow control waits most of the time. So where it is
+asked for (``quasi-global``), pairwise runs it only while its link keeps
+up: while its safe points waited less than ``LINK_BOUND_SHARE`` of the time
+lately (``SafePoint.wait_share``); past that the optimizer's own momentum runs.
 
 **A warm start.** The buffer's average of changes builds up slowly: with
 a constant gradient g it grows as m <- mu (2 - mu) m + (1 - mu) g, over
@@ -85,8 +98,8 @@ import torch
 
 from gossiptrain.config import GossipConfig
 
-#: The algorithms ``momentum_mode = "auto"`` gives quasi-global momentum (while the link keeps up: see above).
-AUTO_QUASI_GLOBAL: tuple[str, ...] = ("pairwise",)
+#: The algorithms ``momentum_mode = "auto"`` gives quasi-global momentum: none (see "Not a default" above).
+AUTO_QUASI_GLOBAL: tuple[str, ...] = ()
 #: Past this share of time spent waiting for the link (flow control), ``auto`` runs the optimizer's own momentum.
 LINK_BOUND_SHARE = 0.5
 #: A safe point's change enters the buffer at most this many times the median norm of recent ones (see _clip_scale).
@@ -117,12 +130,13 @@ class QuasiGlobalMomentum:
         self._norms: deque[float] = deque(maxlen=CHANGE_HISTORY)  # recent step changes' norms (clipped ones as clipped)
         self.clipped = 0
         self.safe_points = 0  # seen so far (the first WARMUP_SAFE_POINTS run the optimizer's own momentum)
+        self.suspended = False  # by the stability guard (gossiptrain.protocol.stability): the optimizer's own runs
 
     def __call__(self) -> None:
         if not self.enabled:
             return
         self.safe_points += 1
-        if self.safe_points <= WARMUP_SAFE_POINTS or (self.active is not None and not self.active()):
+        if self.suspended or self.safe_points <= WARMUP_SAFE_POINTS or (self.active is not None and not self.active()):
             self._follow()
             return
         with torch.no_grad():
@@ -161,6 +175,22 @@ class QuasiGlobalMomentum:
                 if buffers:
                     torch._foreach_copy_(buffers, kept)
                 torch._foreach_copy_(prevs, params)  # the reference for the next safe point
+
+    def suspend(self) -> None:
+        """The stability guard saw a blow-up coming: the optimizer's own momentum from here, restarted.
+
+        The buffer holds the recent changes, and with them whatever is blowing
+        up: the optimizer starts a fresh one from its next gradient.
+        """
+        self.suspended = True
+        for p in self._params():
+            self.optimizer.state[p].pop("momentum_buffer", None)
+        self._m.clear()
+
+    def resume(self) -> None:
+        """Tried again after the run settled: from a warm start, as at the beginning."""
+        self.suspended = False
+        self.safe_points = 0
 
     def mid_run(self) -> None:
         """The model was replaced by a running swarm's state (a newcomer's download): no warm start.

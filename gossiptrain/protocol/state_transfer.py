@@ -58,6 +58,12 @@ a donor whose optimizer state differs in any name, shape or dtype (another
 optimizer, or none) is named in an error and the download starts over for
 the parameters alone. Nothing is unpickled: the state is raw tensor bytes
 checked against that template, and scalars are checked ints or floats.
+A newcomer whose optimizer is not known yet (``Peer`` finds it at its
+first step, ``gossiptrain.runtime.optimizer_finder``) asks for whatever
+optimizer state the first donor holds (``Fetcher(any_optimizer=True)``),
+up to ``ANY_OPTIMIZER_SHARE`` times the model's bytes: that donor's table
+becomes the one later donors must match, and the state waits, decoded, for
+the optimizer to be found and checked against its template then.
 
 The manifest lists the stream's tensors (name, dtype, shape) and the
 donor's training samples seen, so that a tool that has no model of its own
@@ -135,6 +141,9 @@ ANSWER_STEPS = 3.0
 #: ...this rate (bytes/s): a slower link may get the chunk twice, a faster one waits no longer than it must.
 FLOOR_RATE = 1e6
 _REASON_CHARS = 200  # a refusal's reason is cut to this for logs
+#: An optimizer state taken before our optimizer is known may have at most this many times the model's bytes
+#: (Adam's is about 2, with amsgrad 3, plus its step counters): a bound on what an unknown donor may make us fetch.
+ANY_OPTIMIZER_SHARE = 4
 
 
 # -- the newcomer ------------------------------------------------------------------------
@@ -277,6 +286,9 @@ class TransferResult:
     optimizer: bool = False  # ``data`` holds the optimizer state after the model's
     optimizer_problem: str = ""  # why the optimizer state asked for was not downloaded
     optimizer_state: dict[str, Any] | None = None  # decoded for ``Optimizer.load_state_dict`` (catch_up fills it in)
+    # The optimizer state as named tensors, downloaded while no optimizer was known (``Fetcher(any_optimizer=True)``;
+    # catch_up fills it in, its scalars are ``scalars``): for the optimizer found at its first step.
+    optimizer_aside: tuple[tuple[str, torch.Tensor], ...] = ()
     nothing_to_fetch: bool = False  # every donor asked said it is not training yet (a fresh swarm): nothing was needed
 
 
@@ -301,7 +313,11 @@ class Fetcher:
     ``optimizer_template``; ``tensors`` must then be the model's table), asks
     donors for their optimizer state too; a donor whose state does not fit
     turns the download into one of the parameters alone (``optimizer_problem``
-    says why). ``size=None`` (and no ``layout``) takes whatever state the first
+    says why). ``any_optimizer`` (with ``tensors`` and no ``optimizer``): we
+    have no optimizer yet, so ask for the donors' anyway and take the first
+    one's table, up to ``ANY_OPTIMIZER_SHARE`` times the model's bytes (a
+    donor without one makes it a download of the parameters alone).
+    ``size=None`` (and no ``layout``) takes whatever state the first
     donor describes, up to ``max_bytes``: a tool without a model of its own.
     """
 
@@ -317,19 +333,23 @@ class Fetcher:
         tensors: tuple[Entry, ...] | None = None,
         optimizer: tuple[Entry, ...] | None = None,
         max_bytes: int = 0,
+        any_optimizer: bool = False,
     ) -> None:
         if (size is None) != (layout is None) or (size is None and max_bytes <= 0) or (optimizer is not None and tensors is None):
             raise ValueError("Fetcher: size and layout go together; without them max_bytes bounds; optimizer needs tensors")
+        if any_optimizer and (optimizer is not None or tensors is None or size is None):
+            raise ValueError("Fetcher: any_optimizer needs our model's table and size, and no optimizer table")
         self.config = config
         self.me = me
         self.rng = rng
         self.chunk_bytes = config.chunk_bytes
         self.max_bytes = max_bytes
         self._plain = (size, layout, tensors)  # the parameters-only download (our model's state)
-        self.with_optimizer = optimizer is not None and size is not None
+        self.with_optimizer = (optimizer is not None or any_optimizer) and size is not None
+        self._any_optimizer = any_optimizer  # until the first manifest: its optimizer table becomes ours
         self.optimizer_problem = ""
-        if self.with_optimizer:
-            assert tensors is not None and optimizer is not None and size is not None
+        if self.with_optimizer and optimizer is not None:  # any_optimizer: the first donor's table, once it comes
+            assert tensors is not None and size is not None
             full = tensors + optimizer
             size, layout, tensors = size + sum(entry_nbytes(e) for e in optimizer), table_layout(full), full
         self.size: int | None = size
@@ -417,6 +437,10 @@ class Fetcher:
             self.stats.state_stale += 1
             return
         if s.manifest is None:
+            if self._any_optimizer and ev.manifest is not None and (why := self._take_optimizer_table(ev.manifest)):
+                self._drop_optimizer(s.donor, why)
+                self._leave(now, out, "its optimizer state is not one we take")  # not banned: its parameters will do
+                return
             if self.with_optimizer and ev.manifest is not None and (why := self._optimizer_misfit(ev.manifest)):
                 self._drop_optimizer(s.donor, why)
                 self._leave(now, out, "its optimizer state does not fit ours")  # not banned: its parameters will do
@@ -491,6 +515,31 @@ class Fetcher:
         if not theirs:
             return "no optimizer state"
         return first_difference(self.tensors[len(tensors):], theirs)
+
+    def _take_optimizer_table(self, m: Manifest) -> str | None:
+        """``any_optimizer``'s first manifest of our model: its optimizer table becomes ours (none: the parameters
+        alone); why not, when it is too large or unlisted. Another model's leaves it to ``_manifest_problem``."""
+        size, layout, tensors = self._plain
+        assert size is not None and tensors is not None  # any_optimizer needs them
+        if (m.size, m.layout) == (size, layout):  # it has no optimizer state: the parameters alone, from here on
+            self._any_optimizer = self.with_optimizer = False
+            return None
+        if m.tensors is None:
+            self._any_optimizer = False
+            return "its manifest does not list its tensors"
+        model = m.tensors[: len(tensors)]
+        theirs = m.tensors[len(tensors):]
+        if table_layout(model) != layout or not theirs or not all(e[0].startswith(OPTIMIZER_PREFIX) for e in theirs):
+            return None  # another model altogether: _manifest_problem names it (and we wait for one of ours)
+        self._any_optimizer = False
+        if m.size - size > ANY_OPTIMIZER_SHARE * size:
+            return f"its {m.size - size} bytes are more than ANY_OPTIMIZER_SHARE={ANY_OPTIMIZER_SHARE} times the model's"
+        assert self.count == chunk_count(size, self.chunk_bytes) and self._missing == self.count  # nothing kept yet
+        self.size, self.layout, self.tensors = m.size, m.layout, tensors + theirs
+        self.count = chunk_count(m.size, self.chunk_bytes)
+        self.data = torch.empty(m.size, dtype=torch.uint8)
+        self._restart()
+        return None
 
     def _drop_optimizer(self, donor: str, why: str) -> None:
         """Download the parameters alone from now on: the optimizer state offered does not fit ours."""

@@ -37,6 +37,7 @@ RATE_WINDOW_S = 1.0  # exchanges per second are measured over at least this long
 _INTS = ("shard", "step", "samples", "members", "exchanges", "bytes_sent", "bytes_received")
 _FLOATS = ("exchanges_per_s", "staleness_mean", "rtt_ms", "idle_s", "uptime_s")
 _OPTIONAL_FLOATS = ("loss", "test_loss", "test_acc")
+_OPTIONAL_INTS = ("backed_off", "restores")  # 0 where a member of an older version does not say
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class MemberStatus:
     loss: float | None = None  # what its loop last reported (``Peer.report``); None if it reports nothing
     test_loss: float | None = None
     test_acc: float | None = None
+    backed_off: int = 0  # added methods its stability guard has turned off now (gossiptrain.protocol.stability)
+    restores: int = 0  # times its model became non-finite and was restored
     partners: tuple[str, ...] = field(default=())
 
     def to_body(self) -> dict[str, Any]:
@@ -83,6 +86,11 @@ class MemberStatus:
             values[name] = v
         for name in _FLOATS:
             values[name] = _number(body.get(name), name)
+        for name in _OPTIONAL_INTS:
+            v = body.get(name, 0)
+            if type(v) is not int or v < 0:
+                raise ProtocolError(f"status: {name} must be an int >= 0")
+            values[name] = v
         for name in _OPTIONAL_FLOATS:
             v = body.get(name)
             values[name] = None if v is None else _number(v, name, signed=name == "loss")

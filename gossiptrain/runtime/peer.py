@@ -57,11 +57,12 @@ from gossiptrain.protocol.momentum import QuasiGlobalMomentum
 from gossiptrain.protocol.reachability import AUTO, NO, REACHABLE_ENV, ReachCheck, Verdict
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
-from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
+from gossiptrain.runtime.assembly import TrainingSide, bind_optimizer, install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.join_client import join_swarm, reach_verdict
 from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.state_endpoint import catch_up
@@ -101,7 +102,17 @@ class Peer:
     ``state.transfer_optimizer``, and lets this peer give its own; an
     adaptive one (Adam and its kin) then steps at sqrt(members) times its
     rate while in the swarm, the scaling rule for the swarm's larger batch
-    (``gossip.lr_scaling``, see ``gossiptrain.protocol.lr_scaling``).
+    (``gossip.lr_scaling``, see ``gossiptrain.protocol.lr_scaling``), and
+    SGD with momentum gets quasi-global momentum where the swarm runs it
+    (``gossiptrain.protocol.momentum``). Without ``optimizer``, the peer finds
+    the optimizer that steps the model's parameters at its first ``step()``
+    (before that step runs) and treats it as if it had been given, a
+    downloaded optimizer state included; several such optimizers each get
+    their momentum and scaling, and newcomers then get no optimizer state
+    (``gossiptrain.runtime.optimizer_finder``). ``stats()["optimizer"]`` says
+    which: ``given``, ``found``, ``waiting`` (none has stepped yet) or
+    ``none``. ``optimizer=None`` asks for none of it: plain averaging of the
+    parameters, and no hook on any optimizer.
     When your loop ends (its budget spent, or ``finish_requested`` after a
     ``gossiptrain stop``), ``finish()`` runs the final phase: consensus with
     the others, and optionally the swarm's merged model (``gossiptrain.protocol.finish``).
@@ -150,7 +161,7 @@ class Peer:
         clock: Clock = REAL_CLOCK,
         security: SecurityConfig | None = None,
         transfer_state: bool = True,
-        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | FindOptimizer | None = FIND_OPTIMIZER,
         group: Any = None,
         reachable: str | None = None,
         relay: bool = False,
@@ -187,8 +198,10 @@ class Peer:
         self._loop = LoopThread().start()
         self._transport: Transport | None = None
         self._node: PeerNode | None = None
-        self._lr_scaling: SwarmLrScaling | None = None
-        self._momentum: QuasiGlobalMomentum | None = None
+        self._side: TrainingSide | None = None
+        finding = isinstance(optimizer, FindOptimizer)
+        self._finder: OptimizerFinder | None = None  # watches optimizer steps, where we find the optimizer
+        self._optimizer_mode = "none"  # given, found (at its first step), waiting (to be found) or none (optimizer=None)
         try:
             self._transport = listen(tcp_url(bind_host or advertise, bind_port), local.limits, security=security)
             if server_key is not None and not self._transport.accepts_key(server_key):
@@ -232,7 +245,9 @@ class Peer:
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
                 self.model = module if module is not None else inner_model(model(welcome.config, welcome.shard))  # type: ignore[operator]
                 # accelerate's AcceleratedOptimizer: the torch optimizer inside (gossiptrain.runtime.wrapped)
-                self.optimizer = inner_optimizer(optimizer(welcome.config, self.model) if callable(optimizer) else optimizer)
+                given = None if isinstance(optimizer, FindOptimizer) else optimizer
+                self.optimizer = inner_optimizer(given(welcome.config, self.model) if callable(given) else given)
+                self._optimizer_mode = "waiting" if finding else "given" if self.optimizer is not None else "none"
             except Exception:
                 self._withdraw(welcome)
                 raise
@@ -257,6 +272,8 @@ class Peer:
             if self.taken_from_swarm:
                 log.info("took from the swarm: %s", ", ".join(self.taken_from_swarm))
             self._catch_up(transfer_state)
+            if finding:  # from here on: a state downloaded for it is kept on the side (install_transfer)
+                self._finder = OptimizerFinder(self.model, self._found).start()
         except BaseException as e:
             if self._group is not None:  # the other workers wait for our welcome: tell them why there is none
                 self._group.share(None, error=f"{type(e).__name__}: {e}")
@@ -330,8 +347,7 @@ class Peer:
             offer=lambda copy: self._loop.call_soon(node.state.offer_snapshot, copy),
         )
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
-        self._lr_scaling = side.lr_scaling
-        self._momentum = side.momentum
+        self._side = side
         node.training_status = self._training_status
         log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
@@ -385,12 +401,13 @@ class Peer:
             result, values = self._loop.run(
                 catch_up(
                     node.state, self.model, me=self.id, members=node.view, rng=self._rng, clock=self._clock,
-                    optimizer=self.optimizer,
+                    optimizer=self.optimizer, keep_optimizer=self._optimizer_mode == "waiting",
                 ),
                 timeout=self.config.state.max_seconds + 30,  # the download bounds itself; this only guards a bug
             )
             self.transfer = result
-            install_transfer(result, values, self._snapshots, self.optimizer, self._momentum)  # on the training thread
+            assert self._side is not None
+            install_transfer(result, values, self._side)  # on the training thread
             if values is not None and self.config.state.transfer_step:
                 self.resume_at(result.step)
 
@@ -398,6 +415,26 @@ class Peer:
             node.mark_ready()
 
         self._loop.run(ready(), timeout=10)
+
+    def _found(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer finder's news, at ``optimizer``'s first step and before it: bind it as if it had been given."""
+        assert self._side is not None
+        got = bind_optimizer(self._side, optimizer)
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        self._optimizer_mode = "found"
+        log.info("found the optimizer that steps this model: %s, with %s", type(optimizer).__name__,
+                 " and ".join(got) or "nothing extra")
+
+    @property
+    def _momentum(self) -> QuasiGlobalMomentum | None:
+        """Quasi-global momentum of (the first of) our optimizer(s), where this swarm runs it."""
+        return self._side.momentum if self._side is not None else None
+
+    @property
+    def _lr_scaling(self) -> SwarmLrScaling | None:
+        """The square-root rate scaling of (the first scaled of) our optimizer(s), if any."""
+        return self._side.lr_scaling if self._side is not None else None
 
     # -- the training loop's side ------------------------------------------------------------
 
@@ -519,8 +556,10 @@ class Peer:
         stats = self._averaging.stats
         last = self._last_step_at
         reported = self._reported
+        guard = self._side.guard.stats if self._side is not None and self._side.guard is not None else None
         return {
             "phase": self._phase, "step": self._step, "samples": self.samples_seen,
+            "backed_off": guard.backed_off if guard else 0, "restores": guard.restores if guard else 0,
             "exchanges": stats.completed + stats.served, "staleness_mean": mean_staleness(Counter(dict(stats.staleness))),
             "rtt_ms": stats.rtt_ms, "idle_s": 0.0 if last is None else round(max(0.0, self._clock.now() - last), 3),
             **{k: v for k, v in reported.items() if v == v and abs(v) != float("inf")},  # finite only
@@ -606,6 +645,8 @@ class Peer:
         stats = self._node.state.transfer.to_dict() if self._node is not None else {}
         result = self.transfer
         optim = "none" if result is None or not result.ok else "installed" if result.optimizer_state is not None else "none"
+        if result is not None and result.optimizer_aside and self._side is not None:  # for the optimizer to be found
+            optim = self._side.aside_outcome or "waiting"
         return {
             # "none": no download was needed (nobody else alive, or nobody had trained yet: a fresh swarm)
             "state_transfer": "none" if result is None or result.nothing_to_fetch else "complete" if result.ok else "failed",
@@ -625,6 +666,13 @@ class Peer:
             out["suspicions"] = self._node.membership.stats.suspicions
             out.update(self._node.state.stats())
             out["lr_scale"] = self._lr_scaling.last_factor if self._lr_scaling is not None else 1.0
+        out["optimizer"] = self._optimizer_mode
+        guard = self._side.guard if self._side is not None else None
+        if guard is not None:  # the stability guard (gossiptrain.protocol.stability): what it backed off, restored
+            out.update(guard.stats.to_dict())
+            out["guard_off"] = ", ".join(guard.backed_off)
+        if self._side is not None and self._side.optimizers:
+            out["optimizer_class"] = ", ".join(type(o).__name__ for o in self._side.optimizers)
         if self._transport is not None:
             out.update(self._transport.stats.to_dict())
         return out
@@ -646,8 +694,10 @@ class Peer:
 
     def _teardown(self) -> None:
         self._closed = True
-        if self._lr_scaling is not None:  # the user's optimizer outlives the peer: back to the rate they set
-            self._lr_scaling.close()
+        if self._finder is not None:  # no optimizer is bound to a peer that is gone, nor watched for one
+            self._finder.close()
+        if self._side is not None:  # the user's optimizers outlive the peer: back to the rates they set
+            self._side.close()
         try:
             if self._node is not None:
                 self._loop.run(self._node.close("peer closed"), timeout=3)

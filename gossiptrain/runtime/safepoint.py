@@ -31,6 +31,7 @@ from gossiptrain.protocol import averaging, push_sum
 from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
 from gossiptrain.protocol.drift import DriftCorrection
 from gossiptrain.protocol.quarantine import Quarantine
+from gossiptrain.protocol.stability import StabilityGuard
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.peer_network import PeerNode
 
@@ -69,6 +70,9 @@ class SafePoint:
         # Reads the parameters as a safe point starts and adds its correction once the merges are in and
         # ``after`` ran (gossiptrain.protocol.drift); None: off.
         self.drift: DriftCorrection | None = None
+        # Watches the model at the end of each safe point and backs the added methods off before a blow-up
+        # (gossiptrain.protocol.stability); None: off (``gossip.guard = false``).
+        self.guard: StabilityGuard | None = None
         # The share of time spent waiting for the link (flow control) lately, smoothed over about 20 safe points.
         self.wait_share = 0.0
         self._last_call: tuple[float, float] | None = None  # (when, seconds waited in all) at the last safe point
@@ -84,6 +88,10 @@ class SafePoint:
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
         self._measure_waits(now)
+        if self.guard is not None:
+            # First: it judges the model the last safe point's methods and this local step made, and puts a
+            # non-finite one back before anything of it is sent or merged.
+            self.guard(step)
         if self.drift is not None:
             self.drift.before()
         with self._lock:

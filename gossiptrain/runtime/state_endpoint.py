@@ -9,7 +9,9 @@ thread for hashing snapshots, and the trainer's safe point.
 ``StateEndpoint`` is the glue ``PeerNode`` uses, in a real process and in the
 simulator: it answers ``sreq`` as a donor, routes ``srep``/``snak`` to a
 running download, and ``download`` drives a ``Fetcher`` on the node's loop.
-``catch_up`` downloads and decodes a model's (and optimizer's) state.
+``catch_up`` downloads and decodes a model's (and optimizer's) state;
+``aside_state_dict`` fits an optimizer state downloaded before its optimizer
+was known to the one found later.
 ``SnapshotHook`` runs at the trainer's safe point and hands the node a copy
 of the state when a session waits for one.
 """
@@ -26,6 +28,7 @@ import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import GossipError
+from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.net.kinds import SACK, SREP, SREQ
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.state_transfer import (
@@ -53,6 +56,7 @@ from gossiptrain.state.snapshot import (
     Snapshot,
     decode_state,
     entries_of,
+    first_difference,
     flatten,
     layout_of,
     state_nbytes,
@@ -63,7 +67,7 @@ from gossiptrain.state.snapshot import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SnapshotHook", "StateCopy", "StateEndpoint", "catch_up"]
+__all__ = ["SnapshotHook", "StateCopy", "StateEndpoint", "aside_state_dict", "catch_up"]
 
 
 class StateEndpoint:
@@ -229,13 +233,17 @@ async def catch_up(
     rng: random.Random,
     clock: Clock,
     optimizer: torch.optim.Optimizer | None = None,
+    keep_optimizer: bool = False,
 ) -> tuple[TransferResult, list[torch.Tensor] | None]:
     """Download a live member's state for ``model``: the result and the decoded tensors (None if it failed).
 
     Runs on the node's loop; the caller installs the tensors (``install``) on
     its training thread, and ``result.optimizer_state`` (when not None) into
     ``optimizer`` with ``load_state_dict``. The optimizer state is asked for
-    when ``optimizer`` is given and ``state.transfer_optimizer`` is set. A
+    when ``optimizer`` is given and ``state.transfer_optimizer`` is set. With
+    ``keep_optimizer`` and no ``optimizer`` (not known yet: ``Peer`` finds it
+    at its first step) the donor's optimizer state, whatever it is, comes as
+    ``result.optimizer_aside`` (see ``aside_state_dict``). A
     state that cannot be used (non-finite values) is fetched again from other
     donors, within the same bounds.
     """
@@ -248,9 +256,10 @@ async def catch_up(
             log.error("state transfer: cannot take optimizer state (%s): downloading the parameters only", made)
         else:
             template = made
+    aside = keep_optimizer and optimizer is None and endpoint.config.transfer_optimizer
     fetcher = Fetcher(
         endpoint.config, me=me, size=state_nbytes(live), layout=layout_of(model), rng=rng, now=clock.now(),
-        tensors=model_table, optimizer=template.entries if template is not None else None,
+        tensors=model_table, optimizer=template.entries if template is not None else None, any_optimizer=aside,
     )
     while True:
         result = await endpoint.download(fetcher, members)
@@ -262,7 +271,10 @@ async def catch_up(
             log.log(level, "no state downloaded (%s): training from our own initial weights", result.reason)
             return result, None
         assert result.data is not None
+        # Kept aside: the optimizer tensors the donor listed (the fetcher took its table), checked at binding.
+        kept = result.tensors[len(live):] if result.optimizer and aside and result.tensors is not None else ()
         like = live + (list(template.like) if result.optimizer and template is not None else [])
+        like += [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in kept]
         decoded = decode_state(like, result.data)
         problem = decoded if isinstance(decoded, str) else None
         optim_state: dict[str, Any] | None = None
@@ -277,10 +289,30 @@ async def catch_up(
             log.info(
                 "state transfer: %d bytes from %s in %.3f s (donor step %d, digest %s%s)",
                 result.data.numel(), ", ".join(result.donors), result.seconds, result.step, result.digest[:16],
-                ", with optimizer state" if optim_state is not None else "",
+                ", with optimizer state" if optim_state is not None else
+                ", with optimizer state for the optimizer yet to step" if kept else "",
             )
-            return replace(result, optimizer_state=optim_state), decoded[: len(live)]
+            named = tuple((name, t) for (name, _, _), t in zip(kept, decoded[len(live):], strict=True)) if kept else ()
+            return replace(result, optimizer_state=optim_state, optimizer_aside=named), decoded[: len(live)]
         fetcher.reject(problem)  # the next download() picks up with other donors
+
+
+def aside_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, result: TransferResult
+) -> dict[str, Any] | str:
+    """``optimizer.load_state_dict``'s argument from ``result.optimizer_aside``, or why it does not fit ``optimizer``.
+
+    The state came before ``optimizer`` was known (``catch_up(keep_optimizer=True)``),
+    so it is checked now as a download for it would have been: against its
+    template, name, dtype and shape of every tensor, and type of every scalar.
+    """
+    template = optimizer_template(model, optimizer)
+    if isinstance(template, str):
+        return template
+    got = entries_of(result.optimizer_aside)
+    if got != template.entries:
+        return first_difference(template.entries, got)
+    return template.state_dict([t for _, t in result.optimizer_aside], result.scalars)
 
 
 # -- the donor's safe point --------------------------------------------------------------
@@ -324,9 +356,18 @@ class SnapshotHook:
         self.table = entries_of(model.state_dict(keep_vars=True).items())
         self.layout = table_layout(self.table)
         self.submit = submit
-        self.optimizer = optimizer if endpoint.config.transfer_optimizer else None
+        self.optimizer: torch.optim.Optimizer | None = None
         self._names = parameter_names(model)
         self._served = 0
+        self._warned = False
+        self.give_optimizer(optimizer)
+
+    def give_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Offer ``optimizer``'s state with ours from now on (with ``state.transfer_optimizer``); None: the model's alone.
+
+        Set late where the optimizer is found at its first step (``gossiptrain.runtime.optimizer_finder``).
+        """
+        self.optimizer = optimizer if self.endpoint.config.transfer_optimizer else None
         self._warned = False
 
     def __call__(self, step: int, samples: int = 0) -> None:

@@ -36,7 +36,7 @@ from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.sim.compute import step_factor
 from gossiptrain.sim.vtime import LoopClock
-from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, optimizer_for
 from gossiptrain.train.workload import Workload
 
 
@@ -138,7 +138,7 @@ class SimPeer:
                 if model is None or self.workload is None:
                     await asyncio.Event().wait()  # membership only: the node's own tasks do the work
                     return
-                optimizer = make_optimizer(config.train, model)
+                optimizer = optimizer_for(self.workload, config.train, model)  # the workload's own, where it brings one
                 side = training_side(
                     node, model, clock=self.clock, rng=self.rng, optimizer=optimizer,
                     send=node.send_exchange, offer=node.state.offer_snapshot,
@@ -155,7 +155,7 @@ class SimPeer:
                         node.state, model, me=node.me.id, members=node.view, rng=self.rng, clock=self.clock,
                         optimizer=optimizer,
                     )
-                    install_transfer(self.transfer, values, snapshots, optimizer, side.momentum)
+                    install_transfer(self.transfer, values, side)
                 node.mark_ready()
                 self.ready_at = self.clock.now()
                 if self.spec.wait_for:  # the rendezvous, as the peer command's (Peer.wait_for_peers)
@@ -229,4 +229,6 @@ class SimPeer:
             out["wait_share"] = self.safepoint.wait_share  # lately; quasi-global momentum's `auto` reads it
             # The last optimizer step's multiplier of the rate (gossiptrain.protocol.lr_scaling); 1: not scaled
             out["lr_scale"] = self.lr_scaling.last_factor if self.lr_scaling is not None else 1.0
+            if (guard := self.safepoint.guard) is not None:  # the stability guard: methods off now, NaN models restored
+                out.update(guard_backed_off=guard.stats.backed_off, guard_restores=guard.stats.restores)
         return out

@@ -53,7 +53,7 @@ import copy
 import heapq
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -62,7 +62,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.sim.collectives import SharedLink, allreduce_seconds
 from gossiptrain.sim.compute import shared_finish_times, step_factor
 from gossiptrain.sim.faults import CRASH, JOIN, churn_events
-from gossiptrain.train.local_trainer import budget_spent, load_shard, make_optimizer
+from gossiptrain.train.local_trainer import budget_spent, clip_norm_of, load_shard, optimizer_for, scheduler_for
 from gossiptrain.train.workload import Workload, batches, load_workload
 
 if TYPE_CHECKING:
@@ -101,8 +101,13 @@ class SynchronousJob:
             self.step_time = measure_step_time(self.workload, self.model, config.run)
         else:
             self.step_time = config.step_time
-        lr = train.lr / config.peers if config.system == "ps-async" else train.lr
-        self.optimizer = make_optimizer(replace(train, lr=lr), self.model)
+        # The workload's own optimizer, schedule and clipping where it brings them (as a gossip peer's LocalTrainer).
+        self.optimizer = optimizer_for(self.workload, train, self.model)
+        if config.system == "ps-async":  # each of the n gradients at lr / n: the sync server's step per sample
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] / config.peers
+        self.scheduler = scheduler_for(self.workload, self.optimizer, train)  # after the rates are set: its base
+        self.clip = clip_norm_of(self.workload)
         self.n = config.peers
         self.streams: list[Iterator[tuple[torch.Tensor, torch.Tensor]]] = []
         for i in range(self.n):
@@ -173,7 +178,19 @@ class SynchronousJob:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(self.n)  # a sum of n gradients / n: DDP divides, then all-reduces a sum
+        self.optimizer_step()
+
+    def optimizer_step(self) -> None:
+        """One update from the gradient in ``.grad``, as the user's loop takes it: clipped, stepped, scheduled.
+
+        Under DDP the user's loop clips the all-reduced gradient (what every
+        rank holds after backward) and steps its schedule once per step.
+        """
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._updates += 1
 
@@ -332,9 +349,7 @@ class SynchronousJob:
                 self.staleness.append(self._updates - sent_at)  # updates by others since its parameters left
                 for p, g in zip(self.params, grad):
                     p.grad = g
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self._updates += 1
+                self.optimizer_step()  # the schedule steps per server update
                 steps[worker] += 1
                 self.state.steps = sum(steps) / self.n
                 self.state.bytes_sent += self.nbytes / self.n  # per worker, on average
@@ -352,14 +367,17 @@ class SynchronousJob:
 
     # -- checkpoints (the synchronous restart) --------------------------------------------
 
-    def _checkpoint(self) -> tuple[int, dict[str, Any], dict[str, Any], float, int]:
+    def _checkpoint(self) -> tuple[int, dict[str, Any], dict[str, Any], float, int, dict[str, Any] | None]:
+        schedule = copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None
         return (self._updates, copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict()),
-                self.state.steps, self.state.samples)
+                self.state.steps, self.state.samples, schedule)
 
-    def _restore(self, checkpoint: tuple[int, dict[str, Any], dict[str, Any], float, int]) -> None:
-        self._updates, model, optimizer, self.state.steps, self.state.samples = checkpoint
+    def _restore(self, checkpoint: tuple[int, dict[str, Any], dict[str, Any], float, int, dict[str, Any] | None]) -> None:
+        self._updates, model, optimizer, self.state.steps, self.state.samples, schedule = checkpoint
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
+        if self.scheduler is not None and schedule is not None:
+            self.scheduler.load_state_dict(schedule)
         self._evaluated = None
 
     # -- results ----------------------------------------------------------------------------

@@ -38,11 +38,54 @@ def make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.O
     return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
+def optimizer_for(workload: Workload | None, config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer for ``model``: the workload's own where it brings one, else ``make_optimizer``'s.
+
+    Every place that builds a run's optimizer (a peer, the CLI loop, the
+    simulator's baselines) comes here, so the defaults meet the optimizer the
+    user's loop really steps (a workload's ``make_optimizer(model, train_config)``,
+    see the Workload protocol) and not one built from ``train.optimizer``.
+    """
+    build = getattr(workload, "make_optimizer", None) if workload is not None else None
+    if build is None:
+        return make_optimizer(config, model)
+    optimizer = build(model, config)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise WorkloadError(f"workload {workload.name!r}: make_optimizer returned {type(optimizer).__name__}, not a torch optimizer")
+    return optimizer
+
+
+def scheduler_for(
+    workload: Workload | None, optimizer: torch.optim.Optimizer, config: TrainConfig
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The workload's learning-rate schedule over ``optimizer`` (``make_scheduler``), or None where it has none."""
+    build = getattr(workload, "make_scheduler", None) if workload is not None else None
+    if build is None:
+        return None
+    scheduler = build(optimizer, config)
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise WorkloadError(f"workload {workload.name!r}: make_scheduler returned {type(scheduler).__name__}, which has no step()")
+    return scheduler
+
+
+def clip_norm_of(workload: Workload | None) -> float | None:
+    """The workload's gradient clipping (``clip_grad_norm``): a positive norm, or None for none."""
+    clip = getattr(workload, "clip_grad_norm", None) if workload is not None else None
+    if clip is None:
+        return None
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (0 < clip < math.inf):
+        raise WorkloadError(f"workload {workload.name!r}: clip_grad_norm must be a positive number or None, got {clip!r}")
+    return float(clip)
+
+
 class LocalTrainer:
     """A workload's model with its optimizer and an endless stream of batches from one shard.
 
-    ``optimizer`` is one made by ``make_optimizer`` before (a peer's, which
-    state transfer may have filled in); by default a fresh one. A peer made
+    ``optimizer`` is one made by ``optimizer_for`` before (a peer's, which
+    state transfer may have filled in); by default a fresh one. The
+    workload's schedule (``make_scheduler``) steps after every optimizer
+    step and its ``clip_grad_norm`` clips the gradient before it, as the
+    user's own loop would. A peer made
     of several workers gives each its ``worker`` = (rank, size): rank r
     trains on every size-th sample of the shard, with batches of its own
     order, through ``forward`` (the model under DDP, which averages the
@@ -65,7 +108,9 @@ class LocalTrainer:
         # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
         self.class_histogram: list[int] = _histogram(workload, targets)
         _log_shard(config, shard, self.samples, self.class_histogram)
-        self.opt = optimizer if optimizer is not None else make_optimizer(config, model)
+        self.opt = optimizer if optimizer is not None else optimizer_for(workload, config, model)
+        self.scheduler = scheduler_for(workload, self.opt, config)
+        self.clip = clip_norm_of(workload)
         # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
         self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard + 1_000_003 * rank)
         self.loss_avg = math.nan  # exponential moving average of the training loss
@@ -74,12 +119,16 @@ class LocalTrainer:
         model.train()
 
     def step(self) -> float:
-        """One SGD step on the next mini-batch; returns its loss."""
+        """One optimizer step on the next mini-batch (clipped, then scheduled, where the workload says); returns its loss."""
         x, y = next(self._data)  # (B, ...) inputs, (B,) targets
         loss = self.workload.loss(self.forward, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         value = loss.item()
         self.loss_avg = value if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * value
         self.steps += 1

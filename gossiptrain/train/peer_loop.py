@@ -36,7 +36,7 @@ from gossiptrain.runtime.peer import Peer
 from gossiptrain.runtime.peer_network import MEMBER_EVENTS
 from gossiptrain.state import storage
 from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
-from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, make_optimizer
+from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, optimizer_for
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
 from gossiptrain.train.peer_workers import WorkerFailed, Workers, why_the_group_failed
 from gossiptrain.train.progress import Progress
@@ -151,7 +151,7 @@ def run_peer(
         build, join=options.join, bind=options.bind, advertise=options.advertise, config=options.expect, shard=shard,
         join_attempts=options.join_attempts, security=options.security,
         transfer_state=resume is None,  # a checkpoint asked for on purpose is not overwritten by a download
-        optimizer=lambda config, model: make_optimizer(config.train, model), group=group, reachable=options.reachable,
+        optimizer=lambda config, model: optimizer_for(workloads["w"], config.train, model), group=group, reachable=options.reachable,
         relay=options.relay,
     ) as peer:
         workload = workloads["w"]
@@ -187,7 +187,7 @@ def _run_worker(options: PeerOptions, workers: Workers, group: Any) -> dict[str,
         torch.manual_seed(config.train.seed)
         return workloads["w"].build_model(config.train.seed)  # rank 0's parameters come with the first sync
 
-    with Peer(build, join=options.join, group=group, optimizer=lambda config, model: make_optimizer(config.train, model)) as peer:
+    with Peer(build, join=options.join, group=group, optimizer=lambda config, model: optimizer_for(workloads["w"], config.train, model)) as peer:
         cfg = peer.config.train
         try:  # the same collectives in the same order as rank 0's run_peer and _train
             if options.wait_for and peer.wait_for_peers(options.wait_for) < options.wait_for:
@@ -364,6 +364,9 @@ class _Report:
             "rtt_hist": stats["rtt_hist"],  # round trips by bucket: upper bound in seconds -> count
             "waited_s": round(stats["waited_s"], 3),  # flow control: the loop waited for the link
             "compression_level": stats["compression_level"],  # compression auto: 0 none, 1 fp16, 2 int8
+            # The stability guard (gossiptrain.protocol.stability): added methods off now, and non-finite models restored
+            "guard_backed_off": stats.get("guard_backed_off", 0),
+            "guard_restores": stats.get("guard_restores", 0),
             "bytes_sent": stats["bytes_sent"],
             "bytes_received": stats["bytes_received"],
             "dropped": stats["bad_messages"] + stats["wrong_run"] + stats["rejected"],

@@ -36,6 +36,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "dropped": ("gossiptrain_messages_dropped", "messages dropped as malformed, of another run or rejected"),
     "members_dead": ("gossiptrain_members_dead", "members this peer saw declared dead"),
     "waited_s": ("gossiptrain_flow_control_waited_seconds", "seconds the training loop waited for the link"),
+    "guard_restores": ("gossiptrain_guard_restores", "times the model became non-finite and was restored (stability guard)"),
 }
 #: record field -> (metric name, help); values as of the latest evaluation.
 GAUGES: dict[str, tuple[str, str]] = {
@@ -47,6 +48,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "rtt_ms": ("gossiptrain_exchange_round_trip_milliseconds", "smoothed exchange round trip"),
     "staleness_mean": ("gossiptrain_staleness_mean_steps", "mean staleness of merged updates, in steps"),
     "compression_level": ("gossiptrain_compression_level", "compression auto: 0 none, 1 fp16, 2 int8"),
+    "guard_backed_off": ("gossiptrain_guard_methods_backed_off", "added methods the stability guard has turned off now"),
 }
 
 

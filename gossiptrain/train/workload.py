@@ -64,6 +64,22 @@ class Workload(Protocol):
     Optional: a ``num_classes: int`` attribute (for classifiers), used for
     the class histogram a trainer logs at start; without it the histogram
     has ``targets.max() + 1`` bins.
+
+    Optional, the user's own training loop (read with ``getattr``, so a
+    workload without them trains as before; see
+    ``gossiptrain.train.local_trainer.optimizer_for``):
+
+    - ``make_optimizer(model, train_config) -> torch.optim.Optimizer``: the
+      optimizer that steps ``model``; it replaces the one ``train.optimizer``,
+      ``train.lr``, ``train.momentum`` and ``train.weight_decay`` would build
+      (the workload then sets its own). Peers, the CLI loop and the
+      simulator's baselines all use it, so averaging's added methods (momentum,
+      learning-rate scaling) act on the optimizer that really steps.
+    - ``make_scheduler(optimizer, train_config) -> LRScheduler | None``: a
+      learning-rate schedule, stepped once per local step, after
+      ``optimizer.step()``.
+    - ``clip_grad_norm: float | None``: clip the gradient to this total L2
+      norm before each ``optimizer.step()`` (None: no clipping).
     """
 
     name: str
