@@ -21,9 +21,12 @@ correction that carried the blow-up must not carry it on), the model is
 put back to the last state the guard kept (every ``KEEP_EVERY`` safe
 points, while nothing grew) and the optimizer restarts (``on_restore``:
 its momentum carried the blow-up too), with one log line and a count in
-``GuardStats``; while signs go on, one more method every ``WINDOW`` safe
+``GuardStats``; while signs go on, one more method every ``GRACE`` safe
 points, down to plain averaging. A model that became non-finite anyway
-is put back the same way, with every method suspended at once. After ``SETTLE`` safe points with no sign, the last method backed
+is put back the same way, with every method suspended at once. Growth is
+judged from the ``WARMUP``-th safe point on (a fresh model's norm grows
+fast), and a sign puts back only a state kept at most ``MAX_ROLLBACK``
+safe points before (else only the optimizer restarts). After ``SETTLE`` safe points with no sign, the last method backed
 off is tried again; one that trips the guard again waits twice as long
 before its next try, so a method that does not suit this run ends up off.
 
@@ -57,14 +60,21 @@ BACKOFF_ORDER: tuple[str, ...] = (OUTER_STEP, QUASI_GLOBAL_MOMENTUM, DRIFT_CORRE
 WINDOW = 16
 #: A norm this many times the smallest of the last WINDOW safe points is a sign of a blow-up.
 GROWTH = 1.5
-#: Safe points at the start during which growth is not judged (a fresh model's norm may move fast); non-finite always is.
-WARMUP = 8
-#: The model is kept only while its norm is within this of the window's smallest.
-CALM = 1.1
-#: Safe points without a sign before the last method backed off is tried again (doubled at each relapse).
-SETTLE = 500
+#: Safe points at the start during which growth is not judged; non-finite always is. A fresh model's norm may grow
+#: several times over in a few steps (digits-small at SGD 0.2/0.9: 2-10x in 8 safe points around step 40), which is
+#: training, not a blow-up: judged from step 8, every run of it rolled back to its first step and stalled at 0.2.
+WARMUP = 200
 #: The guard keeps a copy of the model this often, while no sign was seen (what a non-finite model is restored to).
 KEEP_EVERY = 25
+#: The model is kept only while its norm is within this of the window's smallest.
+CALM = 1.1
+#: A sign puts the model back only to a state kept at most this many safe points before (older: the optimizer restarts only).
+MAX_ROLLBACK = 4 * KEEP_EVERY
+#: Safe points after a sign before the next growth is judged: the swarm needs a while to settle after a back-off (its
+#: partners' models still carry the blow-up); a sign every WINDOW took a label-skewed swarm down to plain averaging.
+GRACE = 4 * WINDOW
+#: Safe points without a sign before the last method backed off is tried again (doubled at each relapse).
+SETTLE = 500
 
 
 class Switch(Protocol):
@@ -103,11 +113,15 @@ class StabilityGuard:
         warmup: int = WARMUP,
         settle: int = SETTLE,
         keep_every: int = KEEP_EVERY,
+        max_rollback: int | None = None,
+        grace: int | None = None,
     ) -> None:
         if window < 2 or growth <= 1 or settle < 1 or keep_every < 1:
             raise ValueError(f"guard: window {window} >= 2, growth {growth} > 1, settle {settle} >= 1, keep_every {keep_every} >= 1")
         self.params = list(params)
         self.window, self.growth, self.warmup, self.settle, self.keep_every = window, growth, warmup, settle, keep_every
+        self.max_rollback = 4 * keep_every if max_rollback is None else max_rollback
+        self.grace = 4 * window if grace is None else grace
         self.stats = GuardStats()
         self._switches: dict[str, list[Switch]] = {}  # method -> its switches (several optimizers: several)
         self._off: list[str] = []  # methods suspended, in the order they were
@@ -115,7 +129,7 @@ class StabilityGuard:
         self._restore_hooks: list[Callable[[], None]] = []
         self._norms: deque[float] = deque(maxlen=window + 1)
         self._calls = 0
-        self._quiet = 0  # safe points since the last sign
+        self._quiet = 10**9  # safe points since the last sign (none yet)
         self._kept: list[torch.Tensor] | None = None  # the last state kept (finite, no sign in sight)
         self._kept_step: int | None = None
         self._said_nothing_left = False
@@ -154,7 +168,8 @@ class StabilityGuard:
             return
         self._norms.append(norm)
         smallest = min(self._norms)
-        if self._calls > self.warmup and len(self._norms) > self.window // 2 and norm > self.growth * smallest > 0:
+        judged = self._calls > self.warmup and self._quiet >= self.grace and len(self._norms) > self.window // 2
+        if judged and norm > self.growth * smallest > 0:
             self._sign(step, f"the model's norm grew {norm / smallest:.2f}x in {len(self._norms) - 1} safe points")
             return
         self._quiet += 1
@@ -179,7 +194,7 @@ class StabilityGuard:
         if self.stats.retries and method in self._relapses:
             self._relapses[method] += 1
         self._suspend(method)
-        back = self._put_back()
+        back = self._put_back(step, self.max_rollback)
         log.warning("stability: %s at step %d: backing off %s (off now: %s)%s", why, step, method, ", ".join(self._off),
                     f"; back to the state of step {self._kept_step}" if back else "")
 
@@ -190,21 +205,25 @@ class StabilityGuard:
         for method in BACKOFF_ORDER:
             if method in self._switches and method not in self._off:
                 self._suspend(method)
-        back = self._put_back()
+        back = self._put_back(step)
         self.stats.restores += 1
         if self.stats.restores & (self.stats.restores - 1) == 0:  # 1st, 2nd, 4th, ...: never a line per step
             where = f"restored the state of step {self._kept_step}" if back else "no finite state kept to restore"
             log.error("stability: the model became non-finite at step %d (%d times so far): %s; off now: %s",
                       step, self.stats.restores, where, ", ".join(self._off) or "nothing (plain averaging already)")
 
-    def _put_back(self) -> bool:
-        """The model back to the last state kept, and the optimizers' state forgotten (``on_restore``): whether there was one.
+    def _put_back(self, step: int, within: int | None = None) -> bool:
+        """The model back to the last state kept (if kept at most ``within`` steps ago), and the optimizers' state
+        forgotten (``on_restore``): whether the model was put back.
 
         A blow-up under way lives in the model and in the optimizer's momentum
         as much as in the method that started it: turning the method off alone
         left a label-skewed swarm 5x farther apart than one that never blew up.
+        A state kept long ago would cost more progress than the blow-up did.
         """
         kept = self._kept
+        if kept is not None and within is not None and self._kept_step is not None and step - self._kept_step > within:
+            kept = None
         if kept is not None:
             with torch.no_grad():
                 torch._foreach_copy_([p.detach() for p in self.params], kept)
@@ -222,7 +241,7 @@ class StabilityGuard:
         for switch in self._switches.get(method, []):
             switch.resume()
         self._relapses.setdefault(method, 0)
-        self._quiet = 0
+        self._quiet = self.grace  # judged at once: a method that blows up again is caught as soon as it does
         self.stats.retries += 1
         self.stats.backed_off = len(self._off)
         log.info("stability: no sign for %d safe points at step %d: trying %s again", waited, step, method)

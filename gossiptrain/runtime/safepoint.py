@@ -88,10 +88,6 @@ class SafePoint:
         quarantine = self.quarantine
         actions: list[averaging.Action] = []
         self._measure_waits(now)
-        if self.guard is not None:
-            # First: it judges the model the last safe point's methods and this local step made, and puts a
-            # non-finite one back before anything of it is sent or merged.
-            self.guard(step)
         if self.drift is not None:
             self.drift.before()
         with self._lock:
@@ -115,6 +111,11 @@ class SafePoint:
             self.after()
         if self.drift is not None and drift_inputs is not None:
             self.drift.after(*drift_inputs)
+        if self.guard is not None:
+            # Last: it judges the model the local step, the merges and every method made. A non-finite one was
+            # never sent (the codec refuses it) and is put back before the next step; the snapshot this safe point
+            # took of it is replaced at the next one, and partners' requests meanwhile go unanswered.
+            self.guard(step)
 
     def _drift_inputs(self, latency: float | None) -> tuple[float, float | None, tuple[list[torch.Tensor], float] | None]:
         """What the drift correction measures by: the share of the model stale merges replaced, the link's
