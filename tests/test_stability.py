@@ -312,3 +312,16 @@ def test_the_guard_turns_a_swarm_that_diverges_into_one_that_trains_and_sends_no
         assert peer.averaging.stats.rejected == 0  # nobody received a non-finite model (receivers refuse them)
     assert all(r["guard_restores"] > 0 for r in guarded)
     assert statistics.mean(r["test_acc"] for r in guarded) > 0.7 > statistics.mean(r["test_acc"] for r in unguarded)
+
+
+def test_a_collapsed_model_steady_far_above_the_state_kept_is_not_kept() -> None:
+    guard, param, _ = guard_over(window=4, warmup=0, keep_every=5, settle=1000, growth=1e6)  # no sign: keeping alone
+    for step in range(1, 11):
+        guard(step)
+    kept = param.clone()
+    param.mul_(1000.0)  # a collapse: huge, then steady
+    for step in range(11, 200):
+        guard(step)
+    param[0] = math.nan
+    guard(200)
+    assert torch.equal(param, kept)  # back to the sane state, not the collapsed one

@@ -58,16 +58,22 @@ BACKOFF_ORDER: tuple[str, ...] = (OUTER_STEP, QUASI_GLOBAL_MOMENTUM, DRIFT_CORRE
 
 #: Safe points over which the model's norm growth is judged.
 WINDOW = 16
-#: A norm this many times the smallest of the last WINDOW safe points is a sign of a blow-up.
-GROWTH = 1.5
+#: A norm this many times the smallest of the last WINDOW safe points is a sign of a blow-up. At 1.5 one peer of a
+#: healthy label-skewed swarm on a 100 Mbit/s link (real processes, experiments/user_loop.py) backed off drift
+#: correction once in 5,900 steps; blow-ups grow far faster (35 -> 240 in 25 steps, then 1e13), so 2 costs them a step.
+GROWTH = 2.0
 #: Safe points at the start during which growth is not judged; non-finite always is. A fresh model's norm may grow
 #: several times over in a few steps (digits-small at SGD 0.2/0.9: 2-10x in 8 safe points around step 40), which is
 #: training, not a blow-up: judged from step 8, every run of it rolled back to its first step and stalled at 0.2.
 WARMUP = 200
 #: The guard keeps a copy of the model this often, while no sign was seen (what a non-finite model is restored to).
 KEEP_EVERY = 25
-#: The model is kept only while its norm is within this of the window's smallest.
+#: The model is kept only while its norm is within this of the window's smallest...
 CALM = 1.1
+#: ...and at most this many times the norm of the state kept before. A model that collapsed is calm too (its norm
+#: huge and steady): kept, it was what every restore went back to, and a real swarm restored 500-1,600 times, at
+#: chance accuracy, until its budget ran out.
+KEEP_GROWTH = 2.0
 #: A sign puts the model back only to a state kept at most this many safe points before (older: the optimizer restarts only).
 MAX_ROLLBACK = 4 * KEEP_EVERY
 #: Safe points after a sign before the next growth is judged: the swarm needs a while to settle after a back-off (its
@@ -129,9 +135,10 @@ class StabilityGuard:
         self._restore_hooks: list[Callable[[], None]] = []
         self._norms: deque[float] = deque(maxlen=window + 1)
         self._calls = 0
-        self._quiet = 10**9  # safe points since the last sign (none yet)
+        self._quiet = 0  # safe points since the last sign (or the start)
         self._kept: list[torch.Tensor] | None = None  # the last state kept (finite, no sign in sight)
         self._kept_step: int | None = None
+        self._kept_norm = math.inf  # the norm of the state kept (the first is kept whatever it is)
         self._said_nothing_left = False
 
     # -- wiring ------------------------------------------------------------------------------
@@ -168,15 +175,18 @@ class StabilityGuard:
             return
         self._norms.append(norm)
         smallest = min(self._norms)
-        judged = self._calls > self.warmup and self._quiet >= self.grace and len(self._norms) > self.window // 2
+        graced = self.stats.signs == 0 or self._quiet >= self.grace
+        judged = self._calls > self.warmup and graced and len(self._norms) > self.window // 2
         if judged and norm > self.growth * smallest > 0:
             self._sign(step, f"the model's norm grew {norm / smallest:.2f}x in {len(self._norms) - 1} safe points")
             return
         self._quiet += 1
         # Kept only where nothing grows: a quiet window, and a norm near the window's smallest (not a blow-up's start).
-        calm = self._quiet >= self.window and norm <= CALM * smallest
+        # (past the state kept by far, but quiet for as long as a retry waits: a model that grew the slow way)
+        near = norm <= KEEP_GROWTH * self._kept_norm or self._quiet >= self.settle
+        calm = self._quiet >= self.window and norm <= CALM * smallest and near
         if self._kept_step is None or (self._calls % self.keep_every == 0 and calm):
-            self._keep(step)
+            self._keep(step, norm)
         if self._off and self._quiet >= self._patience(self._off[-1]):
             self._retry(step)
 
@@ -257,7 +267,7 @@ class StabilityGuard:
         """The first method of ``BACKOFF_ORDER`` that this peer runs and that is still on."""
         return next((m for m in BACKOFF_ORDER if m in self._switches and m not in self._off), None)
 
-    def _keep(self, step: int) -> None:
+    def _keep(self, step: int, norm: float) -> None:
         with torch.no_grad():
             live = [p.detach() for p in self.params]
             if self._kept is None:
@@ -265,6 +275,7 @@ class StabilityGuard:
             else:
                 torch._foreach_copy_(self._kept, live)
         self._kept_step = step
+        self._kept_norm = max(norm, 1e-12)
 
 
 def forget_state(optimizer: torch.optim.Optimizer) -> int:
