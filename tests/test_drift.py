@@ -25,7 +25,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.net.kinds import XPUSH
 from gossiptrain.protocol.averaging import Received
-from gossiptrain.protocol.drift import AUTO_GAIN, MEMORY_ROUND_TRIPS, MEMORY_STEPS, DriftCorrection, drift_gain, memory_for
+from gossiptrain.protocol.drift import AUTO_GAIN, MEMORY_ROUND_TRIPS, MEMORY_STEPS, DriftCorrection, drift_gain, keeps_running_stats, memory_for
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.cluster import SimConfig, simulate
 
@@ -232,3 +232,13 @@ def test_on_a_far_link_the_default_correction_keeps_skewed_peers_together() -> N
     assert len(last) == 4
     assert max(r["consensus_distance"] for r in last) < 1.5
     assert min(r["test_acc"] for r in last) > 0.85 and statistics.mean(r["test_acc"] for r in last) > 0.9
+
+
+def test_auto_leaves_a_model_with_running_statistics_uncorrected_and_a_set_gain_is_kept() -> None:
+    """BatchNorm's running statistics are buffers averaging never touches: the zoo's only cell where it did harm."""
+    with_bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    without = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.BatchNorm1d(4, track_running_stats=False))
+    assert keeps_running_stats(with_bn) and not keeps_running_stats(without)
+    assert drift_gain(GossipConfig(), running_stats=True) == 0.0
+    assert drift_gain(GossipConfig(), running_stats=False) == AUTO_GAIN
+    assert drift_gain(GossipConfig(drift_gain=2.0), running_stats=True) == 2.0  # asked for: given

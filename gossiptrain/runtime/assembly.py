@@ -29,7 +29,7 @@ import torch
 from gossiptrain.net.transport import Transport
 from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
-from gossiptrain.protocol.drift import DriftCorrection, drift_gain
+from gossiptrain.protocol.drift import DriftCorrection, drift_gain, keeps_running_stats
 from gossiptrain.protocol.joining import Welcome
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
 from gossiptrain.protocol.membership import Member
@@ -142,7 +142,7 @@ def training_side(
     """
     averaging = make_averaging(dict(model.named_parameters()), node.config.gossip, rng, me=node.me.id)
     safepoint = SafePoint(node, averaging, clock, send)
-    if (gain := drift_gain(node.config.gossip)) > 0:
+    if (gain := drift_gain(node.config.gossip, running_stats=keeps_running_stats(model))) > 0:
         safepoint.drift = DriftCorrection(averaging.params, gain, stale_merges=averaging.merges_stale, reported=averaging.reports_moves)
     snapshots = SnapshotHook(node.state, model, offer, clock)
     side = TrainingSide(node, model, averaging, safepoint, snapshots)
