@@ -9,6 +9,7 @@ server process outlives a test.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -78,6 +79,52 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     assert finite(heads["two_workers_minus_one_points"]) and finite(heads["two_by_two_minus_four_by_one_points"])
     assert (tmp_path / "hybrid.csv").read_text().count("\n") == 5  # a header and four setups
     assert "| 2 peers x 2 workers |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow  # a coordinator, 4 Python-API peers twice and 4 DDP ranks, ~2 min on 2 cores: `make test-slow`; test_experiment_scripts.py checks it starts
+@pytest.mark.timeout(2 * SCRIPT_TIMEOUT + 30)
+def test_user_loop_quick(tmp_path: Path) -> None:
+    """experiments/user_loop.py (issue 46): the user's own loop on the Python API, given/plain optimizer and DDP."""
+    heads = run_quick_experiment("user_loop", tmp_path, 2 * SCRIPT_TIMEOUT)[0]
+    for arm in ("given", "plain", "ddp"):
+        cell = heads["loopback-iid"][arm]
+        assert cell["runs"] == 1 and cell["errors"] == 0 and cell["crashed_runs"] == 0, (arm, cell)
+        assert finite(cell["median_final_acc"]) and cell["median_final_acc"] > 0.5, (arm, cell)
+    assert (tmp_path / "runs.csv").read_text().count("\n") == 4  # a header and three runs
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# ") and "`python experiments/user_loop.py --quick" in summary
+    assert "| loopback-iid | plain |" in summary
+
+
+def test_user_loop_summarises_each_setting_and_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Medians count a run that missed the target as slower than any; non-finite and crashed runs are counted."""
+    from argparse import Namespace
+
+    from experiments import user_loop
+
+    def digits(arm: str, seed: int, t: float | None, **extra: Any) -> dict[str, Any]:
+        return {"setting": "100mbit-skew", "arm": arm, "seed": seed, "time_to_target_s": t, "nonfinite": False,
+                "max_mean_acc": 0.97, "final_acc": 0.96, "final_acc_after_finish": 0.97, "steps_per_peer": 900, **extra}
+
+    rows = [
+        digits("given", 0, None, nonfinite=True, crashed="peer-1 exited with status 1"), digits("given", 1, None, nonfinite=True),
+        digits("plain", 0, 20.0), digits("plain", 1, None), digits("ddp", 0, 30.0), digits("ddp", 1, 40.0),
+        {"setting": "charlm-adam", "arm": "given", "seed": 0, "val_loss": 1.1, "val_loss_before_finish": 1.2, "lr_scale": 1.7},
+        {"setting": "charlm-adam", "arm": "alone", "seed": 0, "val_loss": 1.3, "val_loss_before_finish": 1.3},
+    ]
+    args = Namespace(settings=["100mbit-skew", "charlm-adam"], arms=["given", "plain", "ddp"], seeds=2, seconds=40.0,
+                     target=0.97, charlm_steps=300, charlm_lr=0.003)
+    user_loop.report(rows, args, tmp_path, "python experiments/user_loop.py --seeds 2")
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    skew = head["100mbit-skew"]
+    assert skew["given"] == {"median_time_to_target_s": None, "nonfinite_runs": 2, "runs": 2, "errors": 0,
+                             "crashed_runs": 1, "median_final_acc": 0.96}
+    assert skew["plain"]["median_time_to_target_s"] is None  # one of two missed: the median is a miss
+    assert skew["ddp"]["median_time_to_target_s"] == 35.0
+    assert head["charlm-adam"]["given"]["median_val_loss"] == 1.1 and head["charlm-adam"]["alone"]["median_val_loss"] == 1.3
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 100mbit-skew | plain | 2 | not reached | 20.0, not reached |" in summary
+    assert "peer-1 exited with status 1" in summary
 
 
 @pytest.mark.slow  # the whole exchange benchmark in miniature, 7 s: `make test-slow`; test_experiment_scripts.py checks it starts
