@@ -129,8 +129,8 @@ def test_robust_cannot_be_combined_with_push_sum() -> None:
 DURATION = 3.0
 
 
-def poisoned_run(rogue: bool, robust: bool, algorithm: str = "pairwise") -> tuple[float, float]:
-    """(mean test accuracy, mean test loss) of the honest peers at the end."""
+def poisoned_run(rogue: bool, robust: bool, algorithm: str = "pairwise", guard: bool = True) -> tuple[float, float]:
+    """(mean test accuracy, mean test loss) of the honest peers at the end; ``guard``: the stability guard's."""
     run = RunConfig().with_overrides(
         {
             "train.workload": "logreg",
@@ -139,6 +139,7 @@ def poisoned_run(rogue: bool, robust: bool, algorithm: str = "pairwise") -> tupl
             "gossip.topology": "exponential",
             "gossip.algorithm": algorithm,
             "gossip.robust": robust,
+            "gossip.guard": guard,
         }
     )
     config = SimConfig(peers=6, run=run, duration=DURATION, step_time=0.01, seed=1, rogue=(5,) if rogue else ())
@@ -158,10 +159,13 @@ def test_a_rogue_peer_scaling_by_100_is_contained_by_robust_aggregation(algorith
 
     A linear model's accuracy barely notices being scaled, its loss does: the
     damage without robust aggregation shows in the honest peers' test loss.
+    Undefended means without the stability guard too: the guard alone puts
+    back the models the rogue drove non-finite (pairwise, seed 1: a loss of
+    0.247 against 0.110 clean), the damage robust aggregation prevents whole.
     """
     clean_acc, clean_loss = poisoned_run(rogue=False, robust=False, algorithm=algorithm)
     defended_acc, defended_loss = poisoned_run(rogue=True, robust=True, algorithm=algorithm)
-    _, undefended_loss = poisoned_run(rogue=True, robust=False, algorithm=algorithm)
+    _, undefended_loss = poisoned_run(rogue=True, robust=False, algorithm=algorithm, guard=False)
     assert defended_acc >= clean_acc - 0.02, (clean_acc, defended_acc)
     assert defended_loss < 1.5 * clean_loss, (clean_loss, defended_loss)
     assert undefended_loss > 100 * clean_loss, (clean_loss, undefended_loss)  # the damage robust aggregation prevents
@@ -171,7 +175,8 @@ def test_a_rogue_peer_scaling_by_100_is_contained_by_robust_aggregation(algorith
 
 
 def _loopback_accuracy(procs: Procs, coordinator_factory: Any, rogue: bool, robust: bool) -> float:
-    config = fast_config(**{"train.shards": 6, "train.max_steps": 400, "gossip.robust": robust})
+    # Undefended: without the stability guard too (it puts back the models a rogue drives non-finite).
+    config = fast_config(**{"train.shards": 6, "train.max_steps": 400, "gossip.robust": robust, "gossip.guard": robust or not rogue})
     coord = coordinator_factory(config)
     join = coord.address.removeprefix("tcp://")
     honest = [procs.peer(join) for _ in range(5)]
