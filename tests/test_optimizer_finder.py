@@ -12,12 +12,9 @@ Real peers on loopback, each on its own 127.0.0.x with port 0, joined through an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
-import threading
-import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +29,18 @@ from gossiptrain.state.snapshot import state_tensors
 
 from .conftest import fast_config
 from .swarm import next_host, wait_for
-from .test_optimizer_transfer import RUN, Wired, adam, assert_same_state, model, optimizer_state, safe_points, sgd, trained
+from .test_optimizer_transfer import (
+    RUN,
+    Wired,
+    adam,
+    assert_same_state,
+    model,
+    optimizer_state,
+    safe_points,
+    sgd,
+    trained,
+    trained_donor,
+)
 
 # No exchanges and no state download: what the optimizer gets is all that differs between two runs.
 QUIET = {"train.workload": "external", "gossip.exchange_every_steps": 2 * 10**9, "state.enabled": False}
@@ -277,33 +285,6 @@ def step_once(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
     torch.nn.functional.cross_entropy(m(x), y).backward()
     opt.step()
-
-
-@contextlib.contextmanager
-def trained_donor(coordinator_factory: Any, make_opt: Any) -> Iterator[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
-    """A member that trained a few steps with ``make_opt`` (given to its Peer), at its safe points: the join address."""
-    config = fast_config(**{
-        "train.workload": "external", "train.shards": 2, "state.transfer_optimizer": True,
-        "gossip.exchange_every_steps": 2 * 10**9,  # no exchange: the donor's state stays what it is
-    })
-    join = coordinator_factory(config).address.removeprefix("tcp://")
-    donor_model, donor_opt = trained(1, make_opt)
-    donor = Peer(donor_model, join=join, bind=f"{next_host()}:0", optimizer=donor_opt)
-    halt = threading.Event()
-
-    def loop() -> None:  # the donor's training loop, without the training: safe points only
-        while not halt.is_set():
-            donor.step(samples_seen=640)
-            time.sleep(0.005)
-
-    stepping = threading.Thread(target=loop, daemon=True)
-    stepping.start()
-    try:
-        yield join, donor_model, donor_opt
-    finally:
-        halt.set()
-        stepping.join(10)
-        donor.close()
 
 
 @pytest.mark.timeout(90)

@@ -8,11 +8,12 @@ task; then the simulator, where a rejoining peer takes its donor's momentum.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -233,14 +234,15 @@ def test_optimizer_bytes_changed_on_the_way_fail_their_checksum() -> None:
     assert_same_state(newcomer, fresh) and not new_opt.state  # nothing installed
 
 
-def test_a_peer_joining_over_tcp_installs_its_donors_momentum(coordinator_factory: Any) -> None:
-    """Real Peers (this process, loopback TCP): the optimizer given to Peer is what state transfer fills in."""
+@contextlib.contextmanager
+def trained_donor(coordinator_factory: Any, make_opt: Any) -> Iterator[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    """A member that trained a few steps with ``make_opt`` (given to its Peer), at its safe points: the join address."""
     config = fast_config(**{
         "train.workload": "external", "train.shards": 2, "state.transfer_optimizer": True,
         "gossip.exchange_every_steps": 2 * 10**9,  # no exchange: the donor's state stays what it is
     })
     join = coordinator_factory(config).address.removeprefix("tcp://")
-    donor_model, donor_opt = trained(1, sgd)
+    donor_model, donor_opt = trained(1, make_opt)
     donor = Peer(donor_model, join=join, bind=f"{next_host()}:0", optimizer=donor_opt)
     halt = threading.Event()
 
@@ -252,6 +254,17 @@ def test_a_peer_joining_over_tcp_installs_its_donors_momentum(coordinator_factor
     stepping = threading.Thread(target=loop, daemon=True)
     stepping.start()
     try:
+        yield join, donor_model, donor_opt
+    finally:
+        halt.set()
+        stepping.join(10)
+        donor.close()
+
+
+
+def test_a_peer_joining_over_tcp_installs_its_donors_momentum(coordinator_factory: Any) -> None:
+    """Real Peers (this process, loopback TCP): the optimizer given to Peer is what state transfer fills in."""
+    with trained_donor(coordinator_factory, sgd) as (join, donor_model, donor_opt):
         newcomer_model = model(2)
         new_opt = sgd(newcomer_model)
         with Peer(newcomer_model, join=join, bind=f"{next_host()}:0", optimizer=new_opt) as newcomer:
@@ -261,10 +274,6 @@ def test_a_peer_joining_over_tcp_installs_its_donors_momentum(coordinator_factor
             assert_same_state(newcomer_model, donor_model)
             theirs, mine = optimizer_state(donor_model, donor_opt), optimizer_state(newcomer_model, new_opt)
             assert theirs.keys() == mine.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
-    finally:
-        halt.set()
-        stepping.join(10)
-        donor.close()
 
 
 # -- the template and the manifest, sans IO --------------------------------------------------
