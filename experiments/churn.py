@@ -322,7 +322,7 @@ def policy_trace(peers: int, down: int, kill_gap: float, downtime: float, durati
 def sim_time_ratio(args: argparse.Namespace, downtime: float) -> dict[str, Any]:
     """The simulator's time to target with the same churn policy (each crash down ``downtime``), and without."""
     from gossiptrain.sim import SimConfig, simulate
-    from gossiptrain.sim.cluster import measure_step_time
+    from gossiptrain.sim.compute import measure_step_time
     from gossiptrain.train.workload import load_workload
 
     run = harness.run_config(args.peers, 0, max_seconds=0.0)

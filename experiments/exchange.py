@@ -91,8 +91,9 @@ from gossiptrain.config import GossipConfig, Limits  # noqa: E402
 from gossiptrain.net.kinds import XREQ  # noqa: E402
 from gossiptrain.net.transport import listen  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
-from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Received, SendExchange  # noqa: E402
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange  # noqa: E402
 from gossiptrain.protocol.compression import get_codec  # noqa: E402
+from gossiptrain.protocol.pairwise import PairwiseAveraging  # noqa: E402
 from gossiptrain.runtime.loop_thread import new_event_loop  # noqa: E402
 from gossiptrain.runtime.peer_network import exchange_meta  # noqa: E402
 from gossiptrain.state.host_buffers import synchronize  # noqa: E402

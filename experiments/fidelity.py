@@ -68,10 +68,11 @@ from gossiptrain.net.kinds import XREP, XREQ  # noqa: E402
 from gossiptrain.net.transport import Transport, listen  # noqa: E402
 from gossiptrain.net.transport.sim import LinkProfile  # noqa: E402
 from gossiptrain.net.wire import Message, decode, encode  # noqa: E402
-from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Received  # noqa: E402
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received  # noqa: E402
+from gossiptrain.protocol.pairwise import PairwiseAveraging  # noqa: E402
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator  # noqa: E402
 from gossiptrain.sim import SimConfig, simulate  # noqa: E402
-from gossiptrain.sim.cluster import measure_step_time  # noqa: E402
+from gossiptrain.sim.compute import measure_step_time  # noqa: E402
 from gossiptrain.train.local_trainer import LocalTrainer  # noqa: E402
 from gossiptrain.train.metrics import read_metrics  # noqa: E402
 from gossiptrain.train.workload import load_workload  # noqa: E402

@@ -37,7 +37,7 @@ from gossiptrain.net import kinds
 from gossiptrain.net.addressing import plain_address
 from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import DEAD, Member
+from gossiptrain.protocol.member import DEAD, Member
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.train.workload import load_workload
 

@@ -51,7 +51,8 @@ from gossiptrain.errors import (
 
 if TYPE_CHECKING:
     from gossiptrain.runtime.peer import Peer
-    from gossiptrain.sim.cluster import SimConfig, SimResult, simulate
+    from gossiptrain.sim.cluster import simulate
+    from gossiptrain.sim.sim_config import SimConfig, SimResult
     from gossiptrain.train.evaluation import EvalResult
     from gossiptrain.train.workload import Workload, load_workload
 
@@ -60,8 +61,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Peer": "gossiptrain.runtime.peer",
     "simulate": "gossiptrain.sim.cluster",
-    "SimConfig": "gossiptrain.sim.cluster",
-    "SimResult": "gossiptrain.sim.cluster",
+    "SimConfig": "gossiptrain.sim.sim_config",
+    "SimResult": "gossiptrain.sim.sim_config",
     "Workload": "gossiptrain.train.workload",
     "load_workload": "gossiptrain.train.workload",
     "EvalResult": "gossiptrain.train.evaluation",

@@ -46,17 +46,18 @@ class Limits:
     max_container_len: int = 65_536  # msgpack array / map length
     max_str_len: int = 4096  # msgpack string length
     inbox_messages: int = 256  # received messages waiting for the peer loop
-    # ...and for the coordinator's: every member's join comes there, all at once when a scheduler starts them
-    # together (1,024 simulated peers started in one instant: 644 joins were dropped at 256 and came back 2-3 s later)
+    # received messages waiting for the coordinator's loop: every member's join comes there, all at once when a
+    # scheduler starts them together (1,024 simulated peers started in one instant: 644 joins were dropped at 256
+    # and came back 2-3 s later)
     coordinator_inbox_messages: int = 4096
     send_queue_messages: int = 8  # ZMQ SNDHWM: queued messages per connection
     # Outgoing connections kept open; past it the least recently used is closed (and dialled again if needed),
     # so gossip about many members (or made-up ones) cannot use up the process's file descriptors.
     max_connections: int = 256
-    # Incoming connections (gossiptrain.net.transport.incoming): per source (an IP, an IPv6 /64) and in all (less
-    # if the descriptor limit leaves less room); past them a new one is shut down at once. A host running many
-    # peers, or many behind one NAT, holds one connection per peer to us.
+    # Incoming connections (gossiptrain.net.transport.incoming) from one source (an IP, an IPv6 /64); past it a new
+    # one is shut down at once. A host running many peers, or many behind one NAT, holds one connection per peer to us.
     incoming_per_source: int = 256
+    # incoming connections in all (less if the descriptor limit leaves less room); past it a new one is shut down at once
     max_incoming: int = 4096
     handshake_seconds: float = 5.0  # a connection that has not completed the ZMTP handshake by then is closed
     averaging_queue: int = 8  # exchange messages waiting for the trainer
@@ -68,16 +69,17 @@ class Limits:
     join_sources_tracked: int = 4096  # sources with a bucket; beyond this the least recently seen is forgotten
     # Reports to the coordinator (every membership.report_interval per member), bucketed per source the same
     # way: a host of 64 peers sends 32 a second; a flood costs a counter, not registry entries or answers.
-    report_rate_per_source: float = 40.0
-    report_burst: int = 128
+    report_rate_per_source: float = 40.0  # reports answered per second per source, after the burst; excess dropped
+    report_burst: int = 128  # reports one source may send at once (the bucket's size)
     registry_members: int = 16_384  # members the coordinator keeps; past it, reports of unknown ids are not recorded
     # Members heard of through gossip but not yet verified (probed at the address claimed), at most a quarter
     # of them from one introducer: a liar's made-up members cost a bounded table, never a place in views.
     candidates: int = 128
-    # What a relay (the coordinator, for two client-mode members behind NAT: gossiptrain.net.transport) forwards:
-    # bytes per second on average, and at once; past them a relayed message is dropped (the exchange times out).
+    # What a relay (the coordinator, or a peer run with --relay, for two client-mode members behind NAT:
+    # gossiptrain.net.transport) forwards, in bytes per second on average; past it, or past relay_burst_bytes at
+    # once, a relayed message is dropped (the exchange times out).
     relay_bytes_per_second: float = 32e6
-    relay_burst_bytes: int = 64 << 20
+    relay_burst_bytes: int = 64 << 20  # bytes a relay forwards at once (the bucket's size; see relay_bytes_per_second)
 
     def check(self, section: str = "limits") -> None:
         for f in fields(self):
@@ -157,18 +159,25 @@ class TrainConfig:
     ``budgets_given`` says which of the two were given.
     """
 
-    workload: str = "digits"  # built-in name (digits, digits-small, logreg, charlm), "module:attr", or "external"
-    optimizer: str = "sgd"  # sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; betas 0.9, 0.999)
+    # digits (a 1.1M-parameter MLP), digits-small (the same data, 19k parameters: what the tests train), logreg,
+    # charlm (a GRU language model on the standard library's source, contiguous shards; with optimizer adam and
+    # lr 0.003; evaluations add bits_per_char), "package.module:attr" of your own, or "external" (the Python API)
+    workload: str = "digits"
+    optimizer: str = "sgd"  # sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; torch's betas 0.9, 0.999)
     lr: float = 0.05  # learning rate (Adam wants about 0.003)
     momentum: float = 0.9  # SGD momentum
-    weight_decay: float = 0.0
-    batch_size: int = 32
+    weight_decay: float = 0.0  # the optimizer's weight decay (torch's weight_decay)
+    batch_size: int = 32  # mini-batch size of each local step
     shards: int = 4  # the data is cut into this many shards; a peer trains one
     seed: int = 0  # model init and shards are deterministic from it
-    max_steps: int = _BUDGET_DEFAULTS["max_steps"]  # type: ignore[assignment]  # budget: this many steps (0 = none)
-    max_seconds: float = _BUDGET_DEFAULTS["max_seconds"]  # budget: this many seconds (0 = none)
+    # budget per peer: this many steps (0 = none); given alone, the only budget (max_seconds is then 0)
+    max_steps: int = _BUDGET_DEFAULTS["max_steps"]  # type: ignore[assignment]
+    # budget per peer: this many seconds (0 = none); given alone, the only budget (max_steps is then 0)
+    max_seconds: float = _BUDGET_DEFAULTS["max_seconds"]
     eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
-    partition: str = "iid"  # how shards split the data: iid, dirichlet, classes-per-peer (gossiptrain.train.partition)
+    # how labels spread over shards: iid, dirichlet (label skew, partition_alpha), classes-per-peer
+    # (partition_classes); each peer logs its class histogram (gossiptrain.train.partition)
+    partition: str = "iid"
     partition_alpha: float = 0.5  # dirichlet concentration: small = few classes per shard, large = near iid
     partition_classes: int = 2  # classes-per-peer: classes each shard holds (shards * this >= classes)
 
@@ -235,39 +244,70 @@ AUTO_TOPOLOGY = "auto"
 class GossipConfig:
     """How peers pick partners and average."""
 
-    # a name or spec, e.g. "ring", "random-regular:degree=4" (topologies.parse); auto: the algorithm's own (topology_spec)
+    # auto: the algorithm's own graph (topology_spec): one-peer-exponential for push-sum (as SGP runs), exponential
+    # for the others; or a name: ring, torus, hypercube, exponential, one-peer-exponential, complete (random peer),
+    # erdos-renyi, random-regular, star, small-world, base-k, file:path=edges.txt; parameters as NAME:key=value,...
+    # e.g. "random-regular:degree=4" (topologies.parse; `gossiptrain topology NAME --peers N` prints degree,
+    # diameter and spectral gap)
     topology: str = "auto"
-    algorithm: str = "pairwise"  # see ALGORITHMS
-    exchange_every_steps: int = 1  # start at most one exchange per this many local steps
-    exchange_timeout_min: float = 0.5  # adaptive exchange timeout: floor (seconds)
+    # pairwise (AD-PSGD), push-sum (SGP), neighbor (D-PSGD) or local-sgd (ALGORITHMS)
+    algorithm: str = "pairwise"
+    # start at most one exchange per this many local steps: steps per exchange (pairwise), push (push-sum) or
+    # round (neighbor)
+    exchange_every_steps: int = 1
+    # adaptive exchange timeout: floor (seconds). A reply 2 typical round trips late (or past what RFC 6298 computes
+    # from the replies that came) is presumed lost before the timeout: it holds neither the loop nor a place in
+    # flight, and is still applied if it comes (presumed_lost in the stats)
+    exchange_timeout_min: float = 0.5
     exchange_timeout_max: float = 10.0  # adaptive exchange timeout: ceiling (seconds)
     # pairwise flow control: at most this many local steps past the last merge before a safe point waits for the
     # exchange in flight (never past its timeout); 0: automatic (gossiptrain.protocol.averaging.AUTO_STEPS_AHEAD)
     max_steps_ahead: int = 0
-    # pairwise: exchanges a peer may have in flight at once, each of weight 1/(k+1); 0: automatic, as many as the
-    # link's latency takes steps, at most 3 (gossiptrain.protocol.averaging.PairwiseAveraging.concurrency)
+    # pairwise: exchanges a peer may have in flight at once, with different partners, each of weight 1/(k+1);
+    # 0: automatic, as many as the link's latency (the shortest membership probe round trip lately) takes local
+    # steps, at most 3, so 1 on a near link (gossiptrain.protocol.pairwise.PairwiseAveraging.concurrency)
     exchanges_in_flight: int = 0
     local_steps: int = 8  # local-sgd: local steps between averaging rounds (H)
     outer_lr: float = 1.0  # local-sgd: outer learning rate on the round's delta (1 and momentum 0: plain averaging)
-    outer_momentum: float = 0.0  # local-sgd: Nesterov momentum of the outer optimizer (DiLoCo uses 0.9 in synchronous rounds; see MAX_OUTER_STEP)
-    staleness_weighting: str = "constant"  # constant, or polynomial: weight 1/(1+s)^staleness_exponent
-    staleness_exponent: float = 0.5
+    # local-sgd: Nesterov momentum of the outer optimizer; at most 0.8 (MAX_OUTER_MOMENTUM), and
+    # outer_lr / (1 - outer_momentum) at most 2 (MAX_OUTER_STEP): beyond, the asynchronous outer step diverged in the
+    # simulator (DiLoCo's synchronous 0.7/0.9 included) or drifted with no gradient under the averaging nemesis;
+    # 1.0/0.5 and 0.4/0.8 train
+    outer_momentum: float = 0.0
+    # weight of an update s steps stale: constant (1), or polynomial: 1/(1+s)^staleness_exponent
+    staleness_weighting: str = "constant"
+    staleness_exponent: float = 0.5  # polynomial staleness weighting: an update s steps stale weighs 1/(1+s)^this
     staleness_bound: int = 0  # drop updates more than this many steps stale (0: no bound)
-    # SGD momentum across averaging: auto (the optimizer's own, as local), local, quasi-global (follows the swarm;
-    # gossiptrain.protocol.momentum says why it is not the default)
+    # how SGD momentum meets averaging: quasi-global (the buffer follows the model's real change, merges included:
+    # Lin et al. 2021; pairwise runs it while its safe points wait less than half the time for the link), local
+    # (the optimizer's own); auto: local, since a user's model went to NaN with quasi-global
+    # (gossiptrain.protocol.momentum says more); Adam is left alone
     momentum_mode: str = "auto"
-    drift_gain: float = -1.0  # replay merges this many times more, smoothed (gossiptrain.protocol.drift); 0: off; -1: auto
-    # Adam's square-root scaling rule for the swarm's n-fold batch (gossiptrain.protocol.lr_scaling): auto (adaptive
-    # optimizers step at sqrt(members) x lr, SGD as set), sqrt (any optimizer), none
+    # drift correction (gossiptrain.protocol.drift): replay each merge this many times more, smoothed over 100 steps
+    # (or 15 round trips of a far link); 0: off; at most 8 (MAX_DRIFT_GAIN); -1: auto (4)
+    drift_gain: float = -1.0
+    # The square-root scaling rule for the swarm's n-fold batch (gossiptrain.protocol.lr_scaling): auto steps
+    # adaptive optimizers (Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop; in the Python API the one found
+    # stepping the model, or given as Peer(..., optimizer=opt)) at sqrt(members) x their rate, members counted at
+    # most 16, and leaves SGD as set; sqrt: any optimizer; none: off. The rate is scaled only inside
+    # optimizer.step(): schedulers and checkpoints see yours. Peer.stats()["lr_scale"] is the last step's multiplier.
     lr_scaling: str = "auto"
-    # the stability guard (gossiptrain.protocol.stability): back the added methods off at a sign of a blow-up, restore
-    # a non-finite model; false: off (the methods run as configured whatever happens)
+    # the stability guard (gossiptrain.protocol.stability): at a sign of a blow-up, back the added methods off, put
+    # the model back and restart the optimizer; restore a non-finite model; false: off (the methods run as
+    # configured whatever happens)
     guard: bool = True
-    compression: str = "auto"  # what exchanges send: auto (none, fp16 or int8 as the link calls for), none, fp16, bf16, int8, topk:ratio=R (neighbor, local-sgd)
-    robust: bool = False  # clip each applied difference to robust_clip x the median of recent ones; neighbor: trimmed mean
-    robust_clip: float = 3.0
+    # what exchanges send: auto (none, fp16 or int8 as the measured link calls for; Peer.stats() and simulator rows
+    # show it as compression_level 0/1/2), or fixed: none, fp16, bf16, int8, topk:ratio=R (neighbor and local-sgd
+    # only: per-edge references); bytes are counted after compression
+    compression: str = "auto"
+    # against valid but poisoned models: clip each applied difference to robust_clip x the median of recent ones
+    # and refuse those 10x beyond; neighbor rounds use a coordinate-wise trimmed mean (not with push-sum)
+    robust: bool = False
+    robust_clip: float = 3.0  # with robust: an applied difference is clipped to this x the median of recent ones
     robust_trim: float = 0.2  # neighbor/local-sgd with robust: fraction trimmed at each end, per coordinate
-    quarantine_after: int = 3  # updates rejected by validation in a row before a sender is quarantined
+    # updates refused (by validation) within quarantine_seconds before their sender is quarantined: ignored (not a
+    # partner, its messages refused) for quarantine_seconds; logged and counted
+    quarantine_after: int = 3
     quarantine_seconds: float = 60.0  # how long a quarantined sender's exchanges are refused
     consensus_step: float = 0.0  # topk: step toward the neighbours' references (CHOCO's gamma); 0: min(1, 2 * ratio)
 
@@ -387,18 +427,27 @@ class MembershipConfig:
     times measured at run time, so nothing here needs tuning per network.
     """
 
-    heartbeat_interval: float = 0.5  # protocol period: seconds between our probes of one member
+    # SWIM's protocol period: seconds between our probes of one member (each member probes one other per period);
+    # the only time scale of failure detection (stretched where measured round trips need longer: three probe timeouts)
+    heartbeat_interval: float = 0.5
     indirect_probes: int = 3  # members asked to probe a member that missed its direct ack (SWIM's k)
     suspicion_mult: float = 4.0  # a suspect is dead after at least mult * max(1, log10 n) periods unrefuted
-    suspicion_max_mult: float = 9.0  # ... and at most this times that, until independent suspicions confirm it
-    suspicion_confirmations: int = 3  # independent suspicions that shrink the timeout to its minimum (Lifeguard's K;
-    # capped by the members that could confirm at all: in a swarm of 3 the one other survivor is enough)
+    # a lone suspicion waits up to this times suspicion_mult's timeout, shrinking to it as independent suspicions
+    # confirm it (Lifeguard)
+    suspicion_max_mult: float = 9.0
+    # independent suspicions that shrink the timeout to its minimum (Lifeguard's K; capped by the members that
+    # could confirm at all: in a swarm of 3 the one other survivor is enough)
+    suspicion_confirmations: int = 3
     retransmit_mult: int = 4  # an update rides on mult * ceil(log10(n + 1)) messages
     max_piggyback: int = 8  # updates carried per probe message (bounds every message)
     min_probe_timeout: float = 0.01  # floor of the RTT-derived direct probe timeout (seconds)
     max_health: int = 8  # Lifeguard's local health multiplier: periods and timeouts stretch up to (1 + this)x
-    sync_interval: float = 10.0  # at most this many seconds between full-view exchanges with one member (anti-entropy)
-    newcomer_grace: float = 15.0  # seconds a welcomed member may take to start (build its model) unprobed; then dropped
+    # at most this many seconds between full-view exchanges with one member (anti-entropy; a newcomer's first ones
+    # come sooner)
+    sync_interval: float = 10.0
+    # seconds a welcomed member may take to start (build its model; its state download comes after) before it is
+    # probed or, if it never starts, dropped
+    newcomer_grace: float = 15.0
     tombstone_rounds: int = 120  # periods a dead/left member is remembered (blocks stale resurrection)
     probe_dead_every: int = 4  # every this many periods, send our view to one member we think dead
     candidate_probes: int = 16  # probes a period of members heard of but not verified yet (limits.candidates)
@@ -478,7 +527,9 @@ class StateConfig:
     donor_sessions: int = 2  # sessions a donor serves at a time; more are refused, so newcomers spread over donors
     session_timeout: float = 30.0  # a donor drops a session (and its snapshot) idle this long
     transfer_step: bool = False  # also continue the donor's step count (it then counts toward train.max_steps)
-    transfer_optimizer: bool = False  # also download the donor's optimizer state (momentum buffers; Adam's moments)
+    # also download the donor's optimizer state (momentum buffers; Adam's moments), checked against the newcomer's
+    # optimizer
+    transfer_optimizer: bool = False
 
     def __post_init__(self) -> None:
         s = "state"

@@ -20,7 +20,7 @@ from gossiptrain.errors import ConfigError
 from gossiptrain.net.kinds import XNAK, XPUSH
 from gossiptrain.protocol import push_sum
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import AtSafePoint, Received, SendExchange
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.rounds import Lockstep

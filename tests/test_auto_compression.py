@@ -23,7 +23,7 @@ from gossiptrain.net.kinds import XACK, XPUSH
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.algorithms import make_averaging
 from gossiptrain.protocol.auto_compression import BLOCK_EXCHANGES, SETTLE_EXCHANGES, AutoCompression
-from gossiptrain.protocol.averaging import AtSafePoint, Received, SendExchange, wire_bytes
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange, wire_bytes
 from gossiptrain.protocol.compression import AUTO_LEVELS, AutoCodec
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.vtime import run_virtual

@@ -16,18 +16,10 @@ from hypothesis import strategies as st
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
-from gossiptrain.protocol.averaging import (
-    OVERDUE_SECONDS,
-    AtSafePoint,
-    MemberGone,
-    PairwiseAveraging,
-    ParamSpec,
-    Received,
-    Rejected,
-    RttEstimator,
-    SendExchange,
-    Undelivered,
-)
+from gossiptrain.protocol.averaging_events import AtSafePoint, MemberGone, Received, Rejected, SendExchange, Undelivered
+from gossiptrain.protocol.pairwise import OVERDUE_SECONDS, PairwiseAveraging
+from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.rtt import RttEstimator
 
 CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
 

@@ -1,8 +1,9 @@
 """What mutation testing found untested in pairwise averaging and push-sum, pinned.
 
 Each test kills mutants that survived a mutmut run over
-``protocol/averaging.py`` and ``protocol/push_sum.py`` (a changed operator,
-constant, argument or counter that no test noticed). They drive the real
+``protocol/averaging.py`` (its pairwise part now ``protocol/pairwise.py``)
+and ``protocol/push_sum.py`` (a changed operator, constant, argument or
+counter that no test noticed). They drive the real
 sans-IO machines by hand, as ``test_averaging.py`` does: a safe point is
 ``AtSafePoint``, a message is ``Received``, and what a machine answers is the
 list of actions it returns.
@@ -22,21 +23,19 @@ from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XNAK, XPUSH, XREP, XREQ
 from gossiptrain.protocol import push_sum
-from gossiptrain.protocol.averaging import (
-    OVERDUE_KEPT,
-    OVERDUE_SECONDS,
+from gossiptrain.protocol.averaging_events import (
     AtSafePoint,
     AveragingStats,
-    PairwiseAveraging,
-    ParamSpec,
     Received,
     Rejected,
-    RttEstimator,
     SendExchange,
     Undelivered,
     mean_staleness,
 )
+from gossiptrain.protocol.pairwise import OVERDUE_KEPT, OVERDUE_SECONDS, PairwiseAveraging
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.push_sum import MIN_PUSH_WEIGHT, UNACKED_PUSHES, PushSum
+from gossiptrain.protocol.rtt import RttEstimator
 
 CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
 PUSH_SUM = GossipConfig(algorithm="push-sum")

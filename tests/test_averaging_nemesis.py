@@ -111,7 +111,7 @@ def test_a_loop_paused_past_the_exchange_timeout_loses_nothing(algorithm: str) -
 
 def test_the_nemesis_catches_a_machine_that_drops_late_replies() -> None:
     """The invariant check can fail: pairwise as it was (late replies ignored) is caught on the pause schedule."""
-    from gossiptrain.protocol.averaging import PairwiseAveraging
+    from gossiptrain.protocol.pairwise import PairwiseAveraging
 
     class DropsLateReplies(PairwiseAveraging):
         def _complete(self, msg, now):  # type: ignore[no-untyped-def]

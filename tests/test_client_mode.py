@@ -23,8 +23,10 @@ from gossiptrain.net.addressing import client_address, is_client_address, plain_
 from gossiptrain.net.kinds import FIN, PING, PING_REQ
 from gossiptrain.net.transport.base import RelayBudget
 from gossiptrain.protocol.finish import DONE, Announce, FinishEndpoint, FinNotice
-from gossiptrain.protocol.membership import Ack, Digest, Member, Membership, Send, Tick
+from gossiptrain.protocol.member import Member
+from gossiptrain.protocol.membership import Membership
 from gossiptrain.protocol.reachability import Verdict
+from gossiptrain.protocol.swim.events import Ack, Digest, Send, Tick
 from gossiptrain.runtime.peer_network import relay_rank
 from gossiptrain.sim.cluster import COORDINATOR, Cluster, SimConfig, simulate
 from gossiptrain.sim.faults import ChurnEvent

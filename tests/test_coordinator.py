@@ -12,7 +12,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import GOSSIP, REPORT
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
 from gossiptrain.net.wire import Message, decode, encode
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 from gossiptrain.runtime.coordinator import Coordinator
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.vtime import LoopClock, run_virtual

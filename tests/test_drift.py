@@ -24,7 +24,7 @@ from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.net.kinds import XPUSH
-from gossiptrain.protocol.averaging import Received
+from gossiptrain.protocol.averaging_events import Received
 from gossiptrain.protocol.drift import AUTO_GAIN, MEMORY_ROUND_TRIPS, MEMORY_STEPS, DriftCorrection, drift_gain, keeps_running_stats, memory_for
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.sim.cluster import SimConfig, simulate

@@ -20,17 +20,10 @@ from gossiptrain.config import GossipConfig, Limits, RunConfig
 from gossiptrain.net.kinds import XNAK, XREP, XREQ
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import LinkProfile
-from gossiptrain.protocol.averaging import (
-    AUTO_STEPS_AHEAD,
-    MAX_AUTO_STEPS_AHEAD,
-    MAX_IN_FLIGHT,
-    ROUND_TRIP_STEPS_AHEAD,
-    AtSafePoint,
-    PairwiseAveraging,
-    Received,
-    SendExchange,
-)
+from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.protocol.pairwise import MAX_AUTO_STEPS_AHEAD, MAX_IN_FLIGHT, ROUND_TRIP_STEPS_AHEAD, PairwiseAveraging
 from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS, MinRtt, RttEstimator
 from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator

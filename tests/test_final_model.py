@@ -24,7 +24,7 @@ from gossiptrain.errors import CheckpointError, ConfigError, ProtocolError
 from gossiptrain.net.kinds import FIN, QUERY, ROSTER, STOP
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.finish import DONE, WRITTEN, Announce, Event, FinishEndpoint, FinNotice
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 from gossiptrain.runtime.final_phase import FinalPhase, finish_event
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.state import merged_model as fm

@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from gossiptrain.config import ALGORITHMS, GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.transport.sim import LinkProfile
-from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD, AtSafePoint, PairwiseAveraging, Received
+from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received
+from gossiptrain.protocol.pairwise import PairwiseAveraging
 from gossiptrain.protocol.push_sum import PUSH_STEPS_AHEAD, PushSum
 from gossiptrain.sim.cluster import Cluster, SimConfig
 from gossiptrain.sim.faults import ChurnEvent

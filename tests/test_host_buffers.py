@@ -22,8 +22,9 @@ from torch.utils._pytree import tree_flatten
 from gossiptrain.config import GossipConfig, Limits
 from gossiptrain.net import wire
 from gossiptrain.net.kinds import XPUSH, XREP, XREQ
-from gossiptrain.protocol.averaging import AtSafePoint, PairwiseAveraging, Received
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received
 from gossiptrain.protocol.compression import Bf16Codec, Fp16Codec, Int8Codec, NoneCodec
+from gossiptrain.protocol.pairwise import PairwiseAveraging
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.state.host_buffers import BufferPool, common_device, to_device, wants_pinned
 

@@ -12,8 +12,8 @@ import gossiptrain
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import MismatchError
 from gossiptrain.net.kinds import REFUSE, WELCOME
-from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.joining import JoinRequest, answer_join, set_fields_that_differ, taken_from_swarm
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.train.model_spec import workload_spec
 

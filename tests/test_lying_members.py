@@ -16,20 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossiptrain.net.kinds import ACK, GOSSIP, PING, SYNC
-from gossiptrain.protocol.membership import (
-    ALIVE,
-    DEAD,
-    LEFT,
-    SUSPECT,
-    Ack,
-    Digest,
-    Member,
-    MemberDown,
-    Membership,
-    Ping,
-    Send,
-    Tick,
-)
+from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, SUSPECT, Member
+from gossiptrain.protocol.membership import Membership
+from gossiptrain.protocol.swim.events import Ack, Digest, MemberDown, Ping, Send, Tick
 from gossiptrain.testing.membership_cluster import DEFAULT_CONFIG, Cluster, admit
 
 CONFIG = DEFAULT_CONFIG
@@ -214,7 +203,8 @@ def test_in_a_secure_swarm_an_id_is_taken_only_at_an_address_whose_key_derives_i
 
 def test_a_flood_of_joins_claiming_made_up_addresses_fills_no_view() -> None:
     """A member answering joins adds at most MAX_PLACEHOLDERS unstarted newcomers; the rest wait as candidates."""
-    from gossiptrain.protocol.membership import MAX_PLACEHOLDERS, Welcomed
+    from gossiptrain.protocol.membership import MAX_PLACEHOLDERS
+    from gossiptrain.protocol.swim.events import Welcomed
 
     c = Cluster(4, seed=3)
     c.run(10.0)

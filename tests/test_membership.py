@@ -17,27 +17,9 @@ from hypothesis import strategies as st
 from gossiptrain.config import MembershipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import ACK, GOSSIP, PING
-from gossiptrain.protocol.membership import (
-    ALIVE,
-    DEAD_VIEW_SENDERS,
-    DEAD,
-    LEFT,
-    SUSPECT,
-    Ack,
-    Digest,
-    Leave,
-    Member,
-    MemberDown,
-    Membership,
-    MemberUp,
-    Ping,
-    Send,
-    Suspected,
-    Tick,
-    Welcomed,
-    least_loaded_shard,
-    members_from_wire,
-)
+from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, SUSPECT, Member, least_loaded_shard, members_from_wire
+from gossiptrain.protocol.membership import DEAD_VIEW_SENDERS, Membership
+from gossiptrain.protocol.swim.events import Ack, Digest, Leave, MemberDown, MemberUp, Ping, Send, Suspected, Tick, Welcomed
 from gossiptrain.testing.matchers import match, only
 from gossiptrain.testing.membership_cluster import DEFAULT_CONFIG, Cluster, admit
 
@@ -556,7 +538,8 @@ def test_the_dead_index_is_the_records_held_dead(seed: int, crashes: list[int]) 
     for _ in range(8):
         c.run(periods(6))
         for node in c.nodes.values():
-            assert set(node._dead_ids) == {mid for mid, r in node._records.items() if r.member.state == DEAD}
+            view = node._view
+            assert set(view._dead_ids) == {mid for mid, r in view._records.items() if r.member.state == DEAD}
 
 
 def test_a_pinger_is_challenged_even_when_hearsay_fills_the_candidate_table() -> None:

@@ -377,9 +377,9 @@ def test_a_donor_without_optimizer_state_gives_the_parameters_alone() -> None:
 
 
 def test_an_optimizer_state_too_large_to_take_unseen_gives_the_parameters_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gossiptrain.protocol.state_transfer as state_transfer
+    import gossiptrain.protocol.state_transfer.assembly as assembly
 
-    monkeypatch.setattr(state_transfer, "ANY_OPTIMIZER_SHARE", 0)  # any optimizer state is too large
+    monkeypatch.setattr(assembly, "ANY_OPTIMIZER_SHARE", 0)  # any optimizer state is too large
     donor, donor_opt = trained(1, sgd)
     newcomer = model(2)
     result, values = download_aside(donor, donor_opt, newcomer)

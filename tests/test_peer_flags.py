@@ -27,7 +27,7 @@ import torch
 from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.net.addressing import parse_hostport, plain_address, route_address
 from gossiptrain.net.kinds import XPUSH
-from gossiptrain.protocol.averaging import AtSafePoint, Received
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received
 from gossiptrain.protocol.neighbor import MAX_HELD_SENDERS, NeighborAveraging
 from gossiptrain.runtime.swarm_client import SwarmClient
 from gossiptrain.state.checkpoint import Checkpointer

@@ -20,7 +20,7 @@ import pytest
 
 from gossiptrain.config import RunConfig
 from gossiptrain.net.transport.sim import LinkProfile, SimNetwork, SimTransport
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 from gossiptrain.runtime.peer_network import MEMBER_EVENTS, PeerNode
 from gossiptrain.sim.vtime import LoopClock, run_virtual
 from gossiptrain.train import peer_loop

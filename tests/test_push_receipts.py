@@ -15,7 +15,7 @@ import torch
 
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.net.kinds import XACK, XNAK, XPUSH
-from gossiptrain.protocol.averaging import AtSafePoint, MemberGone, Received, SendExchange
+from gossiptrain.protocol.averaging_events import AtSafePoint, MemberGone, Received, SendExchange
 from gossiptrain.protocol.neighbor import NeighborAveraging
 from gossiptrain.protocol.push_sum import PushSum
 from gossiptrain.protocol.rtt import LATE_ROUND_TRIPS

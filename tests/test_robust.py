@@ -16,7 +16,7 @@ from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.kinds import XNAK, XREQ
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import AtSafePoint, Received, Rejected, SendExchange
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, Rejected, SendExchange
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.protocol.robust import HISTORY, WARMUP, NormClip, trimmed_mean
 from gossiptrain.sim.cluster import SimConfig, simulate

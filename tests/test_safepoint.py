@@ -8,8 +8,8 @@ from typing import Any
 
 from gossiptrain.config import GossipConfig, RunConfig
 from gossiptrain.net import kinds
-from gossiptrain.protocol import averaging
-from gossiptrain.protocol.averaging import AtSafePoint, SendExchange
+from gossiptrain.protocol import averaging_events
+from gossiptrain.protocol.averaging_events import AtSafePoint, SendExchange
 from gossiptrain.protocol.receipts import Receipts
 from gossiptrain.runtime.safepoint import SafePoint
 
@@ -48,13 +48,13 @@ class EveryThirdStep:
 
     def __init__(self) -> None:
         self.asked: list[str] = []
-        self.stats = averaging.AveragingStats()  # the safe point reads the seconds waited (SafePoint.wait_share)
+        self.stats = averaging_events.AveragingStats()  # the safe point reads the seconds waited (SafePoint.wait_share)
         self.receipts = Receipts(GossipConfig(), self.stats)  # the safe point switches them on (its node sends them)
 
     def hold_until(self, now: float) -> None:
         return None
 
-    def handle(self, event: Any, now: float) -> list[averaging.Action]:
+    def handle(self, event: Any, now: float) -> list[averaging_events.Action]:
         if isinstance(event, AtSafePoint) and event.step % 3 == 0 and event.partners:
             self.asked.append(event.partners[0])
             return [SendExchange(event.partners[0], kinds.XREQ, event.step, {})]
@@ -80,10 +80,10 @@ class Recorder:
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
-        self.stats = averaging.AveragingStats()
+        self.stats = averaging_events.AveragingStats()
         self.receipts = Receipts(GossipConfig(), self.stats)
 
-    def handle(self, event: Any, now: float) -> list[averaging.Action]:
+    def handle(self, event: Any, now: float) -> list[averaging_events.Action]:
         self.log.append("handle")
         return [SendExchange(event.sender, kinds.XREP, event.xid, {})]
 
@@ -103,5 +103,5 @@ class SendingNode(GraphNode):
 def test_a_reply_is_sent_before_the_work_the_algorithm_put_off_until_then() -> None:
     log: list[str] = []
     point = SafePoint(SendingNode(log), Recorder(log), StoppedClock(), lambda a: None)  # type: ignore[arg-type]
-    point.on_network(averaging.Received("p1", kinds.XREQ, 7, {}))
+    point.on_network(averaging_events.Received("p1", kinds.XREQ, 7, {}))
     assert log == ["handle", f"send {kinds.XREP}", "after_send"]

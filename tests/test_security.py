@@ -40,7 +40,7 @@ from gossiptrain.net.transport.tcp import ReceivedFrames, TcpTransport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import LEFT, Member
+from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.runtime.coordinator_process import BackgroundCoordinator
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.service import Status

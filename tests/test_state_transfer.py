@@ -21,22 +21,20 @@ from gossiptrain.config import Limits, RunConfig, StateConfig
 from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net import kinds
 from gossiptrain.net.wire import Message, decode, encode
-from gossiptrain.protocol import state_transfer as st
-from gossiptrain.protocol.state_transfer import (
-    CLOSE,
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.protocol.state_transfer import donor as donor_side
+from gossiptrain.protocol.state_transfer.donor import Donor, Expire, SnapshotTaken
+from gossiptrain.protocol.state_transfer.fetcher import (
     ANSWER_STEPS,
     FLOOR_RATE,
     MIN_SILENCE_S,
     OPEN_ATTEMPTS,
     OPEN_LATE_ROUND_TRIPS,
-    ChunkRequest,
-    Donor,
-    Expire,
     Fetcher,
-    RequestChunk,
-    SnapshotTaken,
+    FetchEvent,
     Wakeup,
 )
+from gossiptrain.protocol.state_transfer.messages import CLOSE, Accepted, Chunk, ChunkRequest, Refusal, Reply, RequestChunk
 from gossiptrain.protocol.step_timer import STEP_SMOOTHING
 from gossiptrain.runtime.state_endpoint import SnapshotHook, StateEndpoint
 from gossiptrain.sim.cluster import Cluster, SimConfig
@@ -62,14 +60,14 @@ def state(size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def through_wire(reply: st.Reply, sender: str) -> st.FetchEvent:
+def through_wire(reply: Reply, sender: str) -> FetchEvent:
     """A donor's reply as the newcomer's node would see it: encoded, decoded, validated."""
     msg = decode(encode(Message(reply.kind, sender, "sim://donor:1", "fp", 0, reply.body, reply.tensors), LIMITS), LIMITS)
     if reply.kind == kinds.SREP:
-        return st.Chunk.from_body(msg.sender, msg.body, msg.tensors)
+        return Chunk.from_body(msg.sender, msg.body, msg.tensors)
     if reply.kind == kinds.SACK:
-        return st.Accepted.from_body(msg.sender, msg.body)
-    return st.Refusal.from_body(msg.sender, msg.body)
+        return Accepted.from_body(msg.sender, msg.body)
+    return Refusal.from_body(msg.sender, msg.body)
 
 
 class Net:
@@ -93,7 +91,7 @@ class Net:
         self.lose_chunks: dict[str, int] = {}  # chunk answers (srep) of a donor the network loses first
         self.step_seconds: float | None = None  # the donors' step time, told in their acknowledgements
         self.latency: float | None = None  # the round trip the newcomer's node measured (Wakeup.latency)
-        self.tamper: Callable[[str, st.Reply], st.Reply] = lambda name, r: r
+        self.tamper: Callable[[str, Reply], Reply] = lambda name, r: r
         self.requests: list[RequestChunk] = []
         self.now = 0.0
 
@@ -248,10 +246,10 @@ def test_a_donor_tells_its_step_time_and_a_malformed_one_is_refused() -> None:
     assert donor.steps.step_time == pytest.approx(0.1 + STEP_SMOOTHING * (0.2 - 0.1))
     (ack,) = donor.handle(ChunkRequest("n", "sim://n:1", 5, 0, True), 0.3)
     accepted = through_wire(ack, "d")
-    assert isinstance(accepted, st.Accepted) and accepted.every == pytest.approx(donor.steps.step_time)
+    assert isinstance(accepted, Accepted) and accepted.every == pytest.approx(donor.steps.step_time)
     for bad in (-1.0, float("inf"), "0.1", True):
         with pytest.raises(ProtocolError, match="every"):
-            st.Accepted.from_body("d", {"sid": 5, "every": bad})
+            Accepted.from_body("d", {"sid": 5, "every": bad})
 
 
 def test_an_acknowledged_opening_waits_for_the_donors_safe_point() -> None:
@@ -288,7 +286,7 @@ def test_a_chunk_failing_its_checksum_bans_the_donor_and_another_one_completes()
     net = Net(fetcher(4000, cfg), {"a": good.clone(), "b": good.clone()}, cfg)
     bad: list[str] = []
 
-    def corrupt(name: str, reply: st.Reply) -> st.Reply:
+    def corrupt(name: str, reply: Reply) -> Reply:
         if reply.kind == kinds.SREP and reply.body["index"] == 1 and bad in ([], [name]):  # the first donor's chunk 1
             bad[:] = [name]
             return replace(reply, tensors={"chunk": reply.tensors["chunk"].clone().bitwise_xor_(1)})
@@ -310,10 +308,10 @@ def test_a_state_failing_the_final_check_is_fetched_again_from_another_donor() -
     net = Net(fetcher(3000, cfg), {"a": good.clone(), "b": good.clone()}, cfg)
     first: list[str] = []
 
-    def flip_a_kept_byte(name: str, reply: st.Reply) -> st.Reply:
+    def flip_a_kept_byte(name: str, reply: Reply) -> Reply:
         if reply.kind == kinds.SREP and reply.body["index"] == 2 and not first:
             first.append(name)
-            net.fetcher.data[5] ^= 0xFF  # a kept chunk changed under us (a bug, bad memory): only the final hash sees it
+            net.fetcher.assembly.data[5] ^= 0xFF  # a kept chunk changed under us (a bug, bad memory): only the final hash sees it
         return reply
 
     net.tamper = flip_a_kept_byte
@@ -340,7 +338,7 @@ def test_a_manifest_of_another_model_or_chunking_is_not_used() -> None:
 def test_the_donor_serves_a_few_sessions_at_a_time_and_refuses_the_rest() -> None:
     donor = Donor(config(donor_sessions=2, session_timeout=10.0), LIMITS)
 
-    def ask(who: str, sid: int = 1, index: int = 0, manifest: bool = True, now: float = 0.0) -> list[st.Reply]:
+    def ask(who: str, sid: int = 1, index: int = 0, manifest: bool = True, now: float = 0.0) -> list[Reply]:
         return donor.handle(ChunkRequest(who, f"sim://{who}:1", sid, index, manifest), now)
 
     (refused,) = ask("n1")
@@ -372,7 +370,7 @@ def test_the_donor_serves_a_few_sessions_at_a_time_and_refuses_the_rest() -> Non
 def test_a_busy_donor_is_asked_again_after_a_pause_within_the_bounds() -> None:
     cfg = config(donor_sessions=1, busy_backoff=0.5, max_donors=3)
     net = Net(fetcher(2000, cfg), {"a": state(2000, 1)}, cfg)
-    net.donors["a"].sessions[("other", 9)] = st._DonorSession(serial=0, last_used=0.0)  # serving someone else
+    net.donors["a"].sessions[("other", 9)] = donor_side._DonorSession(serial=0, last_used=0.0)  # serving someone else
     net.tick(["new", "a"])
     assert net.fetcher.stats.state_refusals == 1 and net.fetcher.wakeup(0.0) == pytest.approx(0.25)  # request_timeout/4
     net.tick(["new", "a"], at=0.25)
@@ -390,7 +388,7 @@ def test_a_busy_donor_is_asked_again_after_a_pause_within_the_bounds() -> None:
 def test_a_refused_donor_is_replaced_at_once_not_after_a_timeout(seed: int) -> None:
     cfg = config(donor_sessions=1, max_donors=3)
     net = Net(fetcher(2000, cfg, seed), {"busy": state(2000, 1), "free": state(2000, 2)}, cfg)
-    net.donors["busy"].sessions[("other", 9)] = st._DonorSession(serial=0, last_used=0.0)  # serving someone else
+    net.donors["busy"].sessions[("other", 9)] = donor_side._DonorSession(serial=0, last_used=0.0)  # serving someone else
     net.tick(["new", "busy", "free"])  # one instant: whichever was asked first, the free one is downloading now
     assert net.fetcher.result is not None and net.fetcher.result.ok, net.fetcher.result
     assert net.fetcher.result.donors == ("free",)
@@ -457,7 +455,7 @@ def test_the_snapshot_is_taken_once_at_the_safe_point_and_training_does_not_chan
     size = fmt.state_nbytes(hook.tensors)
     newcomer = Fetcher(endpoint.config, me="new", size=size, layout=fmt.layout_of(model), rng=random.Random(0), now=0.0)
     endpoint.donor.ready = True
-    sent: list[st.Reply] = []
+    sent: list[Reply] = []
     endpoint._execute = sent.extend  # type: ignore[method-assign]  # capture the donor's replies
     at_transfer = fmt.flatten(hook.tensors)
     reqs = newcomer.handle(Wakeup(["new", "d"]), 0.0)
@@ -488,9 +486,9 @@ def test_a_state_with_non_finite_values_is_not_installed() -> None:
     assert fmt.decode_state(like, data) == "the state holds non-finite values"
     assert "bytes" in str(fmt.decode_state(like, data[:-1]))
     fetched = fetcher(data.numel(), config())
-    fetched.result = st.TransferResult(True, "", data, ("a",))
+    fetched.result = TransferResult(True, "", data, ("a",))
     fetched.reject("the state holds non-finite values")
-    assert fetched.result is None and fetched.missing == fetched.count and "a" in fetched._banned
+    assert fetched.result is None and fetched.missing == fetched.assembly.count and "a" in fetched._banned
 
 
 def test_invalid_state_settings_name_the_field() -> None:

@@ -10,7 +10,8 @@ from gossiptrain.config import Limits
 from gossiptrain.net.kinds import ACK, PING
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
-from gossiptrain.protocol.membership import Member, MemberDown, MemberUp, Send, Suspected
+from gossiptrain.protocol.member import Member
+from gossiptrain.protocol.swim.events import MemberDown, MemberUp, Send, Suspected
 from gossiptrain.testing import Backend, Cluster, check_transport, match, only
 from gossiptrain.testing.transport_checks import sim_backend
 

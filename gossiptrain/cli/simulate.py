@@ -21,8 +21,8 @@ from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim.faults import PartitionSpec, load_trace
 from gossiptrain.train.progress import Progress
 
-if TYPE_CHECKING:  # the cluster pulls in torch: imported when a simulation runs, not for --help
-    from gossiptrain.sim.cluster import SimConfig, SimResult
+if TYPE_CHECKING:  # the simulator's modules (its cluster pulls in torch): imported when a simulation runs, not for --help
+    from gossiptrain.sim.sim_config import SimConfig, SimResult
 
 
 DEFAULT_STEP_TIME = 0.05  # virtual seconds per local step when --step-time is not given
@@ -115,7 +115,7 @@ def peer_indexes(text: str, problem: str) -> tuple[int, ...]:
 
 
 def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
-    from gossiptrain.sim.cluster import SimConfig
+    from gossiptrain.sim.sim_config import SimConfig
 
     fraction, _, slowdown = args.stragglers.partition(":")
     try:

@@ -15,7 +15,7 @@ REACH = "reach"
 REPORT = "report"
 # SWIM membership (gossiptrain.protocol.membership).
 GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "ping-req", "ack"
-# Averaging (gossiptrain.protocol.averaging and the other algorithms).
+# Averaging (gossiptrain.protocol.pairwise and the other algorithms).
 XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
 XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
 XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)

@@ -14,9 +14,10 @@ import torch
 
 from gossiptrain.config import ALGORITHMS, GossipConfig
 from gossiptrain.errors import ConfigError
-from gossiptrain.protocol.averaging import Averaging, PairwiseAveraging
+from gossiptrain.protocol.averaging import Averaging
 from gossiptrain.protocol.local_sgd import LocalSGD
 from gossiptrain.protocol.neighbor import NeighborAveraging
+from gossiptrain.protocol.pairwise import PairwiseAveraging
 from gossiptrain.protocol.push_sum import PushSum
 
 _BY_NAME: dict[str, type[Averaging]] = {

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 
 #: Places past the capacity for pingers' own claims (``Candidates.offer``'s ``direct``).
 DIRECT_RESERVE = 32
@@ -40,7 +39,7 @@ _STRIKES_TRACKED = 1024  # introducers whose record of failures we keep (least r
 class Candidate:
     """A claimed member waiting for its own answer at the address claimed."""
 
-    claim: "Member"
+    claim: Member
     introducer: str
     heard_at: float
     seq: int = 0  # the nonce of our probe in flight (0: not probed yet)
@@ -89,10 +88,10 @@ class Candidates:
     def get(self, member_id: str) -> Candidate | None:
         return self._by_id.get(member_id)
 
-    def offer(self, claim: "Member", introducer: str, now: float, *, direct: bool = False) -> Candidate | None:
+    def offer(self, claim: Member, introducer: str, now: float, *, direct: bool = False) -> Candidate | None:
         """Take a claim as a candidate; None if refused. A newer claim at the same address updates a waiting one.
 
-        ``direct``: the claim is a pinger's own, challenged on our ack to it (``Membership._challenge``);
+        ``direct``: the claim is a pinger's own, challenged on our ack to it (``swim.verification.Verifier.challenge``);
         such claims may use ``DIRECT_RESERVE`` places past ``capacity``, since they leave the table one
         round trip later, so that at a swarm's start hearsay filling the table does not stop them.
         """

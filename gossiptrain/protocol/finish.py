@@ -60,7 +60,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.net.kinds import FIN, ROSTER, STOP
 from gossiptrain.protocol.admission import JoinLimiter
-from gossiptrain.protocol.membership import ALIVE, SUSPECT, Member
+from gossiptrain.protocol.member import ALIVE, SUSPECT, Member
 
 log = logging.getLogger(__name__)
 

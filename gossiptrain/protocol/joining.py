@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 from gossiptrain.config import Limits, RunConfig
 from gossiptrain.errors import ConfigError, ProtocolError
 from gossiptrain.net.kinds import REFUSE, WELCOME
-from gossiptrain.protocol.averaging import ParamSpec
-from gossiptrain.protocol.membership import Member, members_from_wire
+from gossiptrain.protocol.member import Member, members_from_wire
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.reachability import checked_nonce
 
 log = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XACK, XNAK, XPUSH
-from gossiptrain.protocol.averaging import (
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import (
     Action,
     AtSafePoint,
-    Averaging,
     Event,
     MemberGone,
     Received,

@@ -37,11 +37,11 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.errors import CheckpointError
 from gossiptrain.net.kinds import XACK, XNAK, XPUSH
-from gossiptrain.protocol.averaging import (
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import (
     META_RANGES,
     Action,
     AtSafePoint,
-    Averaging,
     Event,
     MemberGone,
     Received,

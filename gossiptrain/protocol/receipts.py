@@ -32,13 +32,11 @@ rounds, unit tests) push every round as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from gossiptrain.config import GossipConfig
+from gossiptrain.protocol.averaging_events import AveragingStats
 from gossiptrain.protocol.rtt import RttEstimator
-
-if TYPE_CHECKING:
-    from gossiptrain.protocol.averaging import AveragingStats
 
 
 @dataclass

@@ -28,13 +28,15 @@ import torch
 
 from gossiptrain.net.transport import Transport
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Averaging, ParamSpec, SendExchange
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import SendExchange
 from gossiptrain.protocol.drift import DriftCorrection, drift_gain, keeps_running_stats
 from gossiptrain.protocol.joining import Welcome
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 from gossiptrain.protocol.momentum import LINK_BOUND_SHARE, QuasiGlobalMomentum, wants_quasi_global
 from gossiptrain.protocol.local_sgd import LocalSGD
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.stability import (
     DRIFT_CORRECTION,
     LR_SCALING,

@@ -33,10 +33,10 @@ from gossiptrain.net.kinds import GOSSIP
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import ALIVE, REPORTED_DEATHS, Member, least_loaded_shard
+from gossiptrain.protocol.member import ALIVE, REPORTED_DEATHS, Member, least_loaded_shard
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event

@@ -10,7 +10,7 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.net.addressing import parse_hostport, tcp_url
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.runtime.coordinator import Coordinator, coordinator_limits
 from gossiptrain.runtime.loop_thread import LoopThread, new_event_loop
 

@@ -1,10 +1,16 @@
-"""``GroupWorker``: what ``Peer(..., group=g)`` is on a rank other than 0 (see ``gossiptrain.runtime.peer_group``).
+"""``WorkerRank``: what ``Peer(..., group=g)`` does on a rank other than 0 (see ``gossiptrain.runtime.peer_group``).
 
 It never joins the swarm and opens no socket: it mirrors the leader's
 collectives, so a training loop written for ``Peer`` runs unchanged on
 every rank. ``step()`` receives the leader's parameters after its safe
 point, ``agree()`` its decisions, ``finish()`` the consensus the final
 phase reached; what only a member can do (asking the swarm to stop) says so.
+
+``WorkerRank`` holds those methods only. ``gossiptrain.runtime.peer``
+makes them a ``Peer`` (``GroupWorker(WorkerRank, Peer)``: the steps,
+shards, samples seen and context manager come from ``Peer``) and picks
+``GroupWorker`` for a rank other than 0; this module knows nothing of
+``Peer``, so the two import in one direction only.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import GossipError
+from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalReport
-from gossiptrain.runtime.peer import ModelFactory, OptimizerFactory, Peer
 from gossiptrain.runtime.peer_group import PeerGroup, control_dict
 from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
 
 
-class GroupWorker(Peer):
+class WorkerRank:
     """A worker of a peer made of several (rank > 0): the leader's model after every safe point, no network."""
 
     def __init__(

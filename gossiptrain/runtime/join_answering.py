@@ -28,9 +28,9 @@ from gossiptrain.net.kinds import REACH, REFUSE, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.admission import JoinLimiter, join_source
-from gossiptrain.protocol.averaging import ParamSpec
 from gossiptrain.protocol.joining import JoinRequest, answer_join
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.reachability import probe_body
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import Endpoint

@@ -48,18 +48,21 @@ from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
 from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.admission import warn_open
-from gossiptrain.protocol.averaging import ParamSpec, mean_staleness
+from gossiptrain.protocol.averaging_events import mean_staleness
 from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
-from gossiptrain.protocol.membership import LEFT, Member
+from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.reachability import AUTO, NO, REACHABLE_ENV, ReachCheck, Verdict
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
 from gossiptrain.runtime.assembly import TrainingSide, bind_optimizer, install_transfer, node_for, training_side
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
+from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
+from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.join_client import join_swarm, reach_verdict
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
@@ -72,9 +75,6 @@ from gossiptrain.service import Status
 from gossiptrain.state.merged_model import MemberInfo
 
 log = logging.getLogger(__name__)
-
-ModelFactory = Callable[[RunConfig, int], torch.nn.Module]
-OptimizerFactory = Callable[[RunConfig, torch.nn.Module], torch.optim.Optimizer]
 
 
 class Peer:
@@ -142,8 +142,6 @@ class Peer:
             import torch.distributed as dist
 
             if dist.is_initialized() and dist.get_rank(group) != 0:
-                from gossiptrain.runtime.group_worker import GroupWorker
-
                 return super().__new__(GroupWorker)
         return super().__new__(cls)
 
@@ -711,3 +709,7 @@ class Peer:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class GroupWorker(WorkerRank, Peer):
+    """What ``Peer(..., group=g)`` is on a rank other than 0: a ``Peer`` whose loop-facing methods are ``WorkerRank``'s."""

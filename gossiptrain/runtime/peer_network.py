@@ -39,18 +39,22 @@ from gossiptrain.net import kinds
 from gossiptrain.net.addressing import CURVE_QUERY, is_client_address, key_id, plain_address
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol import averaging, finish, membership, push_sum
+from gossiptrain.protocol import averaging_events, finish, push_sum
 from gossiptrain.protocol.admission import join_source
-from gossiptrain.protocol.averaging import ParamSpec, Received, SendExchange
+from gossiptrain.protocol.averaging_events import Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
-from gossiptrain.protocol.membership import (
-    REPORTED_DEATHS,
+from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, REPORTED_DEATHS, SUSPECT, Member, members_from_wire
+from gossiptrain.protocol.membership import Membership
+from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.reachability import nonce_of
+from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
+from gossiptrain.protocol.status import JOINING, StatusAnswerer
+from gossiptrain.protocol.swim.events import (
     Ack,
     Digest,
+    Event as MembershipEvent,
     Leave,
-    Member,
     MemberDown,
-    Membership,
     MemberUp,
     Ping,
     PingReq,
@@ -58,11 +62,7 @@ from gossiptrain.protocol.membership import (
     Suspected,
     Tick,
     Welcomed,
-    members_from_wire,
 )
-from gossiptrain.protocol.reachability import nonce_of
-from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
-from gossiptrain.protocol.status import JOINING, StatusAnswerer
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
@@ -138,7 +138,7 @@ class PeerNode(JoinAnsweringEndpoint):
         # safe point, so this bound only ever drops a flood of forged ones.
         self.returns: deque[Received] = deque(maxlen=config.limits.averaging_queue)
         self._now_kinds: frozenset[str] = frozenset()  # handed to _now as they arrive (see take_on_network)
-        self._now: Callable[[averaging.Event], None] | None = None
+        self._now: Callable[[averaging_events.Event], None] | None = None
         self._view: tuple[str, ...] = (me.id,)
         self._warned_fallback = False
         # Members an exchange message could not be sent to (no route: gone, or behind a relay that is), and until
@@ -221,7 +221,7 @@ class PeerNode(JoinAnsweringEndpoint):
                 return False
             self._unsendable_until.pop(member_id, None)  # pop: the loop thread may drop it meanwhile (MemberDown)
         m = self.membership.get(member_id)
-        return m is None or m.state != membership.SUSPECT
+        return m is None or m.state != SUSPECT
 
     def _graph_neighbours(self, round: int) -> list[str]:
         """Our topology neighbours at ``round`` that we can send to (directly, or through our relay)."""
@@ -262,7 +262,7 @@ class PeerNode(JoinAnsweringEndpoint):
         addr = self._address_of(member_id)
         return addr is None or self.transport.can_reach(addr) or (relayed and self.transport.can_relay(addr))
 
-    def take_on_network(self, kinds_: frozenset[str], handler: Callable[[averaging.Event], None]) -> None:
+    def take_on_network(self, kinds_: frozenset[str], handler: Callable[[averaging_events.Event], None]) -> None:
         """Hand exchange messages of ``kinds_`` to ``handler`` as they arrive, on this node's thread.
 
         The handler also hears of our own messages of those kinds that could not be
@@ -324,7 +324,7 @@ class PeerNode(JoinAnsweringEndpoint):
         self._unsendable_until[action.to] = self.clock.now() + self.config.membership.heartbeat_interval
         if action.kind in self._now_kinds and self._now is not None:
             # At once: a request need not wait out its timeout, a reply's merge is taken back.
-            self._now(averaging.Undelivered(action.to, action.kind, action.xid))
+            self._now(averaging_events.Undelivered(action.to, action.kind, action.xid))
         elif action.kind == kinds.XPUSH:  # the push comes back to us as its own refusal: its mass is not lost
             self.returns.append(Received(action.to, kinds.XNAK, action.xid, dict(action.tensors), 0, dict(action.meta)))
 
@@ -353,7 +353,7 @@ class PeerNode(JoinAnsweringEndpoint):
         member is not declared dead by mistake), and come back should it
         refute the suspicion.
         """
-        return [m for m in self.membership.alive() if m.relay and m.state == membership.ALIVE and m.id != self.me.id]
+        return [m for m in self.membership.alive() if m.relay and m.state == ALIVE and m.id != self.me.id]
 
     def _pick_relay(self) -> None:
         """Our relay to other clients: a member that relays (``gossiptrain peer --relay``), else the coordinator.
@@ -501,7 +501,7 @@ class PeerNode(JoinAnsweringEndpoint):
 
     def _gone(self, member_id: str) -> bool:
         m = self.membership.get(member_id)
-        return m is not None and m.state in (membership.DEAD, membership.LEFT)
+        return m is not None and m.state in (DEAD, LEFT)
 
     def _remember_addr(self, member_id: str, addr: str) -> None:
         self._addr_hints[member_id] = addr
@@ -556,7 +556,7 @@ class PeerNode(JoinAnsweringEndpoint):
                 log.debug("member %s is down (%s)", a.member.id, a.reason)
                 self._tell(a)
                 if self._now is not None:
-                    self._now(averaging.MemberGone(a.member.id))
+                    self._now(averaging_events.MemberGone(a.member.id))
         if changed:
             self._view = self.membership.alive_ids()
             if self._relays_wanted:  # our relay may be gone, or one may have come
@@ -586,7 +586,7 @@ def relay_rank(client: str, relay: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{client}\0{relay}".encode(), digest_size=8).digest(), "big")
 
 
-def membership_event(msg: Message, max_members: int, source: str = "") -> membership.Event:
+def membership_event(msg: Message, max_members: int, source: str = "") -> MembershipEvent:
     """The membership event a gossip, sync, leave or probe message carries; ProtocolError if malformed.
 
     ``source``: the IP it came from, where the transport can tell (what its candidates are charged to).
@@ -605,14 +605,14 @@ def membership_event(msg: Message, max_members: int, source: str = "") -> member
         if type(challenge) is not int or not 0 <= challenge < 1 << 63:
             raise ProtocolError("ack with an invalid challenge")
         return Ack(msg.sender, seq, entries, source, challenge)
-    target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, membership.ALIVE, ""])  # validates both
+    target = Member.from_wire([body.get("target"), body.get("taddr"), 0, 0, ALIVE, ""])  # validates both
     return PingReq(msg.sender, msg.addr, seq, target.id, target.addr, entries, source)
 
 
 def exchange_meta(body: dict[str, Any]) -> dict[str, float | int]:
-    """The scalars of an exchange message's body (``averaging.META_RANGES``), checked; ProtocolError if bad."""
+    """The scalars of an exchange message's body (``averaging_events.META_RANGES``), checked; ProtocolError if bad."""
     out: dict[str, float | int] = {}
-    for key, (kind, lo, hi) in averaging.META_RANGES.items():
+    for key, (kind, lo, hi) in averaging_events.META_RANGES.items():
         if key not in body:
             continue
         value = body[key]

@@ -27,8 +27,9 @@ from typing import Any, Callable
 import torch
 
 from gossiptrain.net import kinds
-from gossiptrain.protocol import averaging, push_sum
-from gossiptrain.protocol.averaging import Averaging, Rejected, SendExchange
+from gossiptrain.protocol import averaging_events, push_sum
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import Rejected, SendExchange
 from gossiptrain.protocol.drift import DriftCorrection
 from gossiptrain.protocol.quarantine import Quarantine
 from gossiptrain.protocol.stability import StabilityGuard
@@ -86,7 +87,7 @@ class SafePoint:
         node.step = step
         now = self.clock.now()
         quarantine = self.quarantine
-        actions: list[averaging.Action] = []
+        actions: list[averaging_events.Action] = []
         self._measure_waits(now)
         if self.drift is not None:
             self.drift.before()
@@ -97,7 +98,7 @@ class SafePoint:
                 actions += self._handle(event, now)
             partners = [p for p in node.partners(self.rounds) if not quarantine.blocks(p, now)]
             latency = node.latency()
-            started = self.averaging.handle(averaging.AtSafePoint(step, partners, latency), now)
+            started = self.averaging.handle(averaging_events.AtSafePoint(step, partners, latency), now)
             if not partners or any(isinstance(a, SendExchange) and a.kind in (kinds.XREQ, kinds.XPUSH) for a in started):
                 self.rounds += 1
             actions += started
@@ -133,11 +134,11 @@ class SafePoint:
         with self._lock:
             self.averaging.serve_as_is()
 
-    def on_network(self, event: averaging.Event) -> None:
+    def on_network(self, event: averaging_events.Event) -> None:
         """An event the algorithm takes as it arrives (on the node's thread): answer it now, send at once."""
         now = self.clock.now()
         with self._lock:
-            actions = self._handle(event, now) if isinstance(event, averaging.Received) else self.averaging.handle(event, now)
+            actions = self._handle(event, now) if isinstance(event, averaging_events.Received) else self.averaging.handle(event, now)
             self._note_rejections(actions, now)
         for action in actions:
             if isinstance(action, SendExchange):
@@ -185,7 +186,7 @@ class SafePoint:
             self.averaging.stats.waited_s += seconds
             self.averaging.stats.longest_wait_s = max(self.averaging.stats.longest_wait_s, seconds)
 
-    def _handle(self, event: averaging.Received, now: float) -> list[averaging.Action]:
+    def _handle(self, event: averaging_events.Received, now: float) -> list[averaging_events.Action]:
         quarantine = self.quarantine
         if quarantine.blocks(event.sender, now):
             quarantine.refused()
@@ -196,16 +197,16 @@ class SafePoint:
             return []
         return self.averaging.handle(event, now)
 
-    def _note_rejections(self, actions: list[averaging.Action], now: float) -> None:
+    def _note_rejections(self, actions: list[averaging_events.Action], now: float) -> None:
         for action in actions:
             if isinstance(action, Rejected):
                 log.warning("rejected an update from %s: %s", action.sender, action.reason)
                 self.quarantine.offence(action.sender, now)
 
 
-def _drained(node: PeerNode) -> list[averaging.Received]:
+def _drained(node: PeerNode) -> list[averaging_events.Received]:
     """What the network side queued for this safe point: returned pushes first (they never wait), then the rest."""
-    out: list[averaging.Received] = []
+    out: list[averaging_events.Received] = []
     while node.returns:
         out.append(node.returns.popleft())
     while True:

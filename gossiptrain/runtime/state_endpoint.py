@@ -31,23 +31,17 @@ from gossiptrain.errors import GossipError
 from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.net.kinds import SACK, SREP, SREQ
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.state_transfer import (
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.protocol.state_transfer.donor import Donor, Expire, SnapshotTaken
+from gossiptrain.protocol.state_transfer.fetcher import Fetcher, FetchEvent, TransferStats, Unreachable, Wakeup
+from gossiptrain.protocol.state_transfer.messages import (
     CLOSE,
     Accepted,
     Chunk,
     ChunkRequest,
-    Donor,
-    Expire,
-    Fetcher,
-    FetchEvent,
     Refusal,
     Reply,
     RequestChunk,
-    SnapshotTaken,
-    TransferResult,
-    TransferStats,
-    Unreachable,
-    Wakeup,
 )
 from gossiptrain.runtime.clock import Clock
 from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names

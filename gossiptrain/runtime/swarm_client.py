@@ -37,8 +37,9 @@ from gossiptrain.net.kinds import QUERY, ROSTER, STATUS, STATUS_ASK, STOP
 from gossiptrain.net.transport import Transport, listen
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.finish import new_stop_id
-from gossiptrain.protocol.membership import ALIVE, SUSPECT, Member, members_from_wire
-from gossiptrain.protocol.state_transfer import Fetcher, TransferResult
+from gossiptrain.protocol.member import ALIVE, SUSPECT, Member, members_from_wire
+from gossiptrain.protocol.state_transfer import TransferResult
+from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.protocol.status import MemberStatus
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import Endpoint

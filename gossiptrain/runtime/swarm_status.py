@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gossiptrain.net.address_forms import is_client_address
-from gossiptrain.protocol.membership import Member
+from gossiptrain.protocol.member import Member
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, MemberStatus
 from gossiptrain.runtime.swarm_client import Roster, SwarmClient
 

@@ -11,13 +11,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gossiptrain.sim.cluster import Cluster, SimConfig, SimResult, simulate
+    from gossiptrain.sim.cluster import Cluster, simulate
     from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
+    from gossiptrain.sim.sim_config import SimConfig, SimResult
 
 _LAZY = {
     "Cluster": "gossiptrain.sim.cluster",
-    "SimConfig": "gossiptrain.sim.cluster",
-    "SimResult": "gossiptrain.sim.cluster",
+    "SimConfig": "gossiptrain.sim.sim_config",
+    "SimResult": "gossiptrain.sim.sim_config",
     "simulate": "gossiptrain.sim.cluster",
     "ChurnEvent": "gossiptrain.sim.faults",
     "PartitionSpec": "gossiptrain.sim.faults",

@@ -5,7 +5,9 @@ seconds: ``speed`` is its slowdown (a straggler's 4), ``contention`` how
 much sharing the machine's cores slows everyone (``SimConfig.contention``),
 and ``factor`` a draw with mean 1 for the step-to-step noise of a real
 machine. Both systems draw from this one place, so that a comparison of
-gossip and DDP never compares two noise models.
+gossip and DDP never compares two noise models. ``step_time`` is
+``SimConfig.step_time``, or where that is None what ``measure_step_time``
+measures: the median of real steps of the workload on this machine.
 
 Two noise shapes: gamma with a coefficient of variation (``step_jitter``:
 mild, light-tailed), and lognormal with the log's standard deviation
@@ -20,9 +22,18 @@ computations finish, sharing the cores among those computing at once.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+import statistics
+import time
 from typing import Sequence
+
+import torch
+
+from gossiptrain.config import RunConfig
+from gossiptrain.train.local_trainer import LocalTrainer
+from gossiptrain.train.workload import Workload
 
 
 def step_factor(rng: random.Random, jitter: float = 0.0, sigma: float = 0.0) -> float:
@@ -81,3 +92,16 @@ def shared_finish_times(starts: Sequence[float], works: Sequence[float], cores: 
                 still.append(i)
         running = still
     return finish
+
+
+def measure_step_time(workload: Workload, model: torch.nn.Module, run: RunConfig, steps: int = 20) -> float:
+    """Median wall seconds of one local step of this workload on this machine (one thread)."""
+    trainer = LocalTrainer(workload, copy.deepcopy(model), run.train, shard=0)
+    for _ in range(3):
+        trainer.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -10,12 +10,9 @@ import csv
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gossiptrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gossiptrain.sim.cluster import SimConfig
 
 CRASH, JOIN = "crash", "join"
 
@@ -60,7 +57,26 @@ class PartitionSpec:
         return cls(*values)
 
 
-def churn_schedule(config: "SimConfig", rng: random.Random) -> list[ChurnEvent]:
+class ChurnSettings(Protocol):
+    """What churn is drawn from: these fields of a ``SimConfig`` (``gossiptrain.sim.sim_config``, which imports this module)."""
+
+    @property
+    def peers(self) -> int: ...
+
+    @property
+    def duration(self) -> float: ...
+
+    @property
+    def churn_rate(self) -> float: ...
+
+    @property
+    def churn_downtime(self) -> float: ...
+
+    @property
+    def churn_trace(self) -> tuple[ChurnEvent, ...]: ...
+
+
+def churn_schedule(config: ChurnSettings, rng: random.Random) -> list[ChurnEvent]:
     """Poisson crashes at ``churn_rate`` per second across the cluster, each rejoining after the downtime.
 
     A crash picks a slot that is up at that moment; if all are down the
@@ -85,7 +101,7 @@ def churn_schedule(config: "SimConfig", rng: random.Random) -> list[ChurnEvent]:
             events.append(ChurnEvent(down_until[slot], slot, JOIN))
 
 
-def churn_events(config: "SimConfig", rng: random.Random) -> list[ChurnEvent]:
+def churn_events(config: ChurnSettings, rng: random.Random) -> list[ChurnEvent]:
     """Every crash and join of a run in time order: the explicit trace and the Poisson schedule drawn from ``rng``."""
     return sorted([*config.churn_trace, *churn_schedule(config, rng)], key=lambda e: (e.time, e.peer))
 

@@ -25,9 +25,10 @@ from gossiptrain.config import RunConfig
 from gossiptrain.net.transport import listen
 from gossiptrain.net.addressing import client_address
 from gossiptrain.net.transport.sim import SimNetwork, SimTransport
-from gossiptrain.protocol.averaging import Averaging, ParamSpec
+from gossiptrain.protocol.averaging import Averaging
 from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.runtime.assembly import install_transfer, node_for, training_side
 from gossiptrain.runtime.join_client import join_swarm

@@ -23,7 +23,8 @@ import torch
 import topologies
 from gossiptrain.config import GossipConfig
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import AtSafePoint, Averaging, Received, SendExchange
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange
 
 
 class Lockstep:

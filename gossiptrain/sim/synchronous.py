@@ -54,19 +54,17 @@ import heapq
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from gossiptrain.errors import ConfigError
 from gossiptrain.sim.collectives import SharedLink, allreduce_seconds
-from gossiptrain.sim.compute import shared_finish_times, step_factor
+from gossiptrain.sim.compute import measure_step_time, shared_finish_times, step_factor
 from gossiptrain.sim.faults import CRASH, JOIN, churn_events
+from gossiptrain.sim.sim_config import SimConfig, SimResult
 from gossiptrain.train.local_trainer import budget_spent, clip_norm_of, load_shard, optimizer_for, scheduler_for
 from gossiptrain.train.workload import Workload, batches, load_workload
-
-if TYPE_CHECKING:
-    from gossiptrain.sim.cluster import SimConfig, SimResult
 
 SYNCHRONOUS = ("ddp", "ps-sync", "ps-async")
 
@@ -83,7 +81,7 @@ class _Counters:
 class SynchronousJob:
     """One run of a synchronous baseline over ``config.peers`` workers; ``run()`` returns a ``SimResult``."""
 
-    def __init__(self, config: "SimConfig", on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> None:
+    def __init__(self, config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> None:
         if config.system not in SYNCHRONOUS:
             raise ConfigError(f"sim.system {config.system!r} is not a synchronous baseline ({', '.join(SYNCHRONOUS)})")
         self.config = config
@@ -96,8 +94,6 @@ class SynchronousJob:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)  # a gradient (or a model) on the wire
         if config.step_time is None:
-            from gossiptrain.sim.cluster import measure_step_time
-
             self.step_time = measure_step_time(self.workload, self.model, config.run)
         else:
             self.step_time = config.step_time
@@ -226,7 +222,7 @@ class SynchronousJob:
 
     # -- the systems ------------------------------------------------------------------------
 
-    def run(self) -> "SimResult":
+    def run(self) -> SimResult:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as simulate(): one thread keeps runs bit-identical
         try:
@@ -382,9 +378,7 @@ class SynchronousJob:
 
     # -- results ----------------------------------------------------------------------------
 
-    def result(self, reached: float, *, interrupted: bool = False) -> "SimResult":
-        from gossiptrain.sim.cluster import SimResult
-
+    def result(self, reached: float, *, interrupted: bool = False) -> SimResult:
         last = self.rows[-1] if self.rows else {}
         steps = self.step_seconds
         summary: dict[str, Any] = {

@@ -30,7 +30,7 @@ Faults the algorithms are not meant to absorb are not generated, and the
 module says so instead of hiding them: a reply or push lost by the network
 after it was sent (the sender has moved already; in practice this is a
 member dying with the message in its socket, which ``Kill`` models), and
-clock jumps adding up past ``averaging.OVERDUE_SECONDS`` (the horizon after
+clock jumps adding up past ``pairwise.OVERDUE_SECONDS`` (the horizon after
 which a reply is abandoned).
 
 **Every algorithm** runs here, each against what it promises:
@@ -63,9 +63,10 @@ import torch
 
 from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XNAK, XPUSH, XREQ
-from gossiptrain.protocol import averaging, push_sum
+from gossiptrain.protocol import averaging_events, pairwise, push_sum
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.averaging import Averaging, MemberGone, Received, SendExchange, Undelivered
+from gossiptrain.protocol.averaging import Averaging
+from gossiptrain.protocol.averaging_events import MemberGone, Received, SendExchange, Undelivered
 from gossiptrain.protocol.push_sum import PushSum
 
 CONSERVING = ("pairwise", "push-sum")  # the mass is conserved exactly, asynchronously
@@ -252,7 +253,7 @@ class Nemesis:
         elif isinstance(op, Resume):
             self.paused.discard(op.peer % self.n)
         elif isinstance(op, Jump):
-            seconds = min(op.seconds, averaging.OVERDUE_SECONDS / 2 - self._jumped)  # see the module: the horizon
+            seconds = min(op.seconds, pairwise.OVERDUE_SECONDS / 2 - self._jumped)  # see the module: the horizon
             if seconds > 0:
                 self._jumped += seconds
                 self.now += seconds
@@ -377,9 +378,9 @@ class Nemesis:
             self._call(i, *self.queues[i].popleft())
         self.steps[i] += 1
         partners = [self.ids[j] for j in self._alive() if j != i] if start else []
-        self._call(i, averaging.AtSafePoint(self.steps[i], partners), torch.zeros_like(self.expected))
+        self._call(i, averaging_events.AtSafePoint(self.steps[i], partners), torch.zeros_like(self.expected))
 
-    def _call(self, i: int, event: averaging.Event, carried: torch.Tensor) -> None:
+    def _call(self, i: int, event: averaging_events.Event, carried: torch.Tensor) -> None:
         """``handle`` on peer i, with the mass balance of the call; its sends go on the wire."""
         machine = self._machine(i)
         if not self.conserves:

@@ -17,17 +17,9 @@ from typing import Any, Callable
 
 from gossiptrain.config import MembershipConfig
 from gossiptrain.net.kinds import ACK, PING, PING_REQ, SYNC
-from gossiptrain.protocol.membership import (
-    Ack,
-    Digest,
-    Member,
-    MemberDown,
-    Membership,
-    Ping,
-    PingReq,
-    Send,
-    Tick,
-)
+from gossiptrain.protocol.member import Member
+from gossiptrain.protocol.membership import Membership
+from gossiptrain.protocol.swim.events import Ack, Digest, MemberDown, Ping, PingReq, Send, Tick
 from gossiptrain.testing.matchers import match
 
 __all__ = ["DEFAULT_CONFIG", "Cluster", "admit", "event_for"]

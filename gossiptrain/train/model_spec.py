@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gossiptrain.config import RunConfig
-from gossiptrain.protocol.averaging import ParamSpec
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.train.workload import EXTERNAL, load_workload
 
 
