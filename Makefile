@@ -10,11 +10,17 @@ STAMP  := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
+# One setup at a time: a second `make` started meanwhile (two `make demo` in a fresh clone) waits for the first,
+# then finds the stamp newer than pyproject.toml and installs nothing (two pip runs in one .venv break it).
+# The lock is held on the Makefile itself (no file to create or ignore); without flock(1) (macOS), no lock.
+SETUP_LOCK := $(if $(shell command -v flock),flock Makefile,)
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,experiments,tensorboard,prometheus,storage,hf,nat,docs]'
-	touch $(STAMP)
+	@$(SETUP_LOCK) sh -c 'if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; set -ex; \
+	$(PYTHON) -m venv $(VENV); \
+	$(BIN)/python -m pip install --quiet torch==2.13.0; \
+	$(BIN)/python -m pip install --quiet -e ".[dev,experiments,tensorboard,prometheus,storage,hf,nat,docs]"; \
+	touch $(STAMP)'
 
 demo: $(STAMP)
 	$(BIN)/gossiptrain demo

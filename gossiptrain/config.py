@@ -589,6 +589,33 @@ class RunConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    @property
+    def fields_given(self) -> frozenset[str]:
+        """Dotted names of the fields this configuration was given, whatever their values: the keys its TOML
+        file and overrides wrote (``from_toml``, ``with_overrides``, ``from_dict(given=...)``); for one built
+        otherwise, the fields not at their defaults.
+
+        What a newcomer that brings this configuration is compared on when it joins, the rest it takes from
+        the swarm (``gossiptrain.protocol.joining``). Not part of the run: not in its fingerprint, nor in ``==``.
+        """
+        given: frozenset[str] | None = self.__dict__.get("_fields_given")
+        if given is None:
+            defaults = RunConfig().to_dict()
+            given = frozenset(f"{section}.{name}" for section, values in self.to_dict().items()
+                              for name, value in values.items() if value != defaults[section][name])
+        return given
+
+    def _record_given(self, names: Any) -> "RunConfig":
+        """Record ``names`` (dotted field names) as the fields given; unknown ones raise ConfigError."""
+        if not isinstance(names, (list, tuple, set, frozenset)) or not all(type(n) is str for n in names):
+            raise ConfigError("the fields given must be a list of dotted field names")
+        known = {f"{section}.{name}" for section, values in self.to_dict().items() for name in values}
+        unknown = [repr(n) for n in names if n not in known]
+        if unknown:
+            raise ConfigError(f"unknown field(s) given: {', '.join(sorted(unknown)[:5])}")
+        object.__setattr__(self, "_fields_given", frozenset(names))  # frozen: not a field (see fields_given)
+        return self
+
     def fingerprint(self) -> str:
         """A short hash of the whole configuration; equal runs have equal fingerprints."""
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -605,8 +632,11 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
-        """Build from nested mappings (TOML, msgpack). Unknown or ill-typed fields raise ConfigError."""
+    def from_dict(cls, data: Mapping[str, Any], given: Any = None) -> "RunConfig":
+        """Build from nested mappings (TOML, msgpack). Unknown or ill-typed fields raise ConfigError.
+
+        ``given``: the dotted names of the fields it was given (``fields_given``), if known.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError("configuration must be a table of sections")
         sections = {f.name: f.type for f in fields(cls)}
@@ -620,7 +650,8 @@ class RunConfig:
             if not isinstance(values, Mapping):
                 raise ConfigError(f"{f.name} must be a table of fields")
             kwargs[f.name] = _build_section(section_cls, f.name, values)
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        return config._record_given(given) if given is not None else config
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "RunConfig":
@@ -631,14 +662,18 @@ class RunConfig:
             raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"configuration file {path} is not valid TOML: {e}") from None
-        return cls.from_dict(data)
+        except UnicodeDecodeError as e:  # TOML is UTF-8
+            bad = e.object[e.start:e.start + 1]
+            raise ConfigError(f"configuration file {path} is not UTF-8 text (byte {e.start}: {bad!r})") from None
+        config = cls.from_dict(data)  # checks every key: what follows names known fields only
+        return config._record_given([f"{section}.{name}" for section, values in data.items() for name in values])
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "RunConfig":
         """A copy with dotted fields replaced, e.g. {"train.lr": 0.1}. Strings are parsed by field type.
 
         A budget this configuration was not given stays not given unless
         overridden, so an override of one budget alone is the only budget
-        (see ``TrainConfig``).
+        (see ``TrainConfig``). The fields overridden join ``fields_given``.
         """
         current = self.to_dict()
         data = {section: dict(values) for section, values in current.items()}
@@ -651,7 +686,7 @@ class RunConfig:
                 raise ConfigError(f"unknown field {dotted!r}; see `gossiptrain config` for all fields")
             ftype = type(current[section][name])
             data[section][name] = _parse_value(dotted, value, ftype) if isinstance(value, str) else value
-        return RunConfig.from_dict(data)
+        return RunConfig.from_dict(data, given=[*self.fields_given, *overrides])
 
 
 _SECTIONS: dict[str, type] = {

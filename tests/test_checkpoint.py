@@ -550,3 +550,41 @@ def test_a_push_sum_peer_resumes_with_the_weight_it_saved(procs: Procs, coordina
         p.signal(signal.SIGTERM)
     for p in (resumed, other):
         assert p.wait(30) == 0, p.output()
+
+
+# -- a full disk --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "prlimit"), reason="needs prlimit (Linux)")
+def test_a_failing_disk_costs_one_error_per_scheduled_checkpoint_and_the_summary_names_the_last_good_one(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path,
+) -> None:
+    import re
+    import resource
+
+    # Real writes failing: once the peer has saved, its file size limit (set from here) drops below the size of a
+    # checkpoint's model file (digits: 4.5 MB), so every later save fails in write() (EFBIG; Python ignores SIGXFSZ),
+    # as on a full disk. Its log and metrics stay far below the limit.
+    swarm = fast_config(**{"train.shards": 1, "train.max_steps": 0, "train.max_seconds": 120, "train.workload": "digits",
+                           "train.eval_every_seconds": 1.0})
+    coord = coordinator_factory(swarm)
+    ckdir, every = tmp_path / "ck", 20
+    saver = procs.peer(coord.address.removeprefix("tcp://"), "--checkpoint-dir", str(ckdir),
+                       "--checkpoint-every-steps", str(every), name="saver")
+    procs.wait_for(lambda: saver.records("checkpoint"), 90, "a first checkpoint")
+    _, hard = resource.prlimit(saver.popen.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(saver.popen.pid, resource.RLIMIT_FSIZE, (1 << 20, hard))
+
+    def failed_steps() -> list[int]:
+        return [int(s) for s in re.findall(r"checkpoint at step (\d+) failed", saver.output())]
+
+    procs.wait_for(lambda: len(failed_steps()) >= 3, 90, "three failed checkpoints")
+    saver.signal(signal.SIGTERM)
+    assert saver.wait(30) == 0, saver.output()
+    (done,) = saver.records("done")
+    steps = failed_steps()  # the scheduled ones, then the save on the way out
+    assert len(steps) == done["checkpoint_failures"] and "File too large" in saver.output()
+    assert all(b - a >= every for a, b in zip(steps, steps[1:-1])), steps  # not retried at every step
+    last_good = saver.records("checkpoint")[-1]
+    assert last_good["step"] < steps[0]
+    assert done["checkpoint"] == last_good["path"] == str(latest_good(ckdir).info.path)  # intact, and named

@@ -92,6 +92,28 @@ def test_the_coordinator_runs_exactly_the_budget_given(
     assert [(c.train.max_steps, c.train.max_seconds) for c in served] == expected
 
 
+NO_BUDGET = "no budget (train.max_steps and train.max_seconds are 0): the peers train until `gossiptrain stop`"
+PYTHON_HINT = ('join with: gossiptrain.Peer(model, join="{join}") in your own training loop '
+               "(--workload external: peers bring their own model, `gossiptrain peer` has none)")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--seconds", "0"], [NO_BUDGET, "join with: gossiptrain peer --join {join}"]),  # was silent, unbounded
+        (["--workload", "external", "--shards", "2"], [PYTHON_HINT]),  # was a `gossiptrain peer` hint that then failed
+    ],
+)
+def test_the_coordinator_says_what_a_run_without_budget_or_model_means(flags: list[str], says: list[str],
+                                                                      procs: Procs) -> None:
+    host = next_host()
+    coordinator = procs.start("coordinator", "--bind", f"{host}:0", *flags, name="coord")
+    out = procs.wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator")
+    join = re.search(rf"listening on tcp://({re.escape(host)}:\d+) ", out).group(1)  # type: ignore[union-attr]
+    lines = out.splitlines()
+    assert lines[-len(says):] == [line.format(join=join) for line in says], out
+
+
 def test_malformed_join_address_is_rejected() -> None:
     result = run_cli("peer", "--join", "nowhere")
     assert result.returncode == 2 and "HOST:PORT" in result.stderr, result.stderr
@@ -134,7 +156,8 @@ def test_readme_python_api_example_runs(tmp_path: Path, procs: Procs) -> None:
     host = next_host()
     coordinator = procs.start("coordinator", "--bind", f"{host}:0", "--workload", "external", "--shards", "2", name="coord")
     out = wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator")
-    join = out.split("--join ")[1].split()[0]
+    join = re.search(r'join with: gossiptrain\.Peer\(model, join="([^"]+)"\)', out).group(1)  # type: ignore[union-attr]
+    assert "gossiptrain peer" not in out.replace("`gossiptrain peer` has none", "")  # no CLI peer can train it
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     runs = [
         subprocess.Popen([sys.executable, str(example), join], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

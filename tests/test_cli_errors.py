@@ -35,7 +35,7 @@ from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.train.metrics import MetricsLog
 
-from .swarm import ROOT, next_host
+from .swarm import ROOT, next_host, run_in_session
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -118,6 +118,7 @@ def test_topology_usage_says_peers_is_required() -> None:
         (["peer", "--join", "127.0.0.1:1", "--shard", "two"], "argument --shard: must be a shard index, got 'two'"),
         (["peer", "--join", "127.0.0.1:1", "--join-attempts", "0"], "argument --join-attempts: must be a number of attempts (>= 1), got 0"),
         (["demo", "--peers", "0"], "argument --peers: must be a number of peers (>= 1), got 0"),
+        (["simulate", "--peers", "0"], "argument --peers: must be a number of peers (>= 1), got 0"),  # was train.shards
         (["demo", "--target", "1.5"], "argument --target: must be an accuracy in (0, 1], got 1.5"),
         (["demo", "--timeout", "-5"], "argument --timeout: must be a positive number of seconds, got -5"),
         (["peer", "--join", "127.0.0.1:99999"], "--join '127.0.0.1:99999': port 99999 is out of range (0-65535)"),
@@ -130,6 +131,52 @@ def test_bad_values_exit_2_naming_the_value(argv: list[str], message: str, capsy
     rc, err = run_main(argv, capsys)
     assert rc == EXIT_USAGE, err
     assert message in err and "Traceback" not in err, err
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_bytes(b"[train]\nworkload = \"d\xefgits\"\n")  # Latin-1, as an editor may save it
+    rc, err = run_main(["coordinator", "--bind", f"{next_host()}:0", "--config", str(bad)], capsys)
+    assert rc == EXIT_USAGE, err  # was a UnicodeDecodeError traceback, exit 1
+    assert err.splitlines() == [f"gossiptrain coordinator: error: configuration file {bad} is not UTF-8 text (byte 21: b'\\xef')"]
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for given, message in [
+        (afile, f"--checkpoint-dir '{afile}' is a file, not a directory: name a directory (created if missing)"),
+        (afile / "sub", f"--checkpoint-dir '{afile / 'sub'}' cannot be created: {afile} is a file, not a directory"),
+    ]:  # was "cannot use checkpoint directory ...: File exists" (or "Not a directory")
+        host = next_host()
+        rc, err = run_main(["peer", "--join", f"{host}:{closed_port(host)}", "--checkpoint-dir", str(given)], capsys)
+        assert rc == EXIT_USAGE and err.splitlines() == [f"gossiptrain peer: error: {message}"], err
+    assert afile.read_text() == "not a directory"
+
+
+def test_export_to_a_folder_is_refused_before_anything_is_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = next_host()
+    join = f"{host}:{closed_port(host)}"  # nothing listens: a check that came after asking the swarm would say so instead
+    rc, err = run_main(["export", "--join", join, "--out", str(tmp_path)], capsys)
+    assert rc == EXIT_USAGE and err.splitlines() == [
+        f"gossiptrain export: error: --out '{tmp_path}' is a directory: name a file, e.g. {tmp_path / 'model.safetensors'}"
+    ], err  # was: every member's state downloaded, then "could not write the merged model"
+    (tmp_path / "afile").write_text("")
+    rc, err = run_main(["export", "--join", join, "--out", str(tmp_path / "m.safetensors"), "--members-dir",
+                        str(tmp_path / "afile")], capsys)
+    assert rc == EXIT_USAGE and "--members-dir" in err and "is a file, not a directory" in err, err
+
+
+def test_version_is_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    import gossiptrain
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"gossiptrain {gossiptrain.__version__}\n" and gossiptrain.__version__ == version
 
 
 def test_what_the_flags_show_wrong_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
@@ -208,6 +255,33 @@ def run_join(scenario: Callable[[Transport], Any]) -> None:
             await newcomer.close()
 
     asyncio.run(main())
+
+
+JOIN_COMMANDS = {  # every subcommand that takes --join, with what else it needs to start
+    "peer": [], "status": [], "export": ["--out", "OUT/m.safetensors"], "stop": [], "dashboard": ["--listen", "127.0.0.1:0"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(JOIN_COMMANDS))
+def test_a_join_host_that_cannot_be_resolved_is_one_line_and_exit_2(command: str, tmp_path: Path) -> None:
+    extra = [a.replace("OUT", str(tmp_path)) for a in JOIN_COMMANDS[command]]
+    argv = [sys.executable, "-m", "gossiptrain", command, "--join", "nosuchhost.invalid:7070", *extra]
+    done = run_in_session(argv, 30, f"gossiptrain {command}")  # the dashboard served a dead page until killed
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines() == [
+        f"gossiptrain {command}: error: cannot resolve join host 'nosuchhost.invalid': {done.stderr.split(': ')[-1].strip()}"
+    ], done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_dashboard_that_cannot_poll_at_all_exits_2_with_one_line() -> None:
+    host = next_host()
+    argv = [sys.executable, "-m", "gossiptrain", "dashboard", "--join", f"{host}:{closed_port(host)}",
+            "--advertise", "192.0.2.1", "--listen", f"{host}:0"]  # TEST-NET-1: no address of this machine
+    done = run_in_session(argv, 30, "gossiptrain dashboard")  # a traceback, then a dead page until killed
+    assert done.returncode == EXIT_USAGE, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gossiptrain dashboard: error: cannot listen on tcp://192.0.2.1:0"), lines
 
 
 def test_a_join_where_nothing_listens_fails_fast() -> None:

@@ -7,6 +7,8 @@ export` from a running swarm, and `gossiptrain stop` ending one.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import threading
 import time
@@ -27,6 +29,7 @@ from gossiptrain.protocol.finish import DONE, WRITTEN, Announce, Event, FinishEn
 from gossiptrain.protocol.member import Member
 from gossiptrain.runtime.final_phase import FinalPhase, finish_event
 from gossiptrain.runtime.peer import Peer
+from gossiptrain.runtime.swarm_client import SwarmClient
 from gossiptrain.state import merged_model as fm
 from gossiptrain.testing.membership_cluster import Cluster
 from gossiptrain.train.workload import load_workload
@@ -445,7 +448,8 @@ def test_export_and_stop_merge_exactly_the_members_states_weighted_by_samples(
         assert sorted(m["samples"] for m in meta["members"]) == [100, 300]
         assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in expected)
         assert all(p.members == 2 for p in peers)  # the exporter never became a member
-        assert "member 2/2" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert "member 2/2" in printed and f"and {out.with_suffix('.json')}: 2 members" in printed, printed  # its folder too
 
         peer_address = peers[0].address.removeprefix("tcp://")
         assert main(["stop", "--join", peer_address, "--reason", "test over"]) == 0  # through a peer this time
@@ -467,6 +471,46 @@ def test_export_and_stop_merge_exactly_the_members_states_weighted_by_samples(
             s.thread.join(30)
         for p in peers:
             p.close()
+
+
+def test_a_stop_ends_with_the_swarm_it_stopped(coordinator_factory: Any, capsys: Any) -> None:
+    # One member, so no flapping: a short expiry (3 s) of the coordinator's registry keeps the test short.
+    config = fast_config(**{
+        "train.workload": "external", "train.shards": 1, "state.enabled": False, "final.consensus_seconds": 0.2,
+        "membership.suspicion_mult": 1.0, "membership.report_interval": 0.25,
+    })
+    coord = coordinator_factory(config)
+    join = coord.address.removeprefix("tcp://")
+
+    def stopping() -> bool:
+        assert main(["status", "--join", join, "--json"]) == 0
+        return bool(json.loads(capsys.readouterr().out.splitlines()[-1])["stopping"])
+
+    assert main(["stop", "--join", join]) == 0  # nobody to stop: the coordinator was "stopping" for good
+    assert "no live member: nothing to stop" in capsys.readouterr().out
+    assert not stopping()
+
+    async def stop_anyway() -> None:  # as a tool that does not look first
+        async with SwarmClient(join) as client:
+            await client.query()
+            await client.stop("test")
+
+    asyncio.run(stop_anyway())
+    assert not stopping()
+
+    peer = Peer(linear(1), join=join, bind=f"{next_host()}:0")
+    stepper = Stepper(peer, 100)
+    try:
+        wait_for(lambda: coord.coordinator.member_count == 1, 30, "the member to report")
+        assert main(["stop", "--join", join]) == 0 and "passes it on to the 1 live members" in capsys.readouterr().out
+        assert stopping()  # while its member finishes
+        stepper.thread.join(60)
+        assert not stepper.thread.is_alive() and stepper.error is None and stepper.report.reason == "stop"
+    finally:
+        stepper.halt.set()
+        stepper.thread.join(30)
+        peer.close()
+    wait_for(lambda: not stopping(), 30, "the coordinator to forget the stop once its member is gone")  # was for good
 
 
 def test_export_with_no_live_member_is_a_clear_failure(coordinator_factory: Any, tmp_path: Path, capsys: Any) -> None:

@@ -68,6 +68,14 @@ def test_dry_run_shows_what_runs_where_and_starts_nothing(tmp_path: Path, capsys
     assert len(lines) == 4
 
 
+def test_dry_run_needs_no_name_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hosts = hostfile(tmp_path, "head.invalid slots=0\nnode.invalid address=10.0.0.3\n")  # .invalid never resolves
+    rc, out, _ = run_main(["launch", "--hosts", hosts, "--dry-run"], capsys)
+    assert rc == 0, out
+    assert out.startswith("coordinator at head.invalid:29400; 1 peers")
+    assert "gossiptrain peer --join head.invalid:29400 --advertise 10.0.0.3" in out
+
+
 def test_the_coordinator_address_flag_wins_over_the_hostfile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = hostfile(tmp_path, "head address=10.1.0.1\n")
     rc, out, _ = run_main(["launch", "--hosts", hosts, "--dry-run", "--coordinator-address", "fd00::1", "--port", "7070"], capsys)

@@ -121,6 +121,15 @@ def test_the_commands_carry_the_join_address_and_fill_in_index_and_host() -> Non
         "ssh", "-p", "2222", "u@b", "python3", "-m", "gossiptrain", "launch-agent"]
 
 
+def test_a_hosts_address_is_what_its_peers_advertise_unless_the_user_says_otherwise() -> None:
+    plan = plan_launch([Host("a", slots=0), Host("b", slots=1, address="10.0.0.3"), Host("c", slots=1)])
+    assert plan.peer_command(plan.peers[0], "10.0.0.1:7") == ["peer", "--join", "10.0.0.1:7", "--advertise", "10.0.0.3"]
+    assert plan.peer_command(plan.peers[1], "10.0.0.1:7") == ["peer", "--join", "10.0.0.1:7"]  # no address=: its own
+    for own in (["--advertise", "10.9.9.9"], ["--advertise=10.9.9.9"]):
+        mine = plan_launch([Host("b", slots=1, address="10.0.0.3")], peer_args=own)
+        assert mine.peer_command(mine.peers[0], "10.0.0.1:7") == ["peer", "--join", "10.0.0.1:7", *own]
+
+
 def test_an_unknown_placeholder_in_the_peer_arguments_is_named() -> None:
     plan = plan_launch([Host("a")], peer_args=["--metrics", "{rank}.jsonl"])
     with pytest.raises(ConfigError, match=r"peer arguments: unknown placeholder \{rank\} \(known: \{index\}, \{host\}\)"):

@@ -7,6 +7,7 @@ Real peers on loopback, each on its own 127.0.0.x with port 0, joined through an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 
 from gossiptrain.errors import GossipError
 from gossiptrain.runtime.peer import Peer
+from gossiptrain.runtime.preflight import ThreadCheck
 
 from .conftest import fast_config
 from .swarm import ROOT, next_host, wait_for
@@ -56,6 +58,36 @@ def test_wait_for_peers_returns_the_count_and_times_out_when_it_never_comes(coor
 
 
 @pytest.mark.timeout(60)
+def test_peers_sharing_a_machine_at_torchs_thread_count_get_one_warning(
+    coordinator_factory: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gossiptrain.runtime.preflight as peer_module  # the warning's logger
+
+    monkeypatch.setattr(ThreadCheck, "warned", False)  # once per process: this test's process included
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    join = join_of(coordinator_factory, shards=2)
+    threads = torch.get_num_threads()
+    peers = [peer(join), peer(join)]  # two peers of one machine (127.0.0.x), as two processes on it would be
+    try:
+        with caplog.at_level(logging.WARNING, logger=peer_module.__name__):
+            assert [p.wait_for_peers(2, timeout=30) for p in peers] == [2, 2]
+            for p in peers:
+                p.step()  # at one thread each (as this test process runs): nothing to say
+            assert not [r for r in caplog.records if r.name == peer_module.__name__]
+            torch.set_num_threads(max(2, cores))  # torch's default: one per core
+            for _ in range(3):
+                for p in peers:
+                    p.step()
+        (warning,) = [r for r in caplog.records if r.name == peer_module.__name__]  # one line, once
+        assert f"2 peers on this machine each run {max(2, cores)} torch threads on its {cores} cores" in warning.getMessage()
+        assert f"torch.set_num_threads({max(1, cores // 2)})" in warning.getMessage()
+    finally:
+        torch.set_num_threads(threads)
+        for p in peers:
+            p.close()
+
+
+@pytest.mark.timeout(60)
 def test_request_stop_reaches_the_other_members(coordinator_factory: Any) -> None:
     join = join_of(coordinator_factory, shards=2)
     peers: list[Peer] = []
@@ -88,6 +120,31 @@ def test_resume_at_refuses_a_negative_step_and_any_call_after_a_step(coordinator
         assert p.steps == 6  # the refused call changed nothing
     finally:
         p.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make, problem, remedy", [
+    (lambda: torch.nn.BatchNorm1d(4, affine=False), "the model has no parameters (only buffers: running_mean, running_var",
+     "at least one torch.nn.Parameter"),
+    (lambda: torch.nn.Linear(4, 2, device="meta"), "the model's parameter 'weight' is on the meta device", "model.to_empty("),
+], ids=["buffers-only", "meta"])
+def test_a_model_no_swarm_can_average_is_refused_before_anything_is_contacted(make: Any, problem: str, remedy: str) -> None:
+    import re
+    import socket
+    import threading
+
+    with socket.socket() as listener:  # the join address: a dial would show as a pending connection
+        listener.bind((next_host(), 0))
+        listener.listen()
+        listener.setblocking(False)
+        join = "%s:%d" % listener.getsockname()
+        threads = set(threading.enumerate())
+        with pytest.raises(ValueError, match=re.escape(problem)) as refused:
+            Peer(make(), join=join, join_attempts=1, config=fast_config(**{"membership.join_timeout": 1.0}))
+        assert remedy in str(refused.value) and "\n" not in str(refused.value)  # one line: the problem and what to do
+        assert set(threading.enumerate()) == threads  # no network side was started
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody dialled the join address
 
 
 @pytest.mark.timeout(60)

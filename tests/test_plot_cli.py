@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from gossiptrain.cli.plot import add_parser, cmd_plot
+from gossiptrain.cli.plot import add_parser, cmd_plot, default_title, figure
 from gossiptrain.cli.simulate import write_rows
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
 from gossiptrain.sim.cluster import SimConfig, simulate
+from gossiptrain.sim.faults import ChurnEvent
 from gossiptrain.train.metrics import MetricsLog
 from gossiptrain.train.series import load, mean_over_peers
 
@@ -94,3 +95,56 @@ def test_unreadable_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Pat
     assert not out.exists() and not (tmp_path / "x.svg").exists()
     with pytest.raises(ConfigError, match="neither"):
         load([tmp_path / "notes.jsonl"])
+
+
+def _no_rate_below_zero_and_no_line_across(fig: object, gap: tuple[float, float]) -> None:
+    """Every line of the figure: no negative value on the rate panels, and no segment spanning ``gap``."""
+    axes = fig.axes  # type: ignore[attr-defined]
+    for ax in axes:
+        for line in ax.get_lines():
+            if line.get_linewidth() >= 2.0:  # the mean over peers: a swarm-wide curve, not one peer's series
+                continue
+            xs, ys = map(list, line.get_data())
+            if ax.get_ylabel() in ("exchanges / s", "MB sent / s"):
+                assert all(y >= 0 for y in ys if math.isfinite(y)), (ax.get_ylabel(), ys)
+            for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+                drawn = math.isfinite(y0) and math.isfinite(y1)
+                assert not (drawn and x0 <= gap[0] and x1 >= gap[1]), (ax.get_ylabel(), x0, x1)
+
+
+def test_a_peer_resumed_into_the_same_metrics_file_starts_a_new_segment(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "peer-0.jsonl"
+    peer_file(path, "a", 1000.0, [0.5, 0.7, 0.9])  # 12 exchanges, 3 MB by 1000.75; then stopped
+    peer_file(path, "a2", 1010.0, [0.8, 0.9])  # --resume --metrics appends: counters from 0 again at 1010
+    peer_file(tmp_path / "peer-1.jsonl", "b", 1000.0, [0.6, 0.8, 0.9])
+    series, clock = load([path, tmp_path / "peer-1.jsonl"])
+    a = series[0]
+    assert a.time == [0.25, 0.5, 0.75, 10.25, 10.5] and a.breaks == [3]
+    t, rate = a.rate("exchanges")
+    assert t[:2] == [0.5, 0.75] and rate[:2] == pytest.approx([16.0, 16.0])
+    assert t[2] == 10.25 and math.isnan(rate[2]) and (t[3], rate[3]) == (10.5, pytest.approx(16.0))
+    fig = figure(series, clock, default_title(series, [str(path)]))
+    _no_rate_below_zero_and_no_line_across(fig, (0.75, 10.25))
+    assert [ax.get_xlabel() for ax in fig.axes][:2] == ["time (s)", "time (s)"]
+    monkeypatch.chdir(tmp_path)  # files named bare: the title names the folder, not "."
+    assert default_title(series, ["peer-0.jsonl"]) == f"2 peers, {tmp_path.name}"
+    assert default_title(series, [str(path)]) == f"2 peers, {tmp_path}"
+    assert run("peer-0.jsonl", "peer-1.jsonl", "--out", "run.png") == 0
+
+
+def test_a_simulated_peer_back_from_a_crash_starts_a_new_segment_in_virtual_time(tmp_path: Path) -> None:
+    run_config = RunConfig().with_overrides({"train.workload": "logreg", "train.shards": 2, "train.max_steps": 0})
+    trace = (ChurnEvent(2.2, 0, "crash"), ChurnEvent(4.2, 0, "join"))
+    result = simulate(SimConfig(peers=2, run=run_config, duration=7.0, step_time=0.05, sample_every=1.0,
+                                churn_trace=trace))
+    csv_path = tmp_path / "series.csv"
+    write_rows(result, csv_path)
+    series, clock = load([csv_path])
+    crashed = next(s for s in series if s.name == "peer 0")
+    assert clock == "virtual" and len(crashed.breaks) == 1
+    back = crashed.breaks[0]
+    assert crashed.time[back - 1] <= 2.2 and crashed.time[back] >= 4.2
+    fig = figure(series, clock, "sim")
+    _no_rate_below_zero_and_no_line_across(fig, (2.2, 4.2))
+    assert {ax.get_xlabel() for ax in fig.axes} == {"virtual time (s)"}

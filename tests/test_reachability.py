@@ -112,6 +112,19 @@ def test_a_peer_is_dialled_back_by_whoever_answered_its_join_the_coordinator_or_
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_restarted_on_the_same_fixed_address_is_still_reachable(coordinator_factory: Any) -> None:
+    """The answerer still holds a connection to the first process there, re-dialling it: the probe goes over a new one."""
+    join = join_of(coordinator_factory)
+    with peer(join, bind=f"{next_host()}:0") as first:  # port 0 finds a free port: the fixed one from here on
+        assert first.reachability is not None and first.reachability.reachable, first.reachability
+        fixed = first.address.removeprefix("tcp://")
+    with peer(join, bind=fixed) as again:  # after a clean leave, as after Ctrl+C
+        assert again.address == first.address
+        assert again.reachability is not None and again.reachability.reachable, again.reachability
+        assert again.reachability.how == "measured" and again.reachability.answerer == f"tcp://{join}"
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_advertising_where_nothing_listens_is_still_welcomed_and_told_it_is_not_reachable(
     coordinator_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

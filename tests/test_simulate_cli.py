@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from gossiptrain.cli.main import build_parser
 from gossiptrain.cli.simulate import DEFAULT_STEP_TIME, LiveLine, format_summary, sim_config
 from gossiptrain.config import RunConfig
 from gossiptrain.sim.cluster import SimConfig, SimInterrupted, simulate
-from gossiptrain.sim.faults import ChurnEvent
+from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
 
 from .swarm import ROOT
 
@@ -149,3 +151,46 @@ def test_the_summary_says_what_staleness_means_and_what_is_typical() -> None:
     assert "steps" in line and "ahead of the sender" in line and "round trip" in line
     assert "typical" in text and "stragglers" in text
     assert not any("typical" in str(v) for v in result.summary.values())  # the JSON keeps numbers only
+
+
+def test_a_scheduled_partition_counts_its_given_up_exchanges_in_the_summary_instead_of_a_warning_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # No one is declared dead during the split (a long suspicion): the exchanges across it time out and are given up.
+    run = logreg(**{"train.shards": 4, "membership.suspicion_mult": 50.0})
+    config = SimConfig(peers=4, run=run, duration=4, step_time=0.05, partitions=(PartitionSpec(1, 4),))
+    with caplog.at_level(logging.WARNING):  # the default verbosity
+        result = simulate(config)
+    counted = result.summary["log_warnings"].get("gave up on the exchange with", 0)
+    assert counted > 0
+    assert not [r for r in caplog.records if r.name.startswith("gossiptrain.")]  # not one line each
+    assert f'{counted} x "gave up on the exchange with ..."' in format_summary(result)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gossiptrain"):  # -v: each one, stamped with the virtual time
+        again = simulate(config)
+    gave_up = [r.getMessage() for r in caplog.records if "gave up on the exchange with" in r.getMessage()]
+    assert len(gave_up) == again.summary["log_warnings"]["gave up on the exchange with"] == counted  # the same run
+    assert all(re.match(r"virtual \d+\.\d{3} s: gave up", m) for m in gave_up), gave_up
+
+
+def test_a_swarm_too_big_for_memory_is_refused_up_front_with_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    from gossiptrain.cli.main import main
+
+    # --max-memory pretends the machine has 2 GB. 5,000 peers' views alone (every view ends up holding every member)
+    # are some 77 GB: refused before a peer, or even the workload, is built.
+    assert main(["simulate", "--peers", "5000", "--max-memory", "2G"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "simulating 5000 peers of digits needs about 77.1 GB" in err and "above --max-memory 2 GB" in err, err
+    assert "use fewer --peers" in err and "--max-memory SIZE (or none)" in err, err
+
+
+def test_the_estimate_is_printed_before_the_peers_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from gossiptrain.cli.main import main
+
+    rc = main(["simulate", "--peers", "2", "--workload", "logreg", "--duration", "0.5", "--sample-every", "0.5",
+               "--max-memory", "1G"])
+    assert rc == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    # 2 peers: 2 x (64 KB + 16 model copies) + 4 views entries of 3 KB + 4 model copies, the model 264 bytes
+    assert first == "simulating 2 peers of logreg (264 B model): about 153 KB of memory at most, estimated (1 GB --max-memory); starting"

@@ -280,6 +280,21 @@ def test_a_donor_leaving_the_view_is_replaced_at_once() -> None:
     assert net.fetcher.stats.state_timeouts == 0
 
 
+def test_a_download_abandoned_midway_frees_the_donors_session_and_ends_not_ok() -> None:
+    cfg = config(window=1)
+    net = Net(fetcher(3000, cfg), {"a": state(3000, 1)}, cfg)
+    net.answer["a"] = 2  # the opening and one chunk: the download is under way when the newcomer leaves
+    net.tick(["new", "a"])
+    assert net.fetcher.result is None and net.fetcher.donor == "a" and net.donors["a"].sessions
+    (close,) = net.fetcher.abandon(0.5, "cancelled: this peer is leaving")
+    assert (close.to, close.index) == ("a", CLOSE)
+    net.donors["a"].handle(ChunkRequest("new", "sim://newcomer:1", close.sid, close.index, close.manifest), 0.5)
+    assert not net.donors["a"].sessions
+    result = net.fetcher.result
+    assert result is not None and not result.ok and result.reason == "cancelled: this peer is leaving"
+    assert net.fetcher.abandon(0.6, "again") == [] and net.fetcher.handle(Wakeup(["new", "a"], None), 0.6) == []
+
+
 def test_a_chunk_failing_its_checksum_bans_the_donor_and_another_one_completes() -> None:
     cfg = config(window=1)
     good = state(4000, 3)
@@ -685,3 +700,29 @@ def test_a_donor_killed_mid_transfer_the_newcomer_completes_from_another(procs: 
     assert start["state_bytes_received"] == DIGITS_STATE_BYTES  # resumed, not restarted
     assert start["test_acc"] >= accuracy(survivor) - 0.1, (start, accuracy(survivor))
     assert "leaving donor" in late.output()
+
+
+def test_ctrl_c_during_a_state_download_cancels_it_and_the_newcomer_leaves_cleanly(
+    procs: Procs, coordinator_factory: Any
+) -> None:
+    # digits-small's state (77 KB) in 1 KiB chunks, one in flight, paced to 2 KB/s: a download of about 38 s.
+    config = fast_config(**{
+        "train.max_steps": 0, "train.max_seconds": 120, "train.shards": 2, "state.chunk_bytes": 1024,
+        "state.window": 1, "state.max_bytes_per_second": 2048.0,
+    })
+    coord = coordinator_factory(config)
+    join = coord.address.removeprefix("tcp://")
+    donor = procs.peer(join, "-v", name="donor")  # -v: its INFO log says who joined, left or died
+    procs.wait_for(lambda: donor.records("eval"), 60, "the donor to train")
+    late = procs.peer(join, "-v", name="late")  # -v: its INFO log says its id and whom it receives from
+    procs.wait_for(lambda: re.search(r"receiving state from \w+", late.output()), 60, "the newcomer's download to begin")
+    (late_id,) = re.findall(r"joined via \S+ as (\w+)", late.output())
+    # A member in the donor's view (not only a candidate it has yet to verify), so that its going is news there.
+    procs.wait_for(lambda: f"member {late_id} joined" in donor.output(), 30, "the donor to count the newcomer in")
+    late.signal(signal.SIGINT)
+    assert late.wait(10) == 130, late.output()[-3000:]
+    assert not late.records("start"), late.output()[-3000:]  # it never trained: the download was cut short
+    gone = re.compile(rf"member {late_id} (left|died)")
+    said = procs.wait_for(lambda: gone.search(donor.output()), 30, "the donor to see the newcomer go").group(1)
+    assert said == "left", donor.output()[-3000:]
+    assert coord.coordinator.stats.reported_dead == 0  # nobody reported it dead to the coordinator

@@ -811,3 +811,64 @@ def test_save_png_writes_a_png(tmp_path: Path) -> None:
         assert _decode_png(data).shape == (480, 480, 3)
     with pytest.raises(ValueError, match="uint8"):
         drawing.encode_png(np.zeros((4, 4, 3)))
+
+
+# -- closed forms (topologies.cayley): graphs that look the same from every member ------------------------------
+
+
+def _dense_describe(topology: Topology, n: int, r: int) -> dict[str, object]:
+    """describe()'s numbers the slow way: the period's n x n matrices, BFS from every member, an SVD."""
+    graphs = [topology.adjacency(n, x) for x in range(r, r + topology.period(n))]
+    out = np.array([a.sum(axis=1) for a in graphs])  # (period, n)
+    try:
+        hops: int | None = diameter(np.logical_or.reduce(graphs))
+    except ValueError:
+        hops = None
+    product = np.eye(n)
+    for x in range(r, r + topology.period(n)):
+        a = topology.adjacency(n, x)
+        product = product @ (uniform_weights(a) if topology.directed else metropolis_hastings(a))
+    return {"degree": float(out.mean()), "max_degree": int(out.max()), "diameter": hops, "spectral_gap": spectral_gap(product)}
+
+
+CLOSED_FORM = [
+    ("ring", [1, 2, 3, 5, 8, 64]),
+    ("exponential", [2, 5, 12, 64]),
+    ("complete", [1, 2, 7]),
+    ("one-peer-exponential", [5, 12, 64]),
+    ("torus", [4, 6, 9, 12, 64]),  # ceil(sqrt(n)) divides n: full rows
+    ("hypercube", [1, 2, 16, 64]),
+    ("base-k:k=2", [9, 27]),
+]
+
+
+@pytest.mark.parametrize(("spec", "sizes"), CLOSED_FORM, ids=[s for s, _ in CLOSED_FORM])
+def test_closed_form_description_equals_the_dense_computation(spec: str, sizes: list[int]) -> None:
+    t = topologies.parse(spec)
+    for n in sizes:
+        for r in (0, 1):
+            assert t.cayley(n, r) is not None, (spec, n)
+            graph = t.cayley(n, r)
+            assert graph is not None
+            assert [graph.neighbours(i) for i in range(n)] == [t.neighbours(n, i, r) for i in range(n)]
+            fast, slow = topologies.describe(t, n, r), _dense_describe(t, n, r)
+            assert fast["spectral_gap"] == pytest.approx(slow.pop("spectral_gap"), rel=1e-9, abs=1e-12), (spec, n, r)
+            assert {k: fast[k] for k in slow} == slow, (spec, n, r)
+
+
+def test_graphs_that_differ_from_member_to_member_have_no_closed_form() -> None:
+    assert topologies.get("torus").cayley(10) is None  # 4 columns, a short last row
+    assert topologies.get("hypercube").cayley(12) is None
+    assert topologies.get("base-k", k=2).cayley(10) is None
+    assert topologies.get("star").cayley(5) is None
+    assert topologies.get("erdos-renyi").cayley(5) is None
+
+
+def test_describe_cost_is_small_for_closed_forms_and_n_squared_for_the_rest() -> None:
+    ring_bytes, ring_seconds = topologies.describe_cost(topologies.get("ring"), 100_000)
+    assert ring_bytes < 100e6 and ring_seconds < 10
+    # An Erdos-Renyi graph is sampled as a whole: its cost is estimated without drawing it.
+    er_bytes, er_seconds = topologies.describe_cost(topologies.get("erdos-renyi"), 100_000)
+    assert er_bytes >= 8 * 100_000**2 and er_seconds > 3600
+    star_bytes, _ = topologies.describe_cost(topologies.get("star"), 2000)
+    assert 8 * 2000**2 <= star_bytes <= 100 * 2000**2

@@ -5,11 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import topologies
 from gossiptrain.cli.topology import add_parser, cmd_topology
+
+from .swarm import run_in_session
 
 
 def run(*argv: str) -> int:
@@ -113,3 +120,68 @@ def test_errors_exit_2_with_one_line(argv: list[str], problem: str, capsys: pyte
     assert captured.out == ""
     assert captured.err.startswith("gossiptrain topology: error: ")
     assert problem in captured.err and captured.err.count("\n") == 1
+
+
+def _cli_with_address_space(limit: int, *argv: str) -> "subprocess.CompletedProcess[str]":
+    """`gossiptrain ARGV` in a child whose address space is capped: a dense n x n matrix there fails at once
+    (MemoryError) instead of taking the machine down."""
+    code = (
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); "
+        f"sys.argv = ['gossiptrain', *{list(argv)!r}]; "
+        "runpy.run_module('gossiptrain', run_name='__main__')"
+    )
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # no per-thread arenas in the cap
+    return run_in_session([sys.executable, "-c", code], 120, f"gossiptrain {' '.join(argv)}", env=env)
+
+
+@pytest.mark.parametrize(
+    ("spec", "n", "gap", "hops"),
+    [
+        # Metropolis-Hastings on a ring: 1/3 on self and both neighbours, lambda_2 = (1 + 2 cos(2 pi/n))/3.
+        ("ring", 100_000, 4 / 3 * math.sin(math.pi / 100_000) ** 2, 50_000),
+        # A 316 x 316 torus: 1/5 on self and four neighbours, lambda_2 = (3 + 2 cos(2 pi/316))/5; diameter 158 + 158.
+        ("torus", 316 * 316, 4 / 5 * math.sin(math.pi / 316) ** 2, 316),
+    ],
+)
+def test_a_sparse_topology_of_100000_peers_is_described_at_once(spec: str, n: int, gap: float, hops: int) -> None:
+    # The dense computation needed 10 GB of booleans and 80 GB of floats for this; 2 GB of address space is plenty now.
+    done = _cli_with_address_space(2 << 30, "topology", spec, "--peers", str(n), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["spectral_gap"] == pytest.approx(gap, rel=1e-6)
+    assert (data["peers"], data["degree"], data["max_degree"], data["diameter"]) == (n, 2.0 if spec == "ring" else 4.0,
+                                                                                    2 if spec == "ring" else 4, hops)
+
+
+@pytest.mark.parametrize("spec", ["ring", "torus"])
+def test_the_closed_form_agrees_with_the_dense_matrices_at_64_peers(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(spec, "--peers", "64", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    a = topologies.get(spec).adjacency(64)  # (64, 64), symmetric, regular
+    w = (np.eye(64) + a) / (1 + a.sum(axis=1, keepdims=True))  # Metropolis-Hastings on a regular graph
+    assert data["spectral_gap"] == pytest.approx(1 - np.linalg.norm(w - 1 / 64, ord=2), rel=1e-9)
+
+
+def test_a_dense_graph_that_would_not_fit_is_refused_with_its_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    # --max-memory pretends the machine has 1 GB: the estimate (tens of GB at 100,000 peers) is refused before
+    # anything is drawn, and the message names the flag that goes ahead anyway.
+    assert run("erdos-renyi", "--peers", "100000", "--max-memory", "1G") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "erdos-renyi on 100000 peers" in err and "needs about 430 GB" in err and "--max-memory 1 GB" in err
+    assert "--max-memory SIZE (or none)" in err
+    # Under the limit it runs, and says what it estimated when that is large.
+    assert run("star", "--peers", "40", "--max-memory", "1G", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["max_degree"] == 39
+
+
+def test_the_default_limit_is_the_memory_available_now() -> None:
+    from gossiptrain.cli import memory
+
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        kb = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+    assert abs(memory.available_memory() - kb * 1024) < 256 << 20  # the same reading, give or take what moved since
+    assert memory.max_memory("64G") == 64e9 and memory.max_memory("none") == math.inf
+    with pytest.raises(argparse.ArgumentTypeError):
+        memory.max_memory("lots")

@@ -12,11 +12,13 @@ This package must not import gossiptrain or torch: researchers use it alone.
 from __future__ import annotations
 
 from topologies.base import Topology
+from topologies.cayley import Cayley
 from topologies.components import components, connect_components
 from topologies.edgelist import EdgeListFile, read_edge_list
 from topologies.graphs import BaseK, Complete, Exponential, Hypercube, OnePeerExponential, Ring, Star, Torus
 from topologies.mixing import (
     describe,
+    describe_cost,
     diameter,
     gossip_weights,
     metropolis_hastings,
@@ -30,6 +32,7 @@ from topologies.registry import get, names, parameters, parse
 
 __all__ = [
     "BaseK",
+    "Cayley",
     "Complete",
     "EdgeListFile",
     "ErdosRenyi",
@@ -45,6 +48,7 @@ __all__ = [
     "components",
     "connect_components",
     "describe",
+    "describe_cost",
     "diameter",
     "get",
     "gossip_weights",

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from topologies.cayley import Cayley
+
 # The parameter types a spec string can carry; anything richer belongs in a file.
 _SCALARS: tuple[type, ...] = (bool, int, float, str)
 
@@ -43,6 +45,9 @@ class Topology(ABC):
     # True when j in neighbours(i) does not imply i in neighbours(j); averaging
     # schemes that need symmetric exchanges (pairwise) must symmetrize.
     directed: ClassVar[bool] = False
+    # True when one member's neighbours come from a sample of the whole n x n graph (dense random graphs): asking
+    # for them costs O(n^2) memory once per n.
+    dense_sample: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -65,6 +70,23 @@ class Topology(ABC):
         for i in range(n):
             a[i, self._clean(n, i, round)] = True
         return a
+
+    def cayley(self, n: int, round: int = 0) -> Cayley | None:
+        """Round `round`'s graph on n members as a Cayley graph (`topologies.cayley`), or None when it is not one.
+
+        Such graphs have closed-form spectra and one diameter from every
+        member, so `describe` needs no n x n matrix for them.
+        """
+        n, round = self._check(n, round)
+        return self._cayley(n, round)
+
+    def mean_degree(self, n: int, round: int = 0) -> float:
+        """Out-degree of a member on n members, on average (expected, for random graphs), without building the graph.
+
+        For estimates (`describe_cost`); sampled from a few members unless a subclass knows it.
+        """
+        n, round = self._check(n, round)
+        return self._mean_degree(n, round)
 
     def period(self, n: int) -> int:
         """Rounds after which the graphs repeat; 1 for static topologies.
@@ -100,6 +122,14 @@ class Topology(ABC):
 
     def _period(self, n: int) -> int:
         return 1
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        return None
+
+    def _mean_degree(self, n: int, round: int) -> float:
+        # Subclasses that must build the whole graph to answer one member (dense random samples) override this.
+        sample = range(0, n, max(1, n // 8))
+        return sum(len(self._clean(n, i, round)) for i in sample) / len(sample)
 
     @abstractmethod
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from topologies.base import Topology
+from topologies.cayley import Cayley, cayley
 
 
 def _ceil_log2(n: int) -> int:
@@ -35,6 +36,9 @@ class Ring(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return ((i - 1) % n, (i + 1) % n)
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        return cayley((n,), [(-1,), (1,)])
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,12 @@ class Torus(Topology):
             ((row + 1) % col_len) * cols + col,
         )
 
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        cols = math.isqrt(n - 1) + 1
+        if n % cols:
+            return None  # a short last row: not the same graph from every member
+        return cayley((n // cols, cols), [(0, -1), (0, 1), (-1, 0), (1, 0)])
+
 
 @dataclass(frozen=True)
 class Hypercube(Topology):
@@ -75,6 +85,12 @@ class Hypercube(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return (j for k in range(_ceil_log2(n)) if (j := i ^ (1 << k)) < n)
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        if n & (n - 1):
+            return None  # not a power of two: an induced subgraph, not the same from every member
+        bits = _ceil_log2(n)  # XOR with 2^k is adding 1 to binary digit k in Z_2^bits
+        return cayley((2,) * bits, [tuple(int(a == b) for a in range(bits)) for b in range(bits)]) if bits else cayley((1,), [])
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,9 @@ class Exponential(Topology):
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return ((i + (1 << k)) % n for k in range(_ceil_log2(n)))
 
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        return cayley((n,), [((1 << k) % n,) for k in range(_ceil_log2(n))])
+
 
 @dataclass(frozen=True)
 class Complete(Topology):
@@ -100,6 +119,9 @@ class Complete(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return range(n)
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        return cayley((n,), [(j,) for j in range(1, n)])
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,9 @@ class Star(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return range(1, n) if i == 0 else (0,)
+
+    def _mean_degree(self, n: int, round: int) -> float:
+        return 2.0 * (n - 1) / n
 
 
 @dataclass(frozen=True)
@@ -135,6 +160,9 @@ class OnePeerExponential(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return ((i + (1 << (round % self._period(n)))) % n,)
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        return cayley((n,), [((1 << (round % self._period(n))) % n,)])
 
 
 @dataclass(frozen=True)
@@ -170,3 +198,12 @@ class BaseK(Topology):
         place = b ** (round % self._period(n))
         first = i - (i // place) % b * place  # i with digit r set to 0
         return (j for v in range(b) if (j := first + v * place) < n)
+
+    def _cayley(self, n: int, round: int) -> Cayley | None:
+        b, digits = self.k + 1, self._period(n)
+        if n == 1:
+            return cayley((1,), [])
+        if b**digits != n:
+            return None  # members missing: not the same graph from every member
+        axis = digits - 1 - round % digits  # digit r (place b^r) is axis digits-1-r in C order
+        return cayley((b,) * digits, [tuple(v if a == axis else 0 for a in range(digits)) for v in range(1, b)])

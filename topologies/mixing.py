@@ -5,6 +5,11 @@ its neighbour's degree, so a peer can compute its own row locally; that makes
 them the default for neighbour averaging. The spectral gap and diameter let
 experiments compare topologies before running them; `describe` gathers them,
 over a whole period for time-varying topologies.
+
+Graphs that look the same from every member (rings, exponential graphs,
+tori with full rows: `topologies.cayley`) are described in closed form,
+without an n x n matrix, at any n. Any other graph takes dense matrices:
+`describe_cost` estimates their memory and time before anything is built.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 
 import numpy as np
 
+from topologies import cayley
 from topologies.base import Topology
 
 
@@ -127,8 +133,12 @@ def spectral_gap_over_period(topology: Topology, n: int, round: int = 0) -> floa
     n a power of two (exact averaging), though each of its rounds alone mixes
     poorly. Directed graphs whose weights are not doubly stochastic (random
     out-neighbours) converge to a weighted average instead, and their gap by
-    this formula can be low or negative.
+    this formula can be low or negative. Cayley graphs (`topologies.cayley`)
+    are answered in closed form, without the n x n matrices.
     """
+    graphs = _cayley_period(topology, n, round)
+    if graphs is not None:
+        return cayley.gap_over_period(graphs, topology.directed)
     product = np.eye(n)  # (n, n)
     for r in range(round, round + topology.period(n)):
         # U_0 U_1 ... is the transpose of push-sum's P_last ... P_0: same norm.
@@ -143,8 +153,23 @@ def describe(topology: Topology, n: int, round: int = 0) -> dict[str, object]:
     their mean (messages a member sends per round), "max_degree" the largest.
     "diameter" is that of the symmetrized union of the period's graphs, None
     when it is disconnected.
+
+    Cayley graphs (`topologies.cayley`: rings, exponential graphs, ...) take
+    O(n log n) time and O(n) memory; other graphs take dense n x n matrices,
+    see `describe_cost`.
     """
     period = topology.period(n)
+    rounds = _cayley_period(topology, n, round)
+    if rounds is not None:
+        degrees = [len(g.generators) for g in rounds]
+        union = cayley.Cayley(rounds[0].shape, np.concatenate([g.generators for g in rounds]))
+        return _summary(
+            topology, n, round,
+            degree=float(np.mean(degrees)),
+            max_degree=int(max(degrees)),
+            hops=cayley.eccentricity(union),
+            gap=cayley.gap_over_period(rounds, topology.directed),
+        )
     graphs = [topology.adjacency(n, r) for r in range(round, round + period)]  # period x (n, n)
     out_degree = np.array([a.sum(axis=1) for a in graphs])  # (period, n)
     union = np.logical_or.reduce(graphs)  # (n, n)
@@ -152,17 +177,63 @@ def describe(topology: Topology, n: int, round: int = 0) -> dict[str, object]:
         hops: int | None = diameter(union)
     except ValueError:
         hops = None
+    return _summary(
+        topology, n, round,
+        degree=float(out_degree.mean()),
+        max_degree=int(out_degree.max()),
+        hops=hops,
+        gap=spectral_gap_over_period(topology, n, round),
+    )
+
+
+def _summary(topology: Topology, n: int, round: int, *, degree: float, max_degree: int, hops: int | None, gap: float) -> dict[str, object]:
     return {
         "name": topology.name,
         "spec": topology.spec,
         "peers": n,
         "round": round,
-        "degree": float(out_degree.mean()),
-        "max_degree": int(out_degree.max()),
+        "degree": degree,
+        "max_degree": max_degree,
         "diameter": hops,
-        "spectral_gap": spectral_gap_over_period(topology, n, round),
+        "spectral_gap": gap,
         "weights": "uniform" if topology.directed else "metropolis-hastings",
         "directed": topology.directed,
         "time_varying": topology.time_varying,
-        "period": period,
+        "period": topology.period(n),
     }
+
+
+def _cayley_period(topology: Topology, n: int, round: int) -> list[cayley.Cayley] | None:
+    """The period's graphs from `round` on as Cayley graphs of one group, or None when one is not."""
+    graphs = []
+    for r in range(round, round + topology.period(n)):
+        graph = topology.cayley(n, r)
+        if graph is None or (graphs and graph.shape != graphs[0].shape):
+            return None
+        graphs.append(graph)
+    return graphs
+
+
+# What `describe` costs on the dense path, fitted on a 2-core machine: peak memory is the period's boolean
+# adjacency matrices and their union plus about five float64 n x n matrices at once (weights, the period's product,
+# its copy the SVD works on); time is the SVD and the period's matrix products (n^3 each) plus one breadth-first search
+# per member in Python for the diameter (n x edges).
+_DENSE_FLOAT_MATRICES = 5
+_SECONDS_PER_N3 = 1.5e-9
+_SECONDS_PER_EDGE_VISIT = 2e-7
+
+
+def describe_cost(topology: Topology, n: int, round: int = 0) -> tuple[int, float]:
+    """Estimated peak bytes and seconds of `describe(topology, n, round)`, before building anything.
+
+    Cayley graphs: O(n) memory, O(n log n) time. Other graphs: dense n x n
+    matrices.
+    """
+    period = topology.period(n)
+    if _cayley_period(topology, n, round) is not None:
+        return 64 * n * period + (1 << 20), 1e-6 * n * period
+    degree = max(1.0, topology.mean_degree(n, round))
+    edges = 2.0 * n * degree * period  # symmetrized union, both directions
+    memory = (period + 2) * n * n + _DENSE_FLOAT_MATRICES * 8 * n * n
+    seconds = _SECONDS_PER_N3 * float(n) ** 3 * (period + 1) + _SECONDS_PER_EDGE_VISIT * n * edges
+    return int(memory), seconds

@@ -63,6 +63,7 @@ class ErdosRenyi(Topology):
     """
 
     name = "erdos-renyi"
+    dense_sample = True
 
     p: float | None = None  # edge probability; None: min(1, 2 ln n / n)
     seed: int = 0
@@ -78,6 +79,9 @@ class ErdosRenyi(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return _erdos_renyi(self.edge_probability(n), self.seed, n)[i]
+
+    def _mean_degree(self, n: int, round: int) -> float:
+        return self.edge_probability(n) * (n - 1)  # sampling a member would draw the whole n x n sample
 
 
 @functools.lru_cache(maxsize=64)
@@ -140,6 +144,7 @@ class SmallWorld(Topology):
     """
 
     name = "small-world"
+    dense_sample = True
 
     k: int | None = None  # lattice degree, even; None: 4, or 2 when n < 5
     beta: float = 0.1  # rewiring probability
@@ -161,6 +166,9 @@ class SmallWorld(Topology):
 
     def _out(self, n: int, i: int, round: int) -> Iterable[int]:
         return _small_world(self.lattice_degree(n), self.beta, self.seed, n)[i]
+
+    def _mean_degree(self, n: int, round: int) -> float:
+        return float(self.lattice_degree(n))  # rewiring keeps the edge count; sampling would build the n x n graph
 
 
 @functools.lru_cache(maxsize=64)

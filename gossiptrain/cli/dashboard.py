@@ -6,7 +6,10 @@ The members table, the mean and per-member accuracy and loss against time,
 the bytes the swarm sends, and the topology as a graph, refreshed every few
 seconds; a member that went quiet shows in red. Fed by the same polls as
 ``gossiptrain status`` (``gossiptrain.runtime.dashboard``). Serves
-127.0.0.1:8080 unless ``--listen`` says otherwise; runs until Ctrl+C.
+127.0.0.1:8080 unless ``--listen`` says otherwise; runs until Ctrl+C, or
+exits with one line once it cannot poll at all (status 2 for bad input: a
+``--join`` host that does not resolve, an ``--advertise`` host not of this
+machine).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from gossiptrain.cli.common import EXIT_FAILED, setup_logging
+from gossiptrain.cli.common import EXIT_FAILED, check_join, setup_logging
 from gossiptrain.cli.status import positive_seconds
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import parse_listen
@@ -38,6 +41,7 @@ def add_parser(
 
 def cmd_dashboard(args: argparse.Namespace, security: Any, ready: Callable[[str], None] | None = None,
                   stop: threading.Event | None = None) -> int:
+    check_join(args.join)  # before anything heavy is imported
     """Serve until Ctrl+C (or ``stop``, for tests); ``ready(url)`` is told where the page is."""
     from gossiptrain.runtime.dashboard import Dashboard
 
@@ -53,10 +57,15 @@ def cmd_dashboard(args: argparse.Namespace, security: Any, ready: Callable[[str]
             ready(dashboard.url)
         stop = stop or threading.Event()
         try:
-            while not stop.wait(0.5):
+            while not stop.wait(0.5) and dashboard.failure is None:
                 pass
         except KeyboardInterrupt:
             pass
+    if isinstance(dashboard.failure, ConfigError):  # e.g. an --advertise host not of this machine: bad input, exit 2
+        raise dashboard.failure
+    if dashboard.failure is not None:
+        print(f"gossiptrain dashboard: error: {dashboard.error}", file=sys.stderr)
+        return EXIT_FAILED
     if dashboard.polls and dashboard.latest is None:
         print(f"gossiptrain dashboard: error: {dashboard.error}", file=sys.stderr)
         return EXIT_FAILED

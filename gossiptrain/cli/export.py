@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from gossiptrain.cli.common import EXIT_FAILED, setup_logging
+from gossiptrain.cli.common import EXIT_FAILED, check_join, check_output_path, setup_logging
 from gossiptrain.errors import GossipError
 from gossiptrain.runtime.loop_thread import new_event_loop
 
@@ -53,6 +53,7 @@ def _say(line: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace, security: Any) -> int:
+    check_join(args.join)  # before anything heavy is imported
     from gossiptrain.runtime.swarm_client import export
     from gossiptrain.state import storage
     from gossiptrain.state.merged_model import NothingToMerge
@@ -62,6 +63,9 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
         raise GossipError("--timeout must be > 0 seconds and --max-bytes >= 1")
     storage.check_location(args.out, "--out")  # a URL fsspec cannot serve fails before any download
     storage.check_location(args.members_dir, "--members-dir")
+    check_output_path(args.out, "--out")  # a folder given as the file fails now, not after every member's download
+    if args.members_dir is not None:
+        check_output_path(args.members_dir, "--members-dir", directory=True)
     try:
         report = _run(export(
             args.join, args.out, security=security, advertise=args.advertise, members_dir=args.members_dir,
@@ -73,7 +77,7 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
     info = report.info
     skipped = f"; skipped {', '.join(f'{m} ({why})' for m, why in report.skipped)}" if report.skipped else ""
     _say(
-        f"wrote {info.path} ({info.bytes / 1e6:.1f} MB, sha256 {info.sha256[:16]}) and {info.metadata.name}: "
+        f"wrote {info.path} ({info.bytes / 1e6:.1f} MB, sha256 {info.sha256[:16]}) and {info.metadata}: "
         f"{len(report.members)} members, {sum(m.samples for m in report.members)} samples, "
         f"{report.bytes / 1e6:.1f} MB downloaded in {report.seconds:.1f} s{skipped}"
     )
@@ -81,6 +85,7 @@ def cmd_export(args: argparse.Namespace, security: Any) -> int:
 
 
 def cmd_stop(args: argparse.Namespace, security: Any) -> int:
+    check_join(args.join)  # before anything heavy is imported
     from gossiptrain.runtime.swarm_client import SwarmClient
 
     setup_logging(args.verbose)
@@ -88,6 +93,9 @@ def cmd_stop(args: argparse.Namespace, security: Any) -> int:
     async def main() -> int:
         async with SwarmClient(args.join, advertise=args.advertise, security=security) as client:
             roster = await client.query()
+            if not roster.members:
+                _say(f"no live member: nothing to stop ({roster.answered_by} knows none, run {roster.fingerprint})")
+                return 0
             ack = await client.stop(args.reason)
             _say(
                 f"stop requested: {ack.answered_by} passes it on to the {len(ack.members)} live members it knows "

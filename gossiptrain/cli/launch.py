@@ -152,8 +152,10 @@ def cmd_launch(args: argparse.Namespace, commands: dict[str, argparse.ArgumentPa
     _check_args(commands["peer"], plan.peer_command(plan.peers[0], _PROBE), "the peer arguments after --",
                 ("join", "the coordinator's address"))
     home = plan.coordinator.host
+    named = args.coordinator_address or home.address or home.name
     options = LaunchOptions(
-        address=_resolve(args.coordinator_address or home.address or home.name, args.hosts),
+        # --dry-run starts nothing, so it needs no name service: it shows the name (resolved at launch)
+        address=named if args.dry_run else _resolve(named, args.hosts),
         ssh=args.ssh,
         port=args.port,
         workdir=args.workdir,

@@ -8,7 +8,8 @@ can fix print one line naming the problem and exit with status 2, before
 anything heavy (torch, the model) starts where the flags alone show it.
 Ctrl+C or SIGTERM stops a training peer gracefully (it leaves and writes its
 summary); it then exits 130 after Ctrl+C, as every command does, and 0 after
-SIGTERM. During a join or the demo, either aborts with status 130.
+SIGTERM. During a join (its state download included: a member by then
+leaves as cleanly) or the demo, either aborts with status 130.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gossiptrain.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, setup_logging
+from gossiptrain.cli.common import (
+    EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, check_join, check_output_path, setup_logging,
+)
 from gossiptrain.config import RunConfig, SecurityConfig, describe_fields
 from gossiptrain.errors import ConfigError, GossipError, WorkloadError
 from gossiptrain.net.addressing import is_wildcard, parse_host, parse_hostport, plain_address
@@ -65,7 +68,8 @@ _DEFAULT_NOTES = {"--steps": "2000, or 0 when only a time budget is given", "--s
 PEER_RUN_DEFAULTS = {flag: "as the swarm runs" for flag in _RUN_FLAGS}
 _PEER_RUN_FLAGS = (
     "A peer runs the swarm's configuration. Given any of these, it expects that run and is refused by a swarm "
-    "running anything else; the fields it does not set it takes from the swarm."
+    "running anything else in a field given (a flag, --set or a key of the --config file, whatever its value, "
+    "a default's too); the fields it does not set it takes from the swarm."
 )
 
 
@@ -182,6 +186,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     security = _security(args)
     from gossiptrain.runtime.coordinator_process import run_coordinator_forever
     from gossiptrain.train.model_spec import workload_spec
+    from gossiptrain.train.workload import EXTERNAL
 
     setup_logging(args.verbose, logging.INFO)
     _check_workload(config)
@@ -210,7 +215,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                            lambda: coord.member_count)
             metrics.append(PrometheusExporter(*listen_at, collect=collect))
             print(f"Prometheus metrics at {metrics[0].url}", flush=True)
-        if security is None:
+        if config.train.workload != EXTERNAL and not config.train.max_steps and not config.train.max_seconds:
+            print("no budget (train.max_steps and train.max_seconds are 0): the peers train until "
+                  "`gossiptrain stop`", flush=True)
+        if config.train.workload == EXTERNAL:  # a CLI peer has no model of its own to bring: the Python API
+            secured = "" if security is None else ", security=SecurityConfig(YOURS.key_secret, DIR, COORDINATOR.key)"
+            print(f'join with: gossiptrain.Peer(model, join="{host_port}"{secured}) in your own training loop '
+                  f"(--workload external: peers bring their own model, `gossiptrain peer` has none){where}", flush=True)
+        elif security is None:
             print(f"join with: gossiptrain peer --join {host_port}{where}", flush=True)
         else:
             print(
@@ -242,7 +254,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from gossiptrain.train.metrics import check_metrics_path
 
     # What the flags alone show to be wrong fails here, in milliseconds: before torch is imported.
-    parse_hostport(args.join, "--join")
+    check_join(args.join)
     if args.bind:
         parse_hostport(args.bind, "--bind")
     if args.advertise:
@@ -251,6 +263,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         for flag in ("checkpoint_every", "checkpoint_every_steps", "checkpoint_keep"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --checkpoint-dir DIR")
+    if args.checkpoint_dir is not None:
+        check_output_path(args.checkpoint_dir, "--checkpoint-dir", directory=True)
     if args.metrics:
         check_metrics_path(args.metrics, "--metrics")
     if args.tensorboard:
@@ -358,7 +372,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from gossiptrain.cli.simulate import run_simulate
 
-    setup_logging(args.verbose, logging.WARNING)
+    setup_logging(args.verbose, logging.WARNING, wall_time=False)  # the simulated peers' records say their virtual time
     run = _run_config(args)
     if not args.config:
         # Simulated peers default to one shard each and to the simulation's duration as their budget.
@@ -406,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gossiptrain", description="Asynchronous gossip training for PyTorch: no master, peers average with neighbours."
     )
+    from gossiptrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the package's version (gossiptrain VERSION) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("coordinator", help="bootstrap a swarm: answer joins with an id, the run config and members")

@@ -50,24 +50,31 @@ def cmd_plot(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(str(e))
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # type: ignore[import-not-found, unused-ignore]
-        from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
+        fig = figure(series, clock, args.title or default_title(series, args.files))
     except ImportError:
         return _fail("needs matplotlib: pip install 'gossiptrain[plot]'")
-    fig = Figure(figsize=(12, 10), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 2)
-    unit = "s (virtual)" if clock == "virtual" else "s"
-    _curves(axes[0][0], series, "test_acc", "test accuracy", unit)
-    _curves(axes[0][1], series, "loss" if _has(series, "loss") else "test_loss", "loss", unit)
-    _rates(axes[1][0], series, "exchanges", 1.0, "exchanges / s", unit)
-    _rates(axes[1][1], series, "bytes_sent", 1e-6, "MB sent / s", unit)
-    _curves(axes[2][0], series, "members", "members in view", unit, mean=False)
-    _staleness(axes[2][1], series, unit)
-    fig.suptitle(args.title or f"{len(series)} peers, {Path(args.files[0]).parent}")
     fig.savefig(out, format="png", dpi=80)
     print(f"wrote {out} ({len(series)} peers, {clock} time)")
     return 0
+
+
+def figure(series: list[PeerSeries], clock: str, title: str) -> Any:
+    """The six panels as a matplotlib Figure (ImportError without matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # type: ignore[import-not-found, unused-ignore]
+    from matplotlib.figure import Figure  # type: ignore[import-not-found, unused-ignore]
+
+    fig = Figure(figsize=(12, 10), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 2)
+    xlabel = "virtual time (s)" if clock == "virtual" else "time (s)"
+    _curves(axes[0][0], series, "test_acc", "test accuracy", xlabel)
+    _curves(axes[0][1], series, "loss" if _has(series, "loss") else "test_loss", "loss", xlabel)
+    _rates(axes[1][0], series, "exchanges", 1.0, "exchanges / s", xlabel)
+    _rates(axes[1][1], series, "bytes_sent", 1e-6, "MB sent / s", xlabel)
+    _curves(axes[2][0], series, "members", "members in view", xlabel, mean=False)
+    _staleness(axes[2][1], series, xlabel)
+    fig.suptitle(title)
+    return fig
 
 
 def _fail(message: str) -> int:
@@ -75,27 +82,34 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def default_title(series: list[PeerSeries], files: list[str]) -> str:
+    """'N peers, FOLDER': the first file's folder as given, or by its name where the file was given bare (not '.')."""
+    path = Path(files[0])
+    folder = str(path.parent) if path.parent != Path(".") else path.absolute().parent.name or "/"
+    return f"{len(series)} peers, {folder}"
+
+
 def _has(series: list[PeerSeries], key: str) -> bool:
     return any(math.isfinite(v) for s in series for v in s.values[key])
 
 
-def _curves(ax: Any, series: list[PeerSeries], key: str, label: str, unit: str, *, mean: bool = True) -> None:
+def _curves(ax: Any, series: list[PeerSeries], key: str, label: str, xlabel: str, *, mean: bool = True) -> None:
     for s in series:
-        ax.plot(s.time, s.values[key], linewidth=0.8, alpha=0.5 if mean else 0.9, label=None if mean else s.name)
+        ax.plot(*s.line(key), linewidth=0.8, alpha=0.5 if mean else 0.9, label=None if mean else s.name)
     if mean and len(series) > 1:
         t, v = mean_over_peers(series, key)
         ax.plot(t, v, color="black", linewidth=2.0, label=f"mean of {len(series)} peers")
         ax.legend(loc="best", fontsize=8)
-    _labels(ax, label, unit)
+    _labels(ax, label, xlabel)
 
 
-def _rates(ax: Any, series: list[PeerSeries], counter: str, scale: float, label: str, unit: str) -> None:
+def _rates(ax: Any, series: list[PeerSeries], counter: str, scale: float, label: str, xlabel: str) -> None:
     for s in series:
         ax.plot(*s.rate(counter, scale), linewidth=0.8, alpha=0.7)
-    _labels(ax, label, unit)
+    _labels(ax, label, xlabel)
 
 
-def _staleness(ax: Any, series: list[PeerSeries], unit: str) -> None:
+def _staleness(ax: Any, series: list[PeerSeries], xlabel: str) -> None:
     hist: dict[str, int] = {}
     for s in series:
         for bucket, count in s.staleness_hist.items():
@@ -107,10 +121,10 @@ def _staleness(ax: Any, series: list[PeerSeries], unit: str) -> None:
         ax.set_xlabel("staleness of merged updates (steps)")
         ax.set_ylabel("updates, all peers")
         return
-    _curves(ax, series, "staleness_mean", "mean staleness (steps)", unit)
+    _curves(ax, series, "staleness_mean", "mean staleness (steps)", xlabel)
 
 
-def _labels(ax: Any, label: str, unit: str) -> None:
-    ax.set_xlabel(f"time ({unit})")
+def _labels(ax: Any, label: str, xlabel: str) -> None:
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)

@@ -262,6 +262,9 @@ def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
         _escape_text(parser.description or ""),
         "",
     ]
+    for action in parser._actions:  # the command's own flags (--version), -h aside
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            out += [f"{_flag_name(action)}: {_escape_text(action.help or '')}", ""]
     subs = _subcommands(parser)
     out += _table(
         ["command", "what it does"],

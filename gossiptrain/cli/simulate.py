@@ -3,6 +3,11 @@
 Ctrl+C stops the run and still writes what it computed: the rows sampled so
 far to ``--out`` and the summary (``--json`` too), marked interrupted with
 the virtual time reached; then the command exits 130.
+
+Before building anything it estimates the run's peak memory from the peer
+count and the workload's model size (views grow with the swarm: n^2 in all),
+prints it, and refuses (exit 2) above ``--max-memory`` (default: the memory
+available now).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from gossiptrain.cli import memory
 from gossiptrain.cli.common import EXIT_INTERRUPTED
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import ConfigError
@@ -50,10 +56,21 @@ def _step_time(text: str) -> float | None:
     return value
 
 
+def _peers(text: str) -> int:
+    """``--peers``: a whole number >= 1, refused under its own name (it also sets train.shards, one each)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of peers, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of peers (>= 1), got {value}")
+    return value
+
+
 def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """The `simulate` sub-command's flags; the caller sets what it runs."""
     p = sub.add_parser("simulate", help="run a swarm of simulated peers in virtual time, in this process")
-    p.add_argument("--peers", type=int, default=8, help="number of peers (default 8)")
+    p.add_argument("--peers", type=_peers, default=8, help="number of peers (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="virtual seconds to simulate (default 60)")
     p.add_argument("--step-time", type=_step_time, default=DEFAULT_STEP_TIME, metavar="SECONDS|measured", help=STEP_TIME_HELP)
     p.add_argument("--exchange-time", type=float, default=0.0, metavar="SECONDS",
@@ -102,6 +119,7 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--tensorboard", metavar="DIR",
                    help="write the series as TensorBoard scalars, DIR/peer-<n> per peer, at virtual time (needs tensorboard; default: none)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.add_argument("--max-memory", type=memory.max_memory, metavar="SIZE", help=memory.MAX_MEMORY_HELP)
     add_run_flags(p)
     return p
 
@@ -219,6 +237,8 @@ def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
 
     Ctrl+C writes what was computed (series and summary, marked interrupted) and returns 130.
     """
+    progress = Progress(plain_every=10.0)
+    check_memory(args, run, progress)  # before anything is built: the config's topology check samples the graph
     from gossiptrain.sim.cluster import SimInterrupted, simulate
 
     config = sim_config(args, run)
@@ -226,14 +246,18 @@ def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
         from gossiptrain.train.tensorboard import check_available
 
         check_available("--tensorboard")
-    progress = Progress(plain_every=10.0)
     line = LiveLine(config.duration, config.peers)
 
     def on_sample(now: float, rows: list[dict[str, Any]]) -> None:
         progress.update(line.render(now, rows))
 
+    def on_started(count: int) -> None:
+        elapsed = line.clock() - line.started
+        if progress.live or elapsed >= 2.0:  # a big swarm's start is shown; a small one's leaves the log to the samples
+            progress.update(f"starting peers: {count}/{config.peers} | wall {elapsed:6.1f} s")
+
     try:
-        result, interrupted = simulate(config, on_sample), False
+        result, interrupted = simulate(config, on_sample, on_started), False
     except SimInterrupted as e:
         result, interrupted = e.result, True
     progress.finish()
@@ -247,6 +271,35 @@ def run_simulate(args: argparse.Namespace, run: RunConfig) -> int:
     if args.json:
         print(json.dumps(result.summary, separators=(",", ":")), flush=True)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def check_memory(args: argparse.Namespace, run: RunConfig, progress: Progress) -> int:
+    """Estimate the run's peak memory, say it (a line on stderr), and refuse above --max-memory (ConfigError, exit 2).
+
+    The estimate's largest part needs only the peer count (every view ends up holding every member), so a
+    swarm far too big is refused before the workload is even loaded; otherwise one model is built to size it.
+    """
+    from gossiptrain.sim.sim_config import memory_estimate
+
+    limit, default = memory.limit(args)
+    kind = dict(membership_only=args.membership_only, system=args.system)
+    what = f"simulating {args.peers} peers" + (" (membership only)" if args.membership_only else f" of {run.train.workload}")
+    memory.check(what, memory_estimate(args.peers, run, 0, **kind), limit, default, "use fewer --peers")
+    model = 0 if args.membership_only else _model_bytes(run)
+    need = memory_estimate(args.peers, run, model, **kind)
+    memory.check(what, need, limit, default, "use fewer --peers")
+    sized = f" ({memory.size(model)} model)" if model else ""
+    have = "" if limit is None or limit == float("inf") else f" ({memory.size(limit)} {'available now' if default else '--max-memory'})"
+    progress.line(f"{what}{sized}: about {memory.size(need)} of memory at most, estimated{have}; starting")
+    return need
+
+
+def _model_bytes(run: RunConfig) -> int:
+    """One copy of the workload's parameters and buffers, from a model built for the purpose (before the run's own)."""
+    from gossiptrain.train.workload import load_workload
+
+    model = load_workload(run.train.workload).build_model(run.train.seed)
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def write_rows(result: SimResult, path: Path) -> None:
@@ -299,6 +352,9 @@ def format_summary(result: SimResult) -> str:
     staleness = _staleness_line(result)
     if staleness:
         lines.append(staleness)
+    if s.get("log_warnings"):  # a simulated fault's expected events: counted here, each one logged only with -v
+        kinds = ", ".join(f"{n} x \"{what} ...\"" for what, n in s["log_warnings"].items())
+        lines.append(f"warnings of the simulated peers, by kind (-v logs each, in virtual time): {kinds}")
     return "\n".join(lines)
 
 

@@ -20,8 +20,8 @@ import json
 import sys
 from typing import Any, Callable
 
-from gossiptrain.cli.common import EXIT_FAILED, setup_logging
-from gossiptrain.errors import GossipError
+from gossiptrain.cli.common import EXIT_FAILED, check_join, setup_logging
+from gossiptrain.errors import ConfigError, GossipError
 from gossiptrain.net.addressing import plain_address
 from gossiptrain.runtime.loop_thread import new_event_loop
 
@@ -54,6 +54,7 @@ def positive_seconds(text: str) -> float:
 
 
 def cmd_status(args: argparse.Namespace, security: Any) -> int:
+    check_join(args.join)  # before anything heavy is imported
     from gossiptrain.runtime.swarm_client import SwarmClient
     from gossiptrain.runtime.swarm_status import StatusBoard
 
@@ -78,6 +79,8 @@ def cmd_status(args: argparse.Namespace, security: Any) -> int:
             return runner.run(main())
     except KeyboardInterrupt:  # how --watch ends
         return 0
+    except ConfigError:  # bad input: exit 2, as every subcommand
+        raise
     except GossipError as e:
         print(f"gossiptrain status: error: {e}", file=sys.stderr)
         return EXIT_FAILED

@@ -7,6 +7,13 @@ diameter, spectral gap) and can draw it. The spec is the same one-string
 form that `--topology` and the config file take, so what you inspect here is
 exactly what a run would use. ``--peers`` is required, except for a ``file:``
 topology, which knows its size. A bad spec or peer count exits 2 with one line.
+
+Graphs that look the same from every member (ring, exponential, complete,
+one-peer-exponential at any size; torus with full rows, hypercube and base-k
+at their exact sizes) are described in closed form at any size. Others take
+dense n x n matrices: their memory and time are estimated first, printed on
+stderr when large, and the command refuses (exit 2) above ``--max-memory``
+(default: the memory available now).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import sys
 from typing import Any
 
 import topologies
+from gossiptrain.cli import memory
 from gossiptrain.cli.common import EXIT_USAGE
+from gossiptrain.errors import ConfigError
 from topologies.drawing import save_png
 
 
@@ -28,8 +37,8 @@ def add_parser(subparsers: Any) -> None:
         help="print a topology's degree, diameter and spectral gap; optionally draw it",
         # argparse cannot say "required unless the spec is a file": the usage says it, cmd_topology enforces it.
         usage=(
-            "%(prog)s [-h] NAME[:PARAMS] --peers N [--round R] [--json] [--png FILE]\n"
-            "       %(prog)s [-h] file:path=FILE [--peers N] [--round R] [--json] [--png FILE]"
+            "%(prog)s [-h] NAME[:PARAMS] --peers N [--round R] [--json] [--png FILE] [--max-memory SIZE]\n"
+            "       %(prog)s [-h] file:path=FILE [--peers N] [--round R] [--json] [--png FILE] [--max-memory SIZE]"
         ),
         description=(
             "Describe the graph a topology spec gives on N peers. Specs: NAME or "
@@ -46,6 +55,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--round", type=int, default=0, metavar="R", help="first round described and drawn (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--png", metavar="FILE", help="draw round R's graph to a PNG file (default: none)")
+    p.add_argument("--max-memory", type=memory.max_memory, metavar="SIZE", help=memory.MAX_MEMORY_HELP)
     p.set_defaults(func=cmd_topology)
 
 
@@ -56,6 +66,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
         peers = args.peers if args.peers is not None else topology.fixed_n
         if peers is None:
             raise ValueError(f"--peers is required for {topology.name!r} (only file: topologies know their size)")
+        _check_cost(topology, peers, args)
         summary = topologies.describe(topology, peers, args.round)
         if args.png:
             summary["png"] = args.png
@@ -65,11 +76,29 @@ def cmd_topology(args: argparse.Namespace) -> int:
                 directed=topology.directed,
                 title=f"{topology.spec}, {peers} peers, round {args.round}",
             )
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ConfigError) as e:
         print(f"gossiptrain topology: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(summary) if args.json else _text(summary))
     return 0
+
+
+def _check_cost(topology: topologies.Topology, peers: int, args: argparse.Namespace) -> None:
+    """Estimate memory and time before building anything; say so on stderr when large; refuse above the limit."""
+    need, seconds = topologies.describe_cost(topology, peers, args.round)
+    if args.png:
+        need += 4 * peers * peers  # the drawing takes the round's adjacency matrix and copies of it
+    limit, default = memory.limit(args)
+    dense = "" if topology.cayley(peers, args.round) is not None else " (dense n x n matrices: no closed form for it here)"
+    what = f"{topology.spec} on {peers} peers{dense}{' with --png' if args.png else ''}"
+    fix = "use fewer --peers" + ("" if not args.png else ", or leave out --png")
+    if dense:
+        fix += ("; closed forms: ring, exponential, complete, one-peer-exponential at any size, torus where "
+                "ceil(sqrt(n)) divides n, hypercube at a power of 2, base-k at a power of k+1")
+    memory.check(what, need, limit, default, fix)
+    if seconds >= 5 or need >= 1 << 30:
+        print(f"gossiptrain topology: {what}: about {memory.size(need)} and {memory.duration(seconds)} estimated",
+              file=sys.stderr, flush=True)
 
 
 def _text(s: dict[str, Any]) -> str:
@@ -83,7 +112,7 @@ def _text(s: dict[str, Any]) -> str:
         f"peers         {s['peers']}",
         f"degree        {s['degree']:.3g} mean, {s['max_degree']} max (out-degree per round)",
         f"diameter      {diameter}{scope}",
-        f"spectral gap  {s['spectral_gap']:.6f} ({s['weights']} weights"
+        f"spectral gap  {_gap(s['spectral_gap'])} ({s['weights']} weights"
         + (f", product over {s['period']} rounds)" if s["period"] > 1 else ")"),
         f"directed      {'yes' if s['directed'] else 'no'}",
         f"time-varying  {'yes, period ' + str(s['period']) if s['time_varying'] else 'no'}",
@@ -91,3 +120,8 @@ def _text(s: dict[str, Any]) -> str:
     if "png" in s:
         lines.append(f"drawn to      {s['png']} ({s['drawn_with']})")
     return "\n".join(lines)
+
+
+def _gap(gap: float) -> str:
+    """Six decimals, or three significant digits where that would print 0.000000 (a ring of 100,000: 1.32e-09)."""
+    return f"{gap:.6f}" if abs(gap) >= 1e-3 or gap == 0 else f"{gap:.3e}"

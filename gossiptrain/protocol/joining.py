@@ -40,12 +40,16 @@ def new_member_id(rng: random.Random) -> str:
 
 
 _REQUEST_FIELDS = frozenset({"config", "spec", "shard"})
-_OPTIONAL_FIELDS = frozenset({"reach", "token"})
+_OPTIONAL_FIELDS = frozenset({"reach", "token", "given"})
 
 
 @dataclass(frozen=True)
 class JoinRequest:
-    """What a newcomer asks with: optionally the run it expects, the model it brings, a nonce to be dialled back with."""
+    """What a newcomer asks with: optionally the run it expects, the model it brings, a nonce to be dialled back with.
+
+    The run it expects travels with the fields it was given (``RunConfig.fields_given``: what its user wrote, by
+    flag, ``--set`` or file, whatever the value): those are what it is compared on.
+    """
 
     config: RunConfig | None = None
     spec: ParamSpec | None = None
@@ -62,6 +66,8 @@ class JoinRequest:
             "spec": self.spec.to_wire() if self.spec else None,
             "shard": self.shard,
         }
+        if self.config is not None:
+            body["given"] = sorted(self.config.fields_given)
         if self.reach is not None:  # absent otherwise: a request without it is what answerers before it read
             body["reach"] = self.reach
         if self.token is not None:
@@ -71,11 +77,11 @@ class JoinRequest:
     @classmethod
     def from_body(cls, body: Any) -> "JoinRequest":
         if not isinstance(body, dict) or set(body) - _OPTIONAL_FIELDS != _REQUEST_FIELDS:
-            raise ProtocolError("join body must have exactly config, spec and shard (and optionally reach and token)")
+            raise ProtocolError("join body must have exactly config, spec and shard (and optionally reach, token and given)")
         config = None
         if body["config"] is not None:
-            try:
-                config = RunConfig.from_dict(body["config"])
+            try:  # without the fields given (an older newcomer's request): those not at their defaults
+                config = RunConfig.from_dict(body["config"], given=body.get("given"))
             except ConfigError as e:
                 raise ProtocolError(f"join carries an invalid configuration: {e}") from None
         spec = ParamSpec.from_wire(body["spec"]) if body["spec"] is not None else None
@@ -138,11 +144,12 @@ def answer_join(
     """Decide on a join: ("welcome", body) or ("refuse", {"reason": ...}). Pure: no I/O.
 
     A newcomer that brings a configuration is compared only on the fields it
-    set (those that differ from the defaults): everything else it takes from
-    the swarm, so passing one run flag never means repeating the swarm's
-    whole configuration. ``member_id``: the newcomer's id where it is not
-    ours to choose (a secure swarm derives it from the newcomer's key);
-    otherwise a fresh random one.
+    was given (``RunConfig.fields_given``: what its user wrote, whatever the
+    value, a default's too): everything else it takes from the swarm, so
+    passing one run flag never means repeating the swarm's whole
+    configuration. ``member_id``: the newcomer's id where it is not ours to
+    choose (a secure swarm derives it from the newcomer's key); otherwise a
+    fresh random one.
     """
     if request.config is not None and request.config.fingerprint() != config.fingerprint():
         diffs = set_fields_that_differ(request.config, config)
@@ -152,7 +159,7 @@ def answer_join(
     if request.spec is not None and spec is not None:
         problem = request.spec.mismatch(spec)
         if problem:
-            return REFUSE, {"reason": f"model differs from the swarm's: {problem}"}
+            return REFUSE, {"reason": model_differs(problem, config)}
     shards = config.train.shards
     if request.shard >= shards:
         return REFUSE, {"reason": f"shard {request.shard} does not exist: the swarm has {shards} shards (0-{shards - 1})"}
@@ -168,21 +175,39 @@ def answer_join(
     }
 
 
+#: ``train.workload`` of a swarm whose peers bring their own model (gossiptrain.train.workload.EXTERNAL).
+_EXTERNAL = "external"
+
+
+def model_differs(problem: str, swarm: RunConfig) -> str:
+    """The one line refusing a newcomer whose model is not the swarm's (``problem``: ``ParamSpec.mismatch``'s).
+
+    A swarm of ``train.workload`` external has no model of its own: the first
+    member's is the swarm's while any member is live (the coordinator forgets
+    it once none is), so the line says so, and what to do.
+    """
+    line = f"model differs from the swarm's: {problem}"
+    if swarm.train.workload == _EXTERNAL:
+        line += ("; with train.workload 'external' the swarm's model was fixed by its first member and stays while "
+                 "any member is live: build the same model, or start a new coordinator for this one")
+    return line
+
+
 def set_fields_that_differ(given: RunConfig, swarm: RunConfig) -> list[str]:
-    """'section.field: given's vs swarm's' for each field ``given`` sets (not its default) that the swarm does not share."""
-    return [f"{field}: {mine!r} vs {theirs!r}" for field, mine, theirs, is_default in _differences(given, swarm) if not is_default]
+    """'section.field: given's vs swarm's' for each field ``given`` was given (``fields_given``) that the swarm does not share."""
+    return [f"{field}: {mine!r} vs {theirs!r}" for field, mine, theirs, was_given in _differences(given, swarm) if was_given]
 
 
 def taken_from_swarm(given: RunConfig, swarm: RunConfig) -> list[str]:
-    """'section.field=value' for each field ``given`` left at its default that the swarm runs otherwise."""
-    return [f"{field}={theirs!r}" for field, _, theirs, is_default in _differences(given, swarm) if is_default]
+    """'section.field=value' for each field ``given`` was not given (``fields_given``) that the swarm runs otherwise."""
+    return [f"{field}={theirs!r}" for field, _, theirs, was_given in _differences(given, swarm) if not was_given]
 
 
 def _differences(given: RunConfig, swarm: RunConfig) -> list[tuple[str, Any, Any, bool]]:
-    """(dotted field, given's value, swarm's value, whether given's is the default) where the two differ."""
-    mine, theirs, defaults = given.to_dict(), swarm.to_dict(), RunConfig().to_dict()
+    """(dotted field, given's value, swarm's value, whether ``given`` was given the field) where the two differ."""
+    mine, theirs, written = given.to_dict(), swarm.to_dict(), given.fields_given
     return [
-        (f"{section}.{name}", value, theirs[section][name], value == defaults[section][name])
+        (f"{section}.{name}", value, theirs[section][name], f"{section}.{name}" in written)
         for section, values in mine.items()
         for name, value in values.items()
         if theirs[section][name] != value

@@ -7,9 +7,10 @@ open connections but accept none: the others cannot start anything with it.
 
 So the member answering a join (the coordinator or any live member) dials
 the newcomer back: it sends a ``reach`` probe carrying the nonce of the join
-request to the advertised address, over a connection of its own (any
-connection of its to that address was dialled by it too, so the probe proves
-the same over one; the nonce makes the proof this join's). The welcome
+request to the advertised address, over a connection it dials for the probe
+(one it kept from an earlier process at that address, a peer restarted on a
+fixed port, is still re-dialling that process and would drop the probe; the
+nonce makes the proof this join's). The welcome
 itself goes back over the newcomer's own connection
 (``Transport.reply``), so a newcomer nobody can dial is still answered, and
 learns why nobody will start an exchange with it: its probe never comes.

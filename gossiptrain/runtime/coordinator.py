@@ -173,8 +173,10 @@ class Coordinator(JoinAnsweringEndpoint):
         self.config = config
         self.clock = clock
         self.rng = random.Random(seed)
-        # The swarm's model: given when the workload is known (the CLI builds it), else learnt from the first peer.
+        # The swarm's model: given when the workload is known (the CLI builds it), else learnt from the first peer
+        # (train.workload external) and forgotten once no member is left, so that an empty swarm takes a new one.
         self.spec: ParamSpec | None = spec
+        self._spec_given = spec is not None
         m = config.membership
         self.registry = Registry(3 * m.report_interval + m.suspicion_timeout_max(1), config.limits.registry_members)
         self.report_limiter = JoinLimiter.for_reports(config.limits)
@@ -213,6 +215,10 @@ class Coordinator(JoinAnsweringEndpoint):
         if count != self._last_count:
             log.info("%d members alive (from joins and reports)", count)
             self._last_count = count
+        if count == 0 and self.spec is not None and not self._spec_given:
+            self.spec = None
+            log.info("no member left: the swarm's model is forgotten; the next member to join sets it")
+        self._end_stop_if_empty(count)
 
     def _on_report(self, msg: Message, frames: Sequence[object]) -> None:
         if not self.report_limiter.allow(join_source(self.transport.source_of(frames), msg.addr), self.clock.now()):
@@ -258,6 +264,14 @@ class Coordinator(JoinAnsweringEndpoint):
     def _on_finish(self, msg: Message, frames: Sequence[object]) -> None:
         for a in self.finish.handle(finish_event(msg, self.transport.source_of(frames)), self.clock.now()):
             self.send(a.addr, a.kind, a.body)
+        self._end_stop_if_empty(self.registry.count(self.clock.now()))  # a stop of an empty swarm stops nothing
+
+    def _end_stop_if_empty(self, count: int) -> None:
+        """A stop ends with the swarm it stopped: once no member is left (or none was), the coordinator no longer
+        answers "stopping", and whoever joins next starts afresh, as with a new coordinator."""
+        if count == 0 and self.finish.stop is not None:
+            self.finish.stop = None
+            log.info("no member left: the stop is over; members that join now train their own budget")
 
     def _introduce(self, reporter: Member) -> None:
         """Answer a report with a few other live members.
@@ -291,6 +305,10 @@ class Coordinator(JoinAnsweringEndpoint):
             self.spec = ParamSpec.from_wire(raw)
 
     # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
+
+    def _on_join(self, msg: Message, frames: Sequence[object]) -> None:
+        self._note_count()  # first: a swarm left empty since the last sweep takes a new model (see _note_count)
+        super()._on_join(msg, frames)
 
     def _join_sample(self) -> tuple[Sequence[Member], Callable[[int], int]]:
         """Members for a newcomer: those that reported themselves (a flood of joins from made-up addresses

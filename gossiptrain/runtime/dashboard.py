@@ -26,7 +26,7 @@ from importlib import resources
 from typing import Any
 
 from gossiptrain.config import SecurityConfig
-from gossiptrain.errors import GossipError
+from gossiptrain.errors import ConfigError, GossipError
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.swarm_client import SwarmClient
 from gossiptrain.runtime.swarm_status import StatusBoard, SwarmStatus
@@ -68,6 +68,7 @@ class Dashboard:
         self._advertise, self._security = advertise, security
         self.latest: SwarmStatus | None = None  # replaced whole by the poller, read by the HTTP threads
         self.error = ""  # why the last poll failed ("" when it did not)
+        self.failure: Exception | None = None  # what stopped the polls for good (they go on otherwise)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POLLS)
         self.polls = 0
         page = resources.files("gossiptrain.runtime").joinpath("dashboard.html").read_text(encoding="utf-8")
@@ -110,8 +111,10 @@ class Dashboard:
     async def _poll_forever(self) -> None:
         try:
             await self._polls()
+        except ConfigError as e:  # bad input (--advertise, keys): one line, no traceback; `failure` ends the command
+            self.failure, self.error = e, f"the dashboard stopped polling: {e}"
         except Exception as e:  # the page says so, rather than waiting for a first poll forever
-            self.error = f"the dashboard stopped polling: {e!r}"
+            self.failure, self.error = e, f"the dashboard stopped polling: {e!r}"
             log.exception("the dashboard stopped polling")
 
     async def _polls(self) -> None:

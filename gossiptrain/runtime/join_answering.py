@@ -121,6 +121,9 @@ class JoinAnsweringEndpoint(Endpoint):
             self._welcomed(newcomer, request)
             log.info("welcomed %s at %s (shard %d)", newcomer.id, newcomer.addr, newcomer.shard)
             if request.reach is not None:  # first: its connection is being made while the welcome travels
+                # Over a connection dialled now. One kept from an earlier member at this address (the same peer
+                # restarted there) is still re-dialling the gone process: a probe sent on it is dropped at once.
+                self.transport.forget(msg.addr)
                 self.send(msg.addr, REACH, probe_body(request.reach))
         else:
             self.stats.joins_refused += 1  # type: ignore[attr-defined]

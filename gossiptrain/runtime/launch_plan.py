@@ -205,10 +205,14 @@ class LaunchPlan:
         return ["coordinator", "--bind", bind, *self.coordinator_args]
 
     def peer_command(self, peer: Process, join: str) -> list[str]:
-        """``--join`` first, then the user's arguments with ``{index}`` and ``{host}`` filled in."""
+        """``--join`` first, then ``--advertise`` the host's ``address=`` (where the others reach it: a peer left
+        to find its own address advertises the interface that routes to the coordinator, which need not be it),
+        then the user's arguments with ``{index}`` and ``{host}`` filled in. The user's own ``--advertise`` wins."""
         values = {"index": str(peer.index), "host": peer.host.name}
         extra = [_fill(a, values, _PEER_FIELDS, "peer arguments") for a in self.peer_args]
-        return ["peer", "--join", join, *extra]
+        advertised = any(a == "--advertise" or a.startswith("--advertise=") for a in extra)
+        advertise = ["--advertise", peer.host.address] if peer.host.address and not advertised else []
+        return ["peer", "--join", join, *advertise, *extra]
 
 
 def plan_launch(

@@ -50,7 +50,7 @@ from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.admission import warn_open
 from gossiptrain.protocol.averaging_events import mean_staleness
 from gossiptrain.protocol.finish import Announce, RequestStop
-from gossiptrain.protocol.joining import JoinRequest, Welcome, taken_from_swarm
+from gossiptrain.protocol.joining import JoinRequest, Welcome, model_differs, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
@@ -68,6 +68,7 @@ from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.preflight import ThreadCheck, refuse_unusable_model
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.runtime.swarm_client import merge_members
 from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
@@ -82,13 +83,20 @@ class Peer:
 
     ``model`` is either the module to average, or a factory
     ``(config, shard) -> module`` called once the swarm's configuration is
-    known (the CLI peer builds its workload's model that way).
+    known (the CLI peer builds its workload's model that way). A model no
+    swarm can average (no parameters, or tensors on the ``meta`` device) is
+    refused with ``ConfigError``, a ValueError, before anything is contacted.
+    Several peers on one machine whose torch threads exceed its cores get
+    one warning per process, naming the thread count to set.
     ``join`` is ``HOST:PORT`` of the coordinator or of any live peer.
     ``bind`` defaults to the advertised host, port 0; ``advertise`` defaults to
     the local address of the interface that routes to the join host, so a
     peer joining a remote host never advertises 127.0.0.1.
     ``config``, when given, is the run this peer expects: a swarm running
-    anything else refuses it with the differences named.
+    anything else in the fields it was given (``RunConfig.fields_given``:
+    those ``with_overrides`` or its TOML file wrote, else those not at their
+    defaults) refuses it with the differences named; the rest it takes from
+    the swarm (``taken_from_swarm`` names them).
     ``join_attempts`` bounds the join (``membership.join_timeout`` seconds
     each); after the last one ``JoinError`` says who did not answer.
     ``security`` makes this a member of a secure (CURVE) swarm; the member at
@@ -165,6 +173,8 @@ class Peer:
         relay: bool = False,
     ) -> None:
         self._closed = False
+        if isinstance(model, torch.nn.Module):  # before anything is started or contacted (a factory's: once built)
+            refuse_unusable_model(inner_model(model))
         self._relay = relay  # asked for: we relay only if reachable (``_attach``)
         self._group = PeerGroup(group) if group is not None else None  # the leader of several workers
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
@@ -178,6 +188,7 @@ class Peer:
         self._rounds = 0  # safe points run without a local step (the final phase)
         self._phase = JOINING  # for `gossiptrain status`: joining, training, final, done
         self._reported: dict[str, float] = {}  # the loop's latest numbers (``report``), replaced whole, never changed
+        self._threads = ThreadCheck()  # several peers on this machine at torch's default threads: one warning
         join_host, join_port = parse_hostport(join, "join address")
         bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
         if advertise is not None:  # IPv6 with or without brackets; a wildcard or a HOST:PORT is refused, named
@@ -242,6 +253,7 @@ class Peer:
             reach.welcomed(plain_address(welcome.answered_by), clock.now(), local.membership.join_timeout)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
                 self.model = module if module is not None else inner_model(model(welcome.config, welcome.shard))  # type: ignore[operator]
+                refuse_unusable_model(self.model)
                 # accelerate's AcceleratedOptimizer: the torch optimizer inside (gossiptrain.runtime.wrapped)
                 given = None if isinstance(optimizer, FindOptimizer) else optimizer
                 self.optimizer = inner_optimizer(given(welcome.config, self.model) if callable(given) else given)
@@ -265,7 +277,7 @@ class Peer:
                 else:
                     log.warning("no relay to other peers behind NAT: a secure swarm seals what passes through one, "
                                 "which needs the cryptography package (pip install 'gossiptrain[nat]')")
-            # Compared only on what the caller set; the rest came from the swarm: say what.
+            # Compared only on the fields the caller gave (config.fields_given); the rest came from the swarm: say what.
             self.taken_from_swarm = taken_from_swarm(config, welcome.config) if config is not None else []
             if self.taken_from_swarm:
                 log.info("took from the swarm: %s", ", ".join(self.taken_from_swarm))
@@ -275,7 +287,10 @@ class Peer:
         except BaseException as e:
             if self._group is not None:  # the other workers wait for our welcome: tell them why there is none
                 self._group.share(None, error=f"{type(e).__name__}: {e}")
-            self._teardown()
+            if self._node is not None and self._node.status is Status.RUNNING:
+                self.close()  # a member by now (Ctrl+C during the state download, say): leave, as close() does
+            else:
+                self._teardown()
             raise
         if self._group is not None:
             try:
@@ -302,7 +317,7 @@ class Peer:
         spec = ParamSpec.of(params)
         if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
             self._withdraw(welcome)
-            raise MismatchError(f"model differs from the swarm's: {problem}")
+            raise MismatchError(model_differs(problem, welcome.config))
         self.config = welcome.config
         self.fingerprint = welcome.fingerprint
         self.id = welcome.member_id
@@ -534,11 +549,20 @@ class Peer:
             self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
         self._last_step_at = now
         self._phase = TRAINING if self._phase == JOINING else self._phase
+        if self._node is not None and not ThreadCheck.warned:
+            self._check_threads(self._node)
         self._safepoint(self._step)
         self._snapshots(self._step, self.samples_seen)
         self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
         if self._group is not None:
             self._sync_group()  # every worker holds what the safe point made of the model
+
+    def _check_threads(self, node: PeerNode) -> None:
+        """Warn once per process when the peers on this machine oversubscribe its cores (``preflight.ThreadCheck``)."""
+        if not self._threads.due(len(node.view())) or not any(p.device.type == "cpu" for p in self.model.parameters()):
+            return
+        addresses = self._loop.call(lambda: [m.addr for m in node.membership.alive()], timeout=5)
+        self._threads.judge(addresses, self.address)
 
     def report(self, *, loss: float | None = None, test_loss: float | None = None, test_acc: float | None = None) -> None:
         """Tell ``gossiptrain status`` (and the dashboard) how this peer is learning; any of the three, when known.

@@ -206,6 +206,10 @@ class StateEndpoint:
                     events.append(await asyncio.wait_for(inbox.get(), timeout=max(0.0, fetcher.wakeup(now) - now)))
                 except TimeoutError:
                     events.append(Wakeup(members(), self._latency()))
+        except asyncio.CancelledError:  # our peer is leaving (Ctrl+C during its download): free the donor's slot
+            for req in fetcher.abandon(clock.now(), "cancelled: this peer is leaving"):
+                self._request(req)
+            raise
         finally:
             self._inbox = None
             self.fetcher = None

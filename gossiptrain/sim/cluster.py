@@ -33,6 +33,7 @@ from gossiptrain.net.transport.sim import SimNetwork
 from gossiptrain.runtime.coordinator import Coordinator, coordinator_limits
 from gossiptrain.sim.compute import measure_step_time
 from gossiptrain.sim.faults import PartitionSpec, churn_events
+from gossiptrain.sim.log_gate import LogGate
 from gossiptrain.sim.peer import SimPeer, SimPeerSpec
 from gossiptrain.sim.sim_config import SYSTEMS, SimConfig, SimResult  # noqa: F401  (re-exported: users import them from here)
 from gossiptrain.sim.vtime import LoopClock, run_virtual
@@ -58,9 +59,15 @@ class SimInterrupted(KeyboardInterrupt):
 class Cluster:
     """Owns the simulated world of one run; ``run()`` drives it to the end."""
 
-    def __init__(self, config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None,
+        on_started: Callable[[int], None] | None = None,
+    ) -> None:
         self.config = config
         self.on_sample = on_sample
+        self.on_started = on_started  # called with the peers started so far, while they start (before the first sample)
         run = config.run
         self.workload: Workload | None = None
         self.base_model: torch.nn.Module | None = None
@@ -85,6 +92,7 @@ class Cluster:
         self._swarm_model: torch.nn.Module | None = None
         self.swarm_acc: float | None = None  # the averaged model's accuracy at the last sample
         self.reached = 0.0  # virtual time the run got to (its end, or where it was interrupted)
+        self.log_gate = LogGate()  # the peers' warnings: counted for the summary, each logged only with -v
         self._wall_start: float | None = None
 
     # -- peers -----------------------------------------------------------------------------
@@ -238,7 +246,7 @@ class Cluster:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         background: list[asyncio.Task[None]] = []
-        with self.network.activate():
+        with self.log_gate.installed(), self.network.activate():
             transport = listen(COORDINATOR, coordinator_limits(self.config.run.limits), network=self.network)
             async with transport, Coordinator(self.config.run, transport, clock=LoopClock(), seed=self.rng.getrandbits(32)):
                 if self.config.coordinator_relay:  # between clients (behind_nat), as `gossiptrain coordinator` does
@@ -248,6 +256,8 @@ class Cluster:
                     gap = self.config.join_spread / self.config.peers
                     for slot in range(self.config.peers):
                         self._start(slot)
+                        if self.on_started:
+                            self.on_started(slot + 1)
                         if gap:
                             await asyncio.sleep(gap)
                     background += [asyncio.create_task(self._sampler(stop), name="sampler"), asyncio.create_task(self._churn(), name="churn")]
@@ -295,6 +305,8 @@ class Cluster:
             "mean_members_live": mean("members_live"),  # ...of them live peers (at most live_peers)
             "mean_members_stale": mean("members_stale"),
             "network": self.network.stats.to_dict(),
+            # The simulated peers' warnings (a scheduled fault's given-up exchanges...), by kind: not logged one by one
+            "log_warnings": dict(self.log_gate.counts.most_common()),
         }
         if not self.config.membership_only:
             summary.update(
@@ -310,8 +322,14 @@ class Cluster:
         return summary
 
 
-def simulate(config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None) -> SimResult:
+def simulate(
+    config: SimConfig,
+    on_sample: Callable[[float, list[dict[str, Any]]], None] | None = None,
+    on_started: Callable[[int], None] | None = None,
+) -> SimResult:
     """Run one simulation to its end (``duration`` or the target accuracy) in virtual time.
+
+    ``on_sample(now, rows)`` gets every sample; ``on_started(count)`` the peers started so far, as they start.
 
     ``config.system`` other than ``gossip`` runs a synchronous baseline
     (``gossiptrain.sim.synchronous``) on the same compute and link model.
@@ -330,7 +348,7 @@ def simulate(config: SimConfig, on_sample: Callable[[float, list[dict[str, Any]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one simulated peer computes at a time; one thread keeps runs bit-identical
     try:
-        cluster = Cluster(config, on_sample)
+        cluster = Cluster(config, on_sample, on_started)
         try:
             with _rare_collections():
                 return run_virtual(cluster.run())

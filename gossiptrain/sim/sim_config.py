@@ -18,6 +18,31 @@ from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.sim.collectives import ALLREDUCE
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
 
+#: The simulator's memory, fitted on runs measured with ``/usr/bin/time -v`` (docs/how-to/simulator.md, "How fast it
+#: runs"): once the swarm has gossiped, every view holds every member, about 3 KB an entry (n^2 in all: 2.95 GB at 1,000
+#: members, membership only); each peer's own runtime about 64 KB; each training peer some 16 copies of the model's
+#: parameters and buffers (its model, gradients, optimizer state, averaging buffers: digits' 4.5 MB model, 68 MB a peer).
+VIEW_ENTRY_BYTES = 3 << 10
+PEER_BYTES = 64 << 10
+MODEL_COPIES_PER_PEER = 16
+
+
+def memory_estimate(peers: int, run: RunConfig, model_bytes: int, *, membership_only: bool = False, system: str = "gossip") -> int:
+    """Bytes a simulation of ``peers`` adds to this process at its peak, from sizes known before building anything.
+
+    ``model_bytes``: one copy of the workload's parameters and buffers (0 with ``membership_only``). The
+    synchronous baselines hold one model and no views. A topology that samples a dense graph (erdos-renyi,
+    small-world) adds its n x n sample.
+    """
+    if system != "gossip":
+        return 8 * model_bytes + peers * PEER_BYTES
+    per_peer = PEER_BYTES + (0 if membership_only else MODEL_COPIES_PER_PEER * model_bytes)
+    estimate = peers * per_peer + peers * peers * VIEW_ENTRY_BYTES + 4 * model_bytes
+    if not membership_only and topologies.parse(run.gossip.topology_spec).dense_sample:
+        estimate += 10 * peers * peers  # the random draws (float64) and the boolean graph built from them
+    return estimate
+
+
 #: What ``SimConfig.system`` may be: gossip (the runtime's peers) or a synchronous baseline (gossiptrain.sim.synchronous).
 SYSTEMS = ("gossip", "ddp", "ps-sync", "ps-async")
 

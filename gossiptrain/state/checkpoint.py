@@ -105,8 +105,12 @@ class Checkpointer:
     Holds an exclusive lock on a local directory (``.lock``) while open, so
     two peers cannot interleave their checkpoints (remote stores have no
     lock). ``due(step)`` says when the next periodic save is wanted (every
-    ``every_seconds`` and/or ``every_steps``; 0 disables either). Older
-    checkpoints are deleted only after a newer one is complete.
+    ``every_seconds`` and/or ``every_steps``; 0 disables either). A save
+    that fails counts as the one due: the next try is the next scheduled
+    one, not the next step (a full disk is not retried at every step).
+    ``last_saved`` is the metadata file of the newest checkpoint this
+    checkpointer wrote (None: none yet). Older checkpoints are deleted only
+    after a newer one is complete.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Checkpointer:
         self._clock = clock
         self._last_time = clock()
         self._last_step: int | None = None
+        self.last_saved: Location | None = None
         self._lock: storage.Closable | None = _lock_directory(self.directory)
 
     # -- when ------------------------------------------------------------------------------
@@ -162,12 +167,26 @@ class Checkpointer:
 
         Call between optimizer steps (nothing may modify the tensors while
         they are serialized). Raises ``CheckpointError`` if it cannot be
-        written; the previous checkpoints are then untouched.
+        written; the previous checkpoints are then untouched, and the next
+        periodic save is due a whole period later, as after a good one.
         """
         if self._lock is None:
             raise CheckpointError(f"the checkpointer of {self.directory} is closed")
         if step < 0 or samples_seen < 0:
             raise CheckpointError(f"step and samples_seen must be >= 0, got {step} and {samples_seen}")
+        try:
+            info = self._save(model, optimizer, step, samples_seen, fingerprint, peer, shard, run, averaging)
+        finally:  # done or failed, this was the save due: the next one is a period away
+            self._last_time = self._clock()
+            self._last_step = step
+        self.last_saved = info.path
+        self._prune()
+        return info
+
+    def _save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, samples_seen: int,
+        fingerprint: str, peer: str, shard: int, run: Mapping[str, Any] | None, averaging: Mapping[str, float] | None,
+    ) -> CheckpointInfo:
         seq = _next_seq(self.directory)
         name = f"ckpt-{seq:06d}-step-{step}"
         # Everything that can be refused is done before the first byte is written.
@@ -208,9 +227,6 @@ class Checkpointer:
         except OSError as e:
             self._remove_files_of(name)
             raise CheckpointError(f"could not write checkpoint {name} in {self.directory}: {e.strerror or e}") from e
-        self._last_time = self._clock()
-        self._last_step = step
-        self._prune()
         return _info_from(path, meta)
 
     def _prune(self) -> None:

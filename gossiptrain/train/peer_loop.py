@@ -35,7 +35,7 @@ from gossiptrain.errors import CheckpointError, ConfigError
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.runtime.peer_network import MEMBER_EVENTS
 from gossiptrain.state import storage
-from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, restore
+from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, list_checkpoints, restore
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, optimizer_for
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
 from gossiptrain.train.peer_workers import WorkerFailed, Workers, why_the_group_failed
@@ -265,10 +265,12 @@ def _train(
         raise WorkerFailed(f"a worker of peer {peer.id} is gone ({why_the_group_failed(e)}); this peer left the swarm") from None
     if checkpointer is not None and (report.checkpoint_step != peer.steps or final.get("final_rounds")):
         report.save_checkpoint()  # the final state (after the final phase's averaging), also when stopped by a signal
+    if checkpointer is not None:
+        final["checkpoint"] = report.newest_checkpoint()
     summary = report.record("done", **final)
     progress.finish(
         f"peer {peer.id} done: {summary['step']} steps in {summary['elapsed']:.1f} s, "
-        f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges"
+        f"test accuracy {summary['test_acc']:.3f}, {summary['exchanges']} exchanges{report.checkpoint_line(summary)}"
     )
     return summary
 
@@ -320,8 +322,8 @@ class _Report:
                 peer=peer.id, shard=peer.shard, run=peer.config.to_dict(), averaging=peer.averaging_state(),
             )
         except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
-            self.failed += 1
-            log.error("checkpoint at step %d failed: %s", peer.steps, e)
+            self.failed += 1  # once per save due (the checkpointer tries again at the next one, not at every step)
+            log.error("checkpoint at step %d failed (training goes on; the next scheduled checkpoint tries again): %s", peer.steps, e)
             return
         self.saved += 1
         self.checkpoint_step = peer.steps
@@ -329,6 +331,24 @@ class _Report:
             "event": "checkpoint", "time": time.time(), **self.base, "step": info.step, "samples_seen": info.samples_seen,
             "path": str(info.path), "seconds": round(time.perf_counter() - began, 4),
         })
+
+    def newest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint in the directory: this run's last good save, else one from before; None: none."""
+        assert self.checkpointer is not None
+        if self.checkpointer.last_saved is not None:
+            return str(self.checkpointer.last_saved)
+        try:
+            found = list_checkpoints(self.checkpointer.directory)
+        except CheckpointError:
+            return None
+        return str(found[0]) if found else None
+
+    def checkpoint_line(self, summary: dict[str, Any]) -> str:
+        """For the summary line: the newest checkpoint, and how many saves failed if any."""
+        if self.checkpointer is None:
+            return ""
+        failed = f" ({self.failed} checkpoint saves failed)" if self.failed else ""
+        return f", newest checkpoint {summary['checkpoint'] or 'none'}{failed}"
 
     def record(self, event: str, **extra: Any) -> dict[str, Any]:
         """Evaluate, write one metrics record and update the progress line; the record."""

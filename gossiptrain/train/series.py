@@ -9,8 +9,12 @@ Two sources, told apart by their content, not their names:
   sample with ``time`` (virtual seconds) and ``peer``.
 
 Counters (exchanges, bytes) are cumulative in both; rates are their
-differences over time. Anything that is neither is a ConfigError naming the
-file, so a typo never gives an empty picture.
+differences over time. A peer that restarts (``--resume`` appending to the
+same metrics file, a simulated peer back from a crash) counts from 0 again:
+its series is cut into segments there, at a ``start`` record, a new
+incarnation in the simulator's rows, or any counter that goes down, and
+neither a rate nor a line spans the cut. Anything that is neither source
+is a ConfigError naming the file, so a typo never gives an empty picture.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from gossiptrain.errors import ConfigError
 
 #: Columns read from either source; missing ones stay empty (older files, the other source).
 FIELDS = ("test_acc", "loss", "test_loss", "exchanges", "bytes_sent", "bytes_received", "members", "staleness_mean")
+#: The cumulative ones: within a segment they never go down.
+COUNTERS = ("exchanges", "bytes_sent", "bytes_received")
 
 
 @dataclass
@@ -37,19 +43,46 @@ class PeerSeries:
     time: list[float] = field(default_factory=list)
     values: dict[str, list[float]] = field(default_factory=lambda: {f: [] for f in FIELDS})
     staleness_hist: dict[str, int] = field(default_factory=dict)  # the last record's (peers' metrics files only)
+    breaks: list[int] = field(default_factory=list)  # indices of the samples that begin a new segment (a restart)
 
-    def add(self, t: float, record: dict[str, Any]) -> None:
+    def add(self, t: float, record: dict[str, Any], restart: bool = False) -> None:
+        """Append a sample; ``restart``, or a counter lower than this segment's last, begins a new segment."""
+        values = {f: _number(record.get(f)) for f in FIELDS}
+        if self.time and (restart or any(values[c] < self._last(c) for c in COUNTERS)):
+            self.breaks.append(len(self.time))
         self.time.append(t)
         for f in FIELDS:
-            self.values[f].append(_number(record.get(f)))
+            self.values[f].append(values[f])
+
+    def _last(self, key: str) -> float:
+        """``key``'s last finite value in the current segment (NaN: none), which a counter never goes below."""
+        start = self.breaks[-1] if self.breaks else 0
+        return next((v for v in reversed(self.values[key][start:]) if math.isfinite(v)), math.nan)
+
+    def line(self, key: str) -> tuple[list[float], list[float]]:
+        """(times, values) of ``key``, a NaN between segments: a plotted line breaks there."""
+        out_t, out_v = [], []
+        for i, (t, v) in enumerate(zip(self.time, self.values[key])):
+            if i in self.breaks:
+                out_t.append(t)
+                out_v.append(math.nan)
+            out_t.append(t)
+            out_v.append(v)
+        return out_t, out_v
 
     def rate(self, counter: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
-        """(times, d counter / dt * scale) between consecutive samples: exchanges/s, MB/s."""
+        """(times, d counter / dt * scale) between consecutive samples of a segment: exchanges/s, MB/s.
+
+        A segment's first sample gives a NaN: no rate across a restart, and a plotted line breaks there.
+        """
         ts, vs = self.time, self.values[counter]
         out_t, out_v = [], []
         for i in range(1, len(ts)):
             dt = ts[i] - ts[i - 1]
-            if dt > 0 and math.isfinite(vs[i]) and math.isfinite(vs[i - 1]):
+            if i in self.breaks:
+                out_t.append(ts[i])
+                out_v.append(math.nan)
+            elif dt > 0 and math.isfinite(vs[i]) and math.isfinite(vs[i - 1]):
                 out_t.append(ts[i])
                 out_v.append((vs[i] - vs[i - 1]) / dt * scale)
         return out_t, out_v
@@ -87,9 +120,12 @@ def load(paths: Iterable[str | Path]) -> tuple[list[PeerSeries], str]:
     origin = min(starts or evals)
     for p, rows in peer_files:
         s = PeerSeries(str(rows[0].get("peer") or p.stem))
+        restarted = False  # a start record after samples: the file goes on across a restart (--resume)
         for r in rows:
+            restarted = restarted or (r.get("event") == "start" and bool(s.time))
             if r.get("event") in ("eval", "done") and _finite(r.get("time")):
-                s.add(float(r["time"]) - origin, r)
+                s.add(float(r["time"]) - origin, r, restart=restarted)
+                restarted = False
                 if isinstance(r.get("staleness_hist"), dict):
                     s.staleness_hist = {str(k): int(v) for k, v in r["staleness_hist"].items() if isinstance(v, int)}
         series.append(s)
@@ -123,12 +159,16 @@ def _read(p: Path) -> list[dict[str, Any]]:
 
 def _simulated(p: Path, rows: list[dict[str, Any]]) -> list[PeerSeries]:
     by_peer: dict[str, PeerSeries] = {}
+    incarnation: dict[str, tuple[Any, Any]] = {}  # per peer slot: the (id, generation) of its last row
     for r in rows:
         t = _number(r.get("time"))
         if not math.isfinite(t):
             raise ConfigError(f"{p}: a row without a numeric time: {str(r)[:80]}")
         name = f"peer {r.get('peer')}"
-        by_peer.setdefault(name, PeerSeries(name)).add(t, r)
+        now = (r.get("id"), r.get("generation"))
+        restart = name in incarnation and incarnation[name] != now  # back from a crash: a new incarnation
+        incarnation[name] = now
+        by_peer.setdefault(name, PeerSeries(name)).add(t, r, restart=restart)
     return list(by_peer.values())
 
 

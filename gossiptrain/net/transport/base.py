@@ -305,7 +305,7 @@ class Transport(Service, abc.ABC):
 
     @abc.abstractmethod
     def forget(self, address: str) -> None:
-        """Drop the outgoing connection to ``address`` (a member that left) and its queue."""
+        """Drop the outgoing connection to ``address`` (a member that left, or a newcomer's there) and its queue."""
 
     def source_of(self, frames: Sequence[object]) -> str | None:
         """The network source (an IP) a received message came from, where the backend can tell; else None."""

@@ -218,6 +218,13 @@ class Fetcher:
         self.assembly.restart()
         self.result = None
 
+    def abandon(self, now: float, reason: str) -> list[RequestChunk]:
+        """Stop the download here (the newcomer is leaving): what frees the current donor's session, if any."""
+        out: list[RequestChunk] = []
+        if self.result is None:
+            self._give_up(now, out, reason)
+        return out
+
     def wakeup(self, now: float) -> float:
         """The latest time the driver should feed a ``Wakeup``."""
         cfg = self.config
