@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with only Python: `make demo` and `make test`.
-# Each creates .venv, installs torch 2.13.0 (CPU) first, then this project with its test, experiment, tensorboard, prometheus, storage, hf (transformers), nat (cryptography) and docs (mkdocs) extras.
+# Each creates .venv, installs torch 2.13.0 (CPU) first, then this project with its test, experiment, tensorboard, prometheus, storage, hf (transformers), nat (cryptography), docs (mkdocs) and deploy (kubernetes-validate) extras.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@$(SETUP_LOCK) sh -c 'if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; set -ex; \
 	$(PYTHON) -m venv $(VENV); \
 	$(BIN)/python -m pip install --quiet torch==2.13.0; \
-	$(BIN)/python -m pip install --quiet -e ".[dev,experiments,tensorboard,prometheus,storage,hf,nat,docs]"; \
+	$(BIN)/python -m pip install --quiet -e ".[dev,experiments,tensorboard,prometheus,storage,hf,nat,docs,deploy]"; \
 	touch $(STAMP)'
 
 demo: $(STAMP)

@@ -137,6 +137,7 @@ exit "$status"
 FAKE_SCONTROL = """#!/bin/bash
 [[ "$1 $2" == "show hostnames" ]] && echo localhost
 """
+FAKE_SCANCEL = "#!/bin/bash\nexit 1\n"  # no controller: the script falls back to signalling srun's processes
 
 
 def test_the_batch_script_is_valid_bash() -> None:
@@ -153,7 +154,7 @@ def test_the_batch_script_is_valid_bash() -> None:
 def test_the_batch_script_runs_a_coordinator_and_peers_that_finish(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     out = tmp_path / "out"

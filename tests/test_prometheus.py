@@ -20,7 +20,8 @@ from .swarm import Procs
 
 parser = pytest.importorskip("prometheus_client.parser", reason="the prometheus extra is not installed")
 
-from gossiptrain.train.prometheus import PrometheusExporter, parse_listen  # noqa: E402
+from gossiptrain.protocol.rtt import RTT_BUCKETS_S  # noqa: E402
+from gossiptrain.train.prometheus import STALENESS_BOUNDS, PrometheusExporter, parse_listen  # noqa: E402
 
 
 def scrape(url: str) -> dict[str, dict[str, Any]]:
@@ -50,23 +51,27 @@ def test_the_latest_record_is_served_as_counters_gauges_and_a_histogram() -> Non
         assert got["gossiptrain_test_accuracy"]["type"] == "gauge" and value(got, "gossiptrain_test_accuracy") == 0.9
         assert "gossiptrain_test_loss" not in got  # NaN is no value
         buckets = {k: v for k, v in got["gossiptrain_staleness_steps"]["samples"].items() if "_bucket" in k}
-        assert sorted(buckets.values()) == [5.0, 7.0, 8.0, 8.0]  # le 0, 1, 3, +Inf: cumulative
+        # Every bound always, counted or not (the same le on every peer, for sum by (le)): cumulative
+        assert [v for k, v in buckets.items()][:4] == [5.0, 7.0, 8.0, 8.0]  # le 0, 1, 3, 7, ...
+        assert len(buckets) == len(STALENESS_BOUNDS) + 1 and set(list(buckets.values())[3:]) == {8.0}  # ..., +Inf
         rtts = {k: v for k, v in got["gossiptrain_exchange_round_trip_seconds"]["samples"].items() if "_bucket" in k}
-        assert sorted(rtts.values()) == [2.0, 5.0, 6.0]  # le 0.001, 0.01, +Inf (one past the last bound)
+        assert len(rtts) == len(RTT_BUCKETS_S) + 1  # le 0.001, 0.002, ..., 10, +Inf
+        assert list(rtts.values())[:4] == [2.0, 2.0, 2.0, 5.0] and list(rtts.values())[-1] == 6.0  # inf: in +Inf only
         assert all("('peer', 'p1')" in k for k in got["gossiptrain_members"]["samples"])
         with socket.create_connection(("127.0.0.1", exporter.port), timeout=10):  # a scraper that hangs mid-request
             exporter.write({"event": "eval", "peer": "p1", "shard": 0, "step": 41})  # the loop's side: a reference swap
             assert value(scrape(url), "gossiptrain_local_steps") == 41  # and other scrapes are answered meanwhile
 
 
-def test_the_example_grafana_dashboard_asks_only_for_what_peers_export() -> None:
-    from gossiptrain.train.prometheus import COUNTERS, GAUGES
+def test_the_example_grafana_dashboard_asks_only_for_what_peers_and_the_coordinator_export() -> None:
+    from gossiptrain.train.prometheus import COORDINATOR_COUNTERS, COUNTERS, GAUGES
 
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "gossiptrain.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     asked = set(re.findall(r"\bgossiptrain_[a-z_]+", " ".join(exprs)))
     exported = ({name + "_total" for name, _ in COUNTERS.values()} | {name for name, _ in GAUGES.values()}
-                | {"gossiptrain_staleness_steps_bucket"})
+                | {"gossiptrain_staleness_steps_bucket", "gossiptrain_coordinator_members"}
+                | {name + "_total" for name, _ in COORDINATOR_COUNTERS.values()})
     assert asked and asked <= exported, asked - exported
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 

@@ -16,6 +16,14 @@
   addresses, ``LinkShape`` (tc netem delay, jitter, loss; a tbf rate) and
   ``NatRouter`` (hosts behind an iptables MASQUERADE router): the WAN
   harness (root only; not imported here).
+- ``slurm``: ``slurm_cluster``, a one-node Slurm cluster (munged, slurmctld,
+  slurmd) in a temporary directory, for tests of jobs under Slurm (root and
+  Debian's slurm-wlm and munge only; not imported here).
+- ``prometheus``: ``PrometheusServer``, a real Prometheus (Debian's
+  ``prometheus`` binary) in a temporary directory scraping given
+  ``--prometheus`` endpoints, with ``query`` and ``wait_scraped``; and
+  ``dashboard_exprs`` / ``grafana_to_promql`` for a Grafana dashboard's
+  queries (not imported here).
 
 This is the top layer (beside ``gossiptrain.cli``): it may import any part of
 the library, and the library never imports it.

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from gossiptrain.errors import ConfigError
 from gossiptrain.net.addressing import parse_listen as listen_at
+from gossiptrain.protocol.rtt import RTT_BUCKETS_S
 from gossiptrain.protocol.staleness import bucket_bounds
 
 #: record field -> (metric name, help); totals since the peer started.
@@ -166,10 +167,16 @@ def coordinator_families(stats: Callable[[], dict[str, Any]], members: Callable[
     return collect
 
 
+#: The staleness histogram's upper bounds (steps): the ends of the buckets peers count ("0", "1", "2-3", "4-7", ...),
+#: every one of them always, so that every peer's series have the same ``le`` (past the last: +Inf only).
+STALENESS_BOUNDS = (0.0, *(float((1 << k) - 1) for k in range(1, 17)))
+
+
 def _staleness(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
     """Buckets as peers count them ("0", "1", "2-3", "4-7", ...) as a cumulative Prometheus histogram (le = upper end)."""
     counts = [(float(bucket_bounds(k)[1]), v) for k, v in hist.items() if isinstance(v, int)]
-    return _histogram("gossiptrain_staleness_steps", "staleness of merged updates, in steps", counts, labels, values)
+    return _histogram("gossiptrain_staleness_steps", "staleness of merged updates, in steps", counts, labels, values,
+                      STALENESS_BOUNDS)
 
 
 def _round_trips(hist: dict[str, Any], labels: list[str], values: list[str]) -> Any:
@@ -181,19 +188,22 @@ def _round_trips(hist: dict[str, Any], labels: list[str], values: list[str]) -> 
         except (TypeError, ValueError):
             continue
     return _histogram("gossiptrain_exchange_round_trip_seconds",
-                      "exchange round trips: request to reply, or push to receipt", counts, labels, values)
+                      "exchange round trips: request to reply, or push to receipt", counts, labels, values, RTT_BUCKETS_S)
 
 
-def _histogram(name: str, text: str, counts: list[tuple[float, int]], labels: list[str], values: list[str]) -> Any:
-    """(upper bound, count) pairs, in any order, an infinite bound past the last, as one cumulative histogram."""
+def _histogram(name: str, text: str, counts: list[tuple[float, int]], labels: list[str], values: list[str],
+               bounds: Iterable[float]) -> Any:
+    """(upper bound, count) pairs, in any order, as one cumulative histogram with a bucket at each of ``bounds``
+    (a count above the last: in +Inf only).
+
+    Every bound, counted or not: Prometheus sums histograms across peers bucket by bucket (``sum by (le)``, as the
+    dashboard's staleness quantiles do). Peers that served only the buckets they had counted gave it different
+    ``le`` sets as soon as their largest staleness differed, and that sum is no histogram (its buckets need not
+    grow with ``le``), so ``histogram_quantile`` over it meant nothing."""
     from prometheus_client.core import HistogramMetricFamily
 
-    buckets, running = [], 0
-    for upper, count in sorted(counts):
-        running += count
-        if math.isfinite(upper):
-            buckets.append((f"{upper:g}", running))
-    buckets.append(("+Inf", running))
+    buckets = [(f"{upper:g}", sum(n for at, n in counts if at <= upper)) for upper in sorted(bounds)]
+    buckets.append(("+Inf", sum(n for _, n in counts)))
     family = HistogramMetricFamily(name, text, labels=labels)
     family.add_metric(values, buckets, sum_value=None)
     return family
