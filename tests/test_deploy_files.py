@@ -214,3 +214,13 @@ def test_the_dockerfile_copies_what_the_project_needs_and_enters_through_gossipt
         build_parser().parse_args(yaml.safe_load(cmd))  # the default command: --help, exit 0
     assert e.value.code == 0
     assert ("EXPOSE", str(DEFAULT_PORT)) in steps
+
+
+def test_the_dockerfile_runs_as_a_numbered_user_it_creates() -> None:
+    # Kubernetes' runAsNonRoot (Pod Security "restricted") refuses an image whose USER is a name: it cannot tell
+    # a name from root without the image's /etc/passwd (hadolint DL3066).
+    steps = _instructions()
+    (user,) = [a for k, a in steps if k == "USER"]
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, user
+    assert any(k == "RUN" and f"--uid {uid} " in a for k, a in steps), "the USER's uid is not the one useradd creates"
