@@ -252,8 +252,10 @@ class Peer:
             welcome = join_once(reach, -1 if shard is None else shard)
             reach.welcomed(plain_address(welcome.answered_by), clock.now(), local.membership.join_timeout)
             try:  # a factory that refuses (a checkpoint of another run, a bad configuration) never trains
-                self.model = module if module is not None else inner_model(model(welcome.config, welcome.shard))  # type: ignore[operator]
-                refuse_unusable_model(self.model)
+                if module is None:  # a factory's model, checked once built (a module was checked before joining)
+                    module = inner_model(model(welcome.config, welcome.shard))  # type: ignore[operator]
+                    refuse_unusable_model(module)
+                self.model = module
                 # accelerate's AcceleratedOptimizer: the torch optimizer inside (gossiptrain.runtime.wrapped)
                 given = None if isinstance(optimizer, FindOptimizer) else optimizer
                 self.optimizer = inner_optimizer(given(welcome.config, self.model) if callable(given) else given)
