@@ -553,6 +553,31 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Which samples a peer trains: its fixed shard, or chunks of the whole dataset leased through the swarm
+    (gossiptrain.protocol.leases: every peer can read all of the data; fast peers train more, a dead peer's
+    chunks are taken over, each sample is trained once an epoch)."""
+
+    mode: str = "shards"  # shards (train.shard of train.shards, fixed at join) or leased
+    chunks: int = 0  # chunks per epoch when leased (0: 256, fewer so that each holds at least 32 samples)
+    lease_time: float = 10.0  # a peer that trains nothing this long loses its chunks to the others
+    gossip_interval: float = 0.2  # seconds between a peer's pushes of its lease table
+    ahead_seconds: float = 2.0  # a peer holds claims for this long of its own pace (1 chunk at least)
+    max_held: int = 16  # chunks one peer holds at once at most
+
+    def __post_init__(self) -> None:
+        s = "data"
+        _require(self.mode in ("shards", "leased"), f"{s}.mode", f"is {self.mode!r}; choose from shards, leased")
+        _require(self.chunks >= 0, f"{s}.chunks", f"must be >= 0 (0: automatic), got {self.chunks}")
+        for name in ("lease_time", "gossip_interval", "ahead_seconds"):
+            value = getattr(self, name)
+            _require(0 < value < math.inf, f"{s}.{name}", f"must be a positive number of seconds, got {value}")
+        _require(self.lease_time >= 5 * self.gossip_interval, f"{s}.lease_time",
+                 f"must be at least 5 gossip intervals ({5 * self.gossip_interval} s): claims must spread before they expire")
+        _require(self.max_held >= 1, f"{s}.max_held", f"must be >= 1, got {self.max_held}")
+
+
+@dataclass(frozen=True)
 class FinalConfig:
     """The end of a run (gossiptrain.protocol.finish): wait for the others, average without training, merge, leave."""
 
@@ -578,6 +603,7 @@ class RunConfig:
     limits: Limits = field(default_factory=Limits)
     state: StateConfig = field(default_factory=StateConfig)
     final: FinalConfig = field(default_factory=FinalConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -696,6 +722,7 @@ _SECTIONS: dict[str, type] = {
     "limits": Limits,
     "state": StateConfig,
     "final": FinalConfig,
+    "data": DataConfig,
 }
 
 

@@ -23,6 +23,8 @@ XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (
 SREQ, SREP, SNAK, SACK = "sreq", "srep", "snak", "sack"
 # A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
 READY = "ready"
+# Leased chunks of a shared dataset: a member's lease table (gossiptrain.protocol.leases).
+LEASE = "lease"
 # The end of a run, and tools outside the swarm (gossiptrain.protocol.finish).
 QUERY, ROSTER, STOP, FIN = "query", "roster", "stop", "fin"
 # A visitor asks one member how it is doing (gossiptrain.protocol.status): `gossiptrain status`, the dashboard.
@@ -33,7 +35,8 @@ MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
 STATE = (SREQ, SREP, SNAK, SACK)
 RENDEZVOUS = (READY,)
+LEASES = (LEASE,)
 FINISH = (QUERY, ROSTER, STOP, FIN)
 STATUS_KINDS = (STATUS_ASK, STATUS)
 
-ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + FINISH + STATUS_KINDS)
+ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + LEASES + FINISH + STATUS_KINDS)

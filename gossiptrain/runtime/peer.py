@@ -64,6 +64,7 @@ from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.join_client import join_swarm, reach_verdict
+from gossiptrain.runtime.leased_data import LeasedSampler
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
 from gossiptrain.runtime.peer_group import PeerGroup
@@ -679,6 +680,17 @@ class Peer:
             **{k: stats.get(k, 0) for k in ("state_bytes_received", "state_donors_tried", "state_transfer_seconds")},
         }
 
+    def sampler(self, num_samples: int, *, seed: int | None = None) -> LeasedSampler:
+        """A ``DataLoader`` sampler over a dataset of ``num_samples`` that every peer can read: the indices of
+        the chunks this peer leases from the swarm (``data.*``; ``gossiptrain.protocol.leases``), so a faster
+        peer trains more, a dead peer's chunks are taken over, and each sample is trained once an epoch.
+        Every peer must pass the same ``num_samples`` and ``seed`` (default ``train.seed``)."""
+        node = self._check_open()
+        if self._group is not None:
+            raise GossipError("leased data is not built for a peer of several workers yet: give each worker its own data")
+        client = node.use_leases(num_samples, self.config.train.seed if seed is None else seed)
+        return LeasedSampler(client, lambda: self.members)
+
     def stats(self) -> dict[str, Any]:
         """Counters of this peer: exchanges, bytes, drops, membership."""
         out: dict[str, Any] = {"steps": self._step, "members": self.members}
@@ -690,6 +702,8 @@ class Peer:
             out["suspicions"] = self._node.membership.stats.suspicions
             out.update(self._node.state.stats())
             out["lr_scale"] = self._lr_scaling.last_factor if self._lr_scaling is not None else 1.0
+            if self._node.leases is not None:
+                out.update(self._node.leases.stats())
         out["optimizer"] = self._optimizer_mode
         guard = self._side.guard if self._side is not None else None
         if guard is not None:  # the stability guard (gossiptrain.protocol.stability): what it backed off, restored

@@ -43,6 +43,7 @@ from gossiptrain.protocol import averaging_events, finish, push_sum
 from gossiptrain.protocol.admission import join_source
 from gossiptrain.protocol.averaging_events import Received, SendExchange
 from gossiptrain.protocol.joining import JoinRequest
+from gossiptrain.protocol.leases import SendLeases
 from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, REPORTED_DEATHS, SUSPECT, Member, members_from_wire
 from gossiptrain.protocol.membership import Membership
 from gossiptrain.protocol.param_spec import ParamSpec
@@ -67,6 +68,7 @@ from gossiptrain.runtime.clock import Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
 from gossiptrain.runtime.join_answering import JoinAnsweringEndpoint
+from gossiptrain.runtime.leased_data import LeaseClient, plan_for
 from gossiptrain.runtime.state_endpoint import StateEndpoint
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,9 @@ class PeerNode(JoinAnsweringEndpoint):
             gone=self._gone,
         )
         self.released = threading.Event()  # the rendezvous's count is reached: the trainer may start (its thread waits)
+        # Leased data (`--data leased`, Peer.sampler): the chunks of a shared dataset this peer trains; set by
+        # use_leases from the training thread, then driven here (its table pushed, others' merged).
+        self.leases: LeaseClient | None = None
         # `gossiptrain status`: what the training side last left for it (Peer sets a richer source), read when asked.
         self.status_answerer = StatusAnswerer(config.limits, clock.now())
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
@@ -170,6 +175,7 @@ class PeerNode(JoinAnsweringEndpoint):
             **dict.fromkeys(kinds.EXCHANGE, self._on_exchange),
             **dict.fromkeys(kinds.STATE, self._on_state),
             kinds.READY: self._on_ready,
+            kinds.LEASE: self._on_lease,
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
             kinds.STATUS_ASK: self._on_status_ask,
             kinds.REACH: self._on_reach,
@@ -290,6 +296,17 @@ class PeerNode(JoinAnsweringEndpoint):
         self.state.mark_ready()
         self._send_ready(self.rendezvous.arrive(self.clock.now(), self._sendable()))
 
+    def use_leases(self, samples: int, seed: int) -> LeaseClient:
+        """Lease chunks of a dataset of ``samples`` (every member of the run the same: ``data.*``, ``seed``)."""
+        if self.leases is None:
+            plan = plan_for(samples, self.config.data, seed)
+            rng = random.Random(f"{self.me.id}:{seed}")
+            self.leases = LeaseClient(self.me.id, plan, self.config.data, live=self.view, now=self.clock.now, rng=rng)
+            log.info("leased data: %d samples in %d chunks an epoch", plan.samples, plan.chunks)
+        elif self.leases.plan.samples != samples:
+            raise ValueError(f"this peer leases a dataset of {self.leases.plan.samples} samples, not {samples}")
+        return self.leases
+
     def wait_for(self, count: int) -> None:
         """Start a rendezvous for ``count`` ready members (us included); ``released`` is set when they are there."""
         self.released.clear()
@@ -395,7 +412,11 @@ class PeerNode(JoinAnsweringEndpoint):
                 self._pick_relay()  # a relay's entry may come without a view change (it replaced a placeholder)
             if self.rendezvous.waiting:  # only then: the members we can send to cost a look at the whole view
                 self._send_ready(self.rendezvous.tick(now, self._sendable()))
-            wake = min(self.membership.next_timer(), self.rendezvous.next_timer())
+            leases = self.leases
+            if leases is not None:
+                self._send_leases(leases, leases.tick())
+            wake = min(self.membership.next_timer(), self.rendezvous.next_timer(),
+                       leases.next_timer() if leases is not None else math.inf)
             await self.clock.sleep(max(floor, wake - self.clock.now()))
 
     async def _report_loop(self) -> None:
@@ -447,6 +468,19 @@ class PeerNode(JoinAnsweringEndpoint):
         ids, go = ready_from_wire(msg.body, self.config.limits.max_container_len)
         self._remember_addr(msg.sender, msg.addr)  # our answer reaches a sender not yet in our view
         self._send_ready(self.rendezvous.handle(msg.sender, ids, go, self.clock.now(), self._sendable()))
+
+    def _on_lease(self, msg: Message, frames: Sequence[object]) -> None:
+        leases = self.leases
+        if leases is None:
+            return  # we lease nothing (yet): the sender's next push comes to someone, or to us later
+        self._remember_addr(msg.sender, msg.addr)
+        self._send_leases(leases, leases.handle(msg.sender, msg.body))
+
+    def _send_leases(self, leases: LeaseClient, actions: list[SendLeases]) -> None:
+        for a in actions:
+            addr = self._address_of(a.to)
+            if addr is not None:
+                self.send(addr, kinds.LEASE, leases.message(a))
 
     def _send_ready(self, actions: list[SendReady]) -> None:
         for a in actions:

@@ -51,8 +51,9 @@ MIN_WINDOW = 1024
 RESERVE = 2
 #: Places in line that wait their turn to steal; further back, all wait as long as the last.
 MAX_TURNS = 4
-#: Weight of a new measurement in the smoothed pace.
-PACE_SMOOTHING = 0.2
+#: Weight of a new measurement in the smoothed pace, and the seconds each measurement spans at least.
+PACE_SMOOTHING = 0.3
+PACE_SPAN = 0.25
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,11 @@ class Leases:
         self._published_at = -math.inf
         self._beat_seen: dict[str, tuple[int, float]] = {}  # owner -> (its counter, when we saw it change)
         self._next_push = 0.0
-        self._last_trained: float | None = None
+        self._pace_from: float | None = None  # when the span the pace is measured over began
+        self._pace_samples = 0  # samples trained in it
         self._tops: deque[tuple[int, float]] = deque()  # (the window's top, when it rose to it), oldest first
         self._line = Assignment()  # who is first in line for each chunk
+        self._floor_seen: tuple[int, float] = (-1, 0.0)  # the floor, and since when we have seen it there
         self.table.beat(me, 0)
 
     # -- what the trainer calls -------------------------------------------------------------------
@@ -145,23 +148,33 @@ class Leases:
 
     def next_chunk(self, now: float) -> tuple[int, int] | None:
         """(chunk, samples of it already trained) to train next, claiming more if we hold too few; None: wait."""
+        held = self.holding(now)
+        return held[0] if held else None
+
+    def holding(self, now: float, samples: int = 0) -> list[tuple[int, int]]:
+        """Every chunk we hold, in the order to train them, with the samples of each trained already (claiming
+        more if we hold too few, or fewer than ``samples`` untrained: a batch's worth); empty: wait."""
         self._drop_lost()
-        self._top_up(now)
+        self._top_up(now, samples)
         if not self.held:
             self.stats.waits += 1
-            return None
-        h = self.held[0]
-        return h.g, h.trained
+        return [(h.g, h.trained) for h in self.held]
 
     def trained(self, g: int, samples: int, now: float) -> None:
         """``samples`` more of chunk ``g`` were trained: the chunk is done when all were."""
         if samples <= 0:
             return
         self.stats.samples_trained += samples
-        if self._last_trained is not None and now > self._last_trained:
-            rate = samples / (now - self._last_trained)
-            self.pace = rate if self.pace is None else self.pace + PACE_SMOOTHING * (rate - self.pace)
-        self._last_trained = now
+        # The pace over spans of PACE_SPAN at least: a loop that reports each sample as a DataLoader takes it
+        # reports bursts of a batch, then a step's pause.
+        if self._pace_from is None:
+            self._pace_from, self._pace_samples = now, 0
+        else:
+            self._pace_samples += samples
+            if now - self._pace_from >= PACE_SPAN:
+                rate = self._pace_samples / (now - self._pace_from)
+                self.pace = rate if self.pace is None else self.pace + PACE_SMOOTHING * (rate - self.pace)
+                self._pace_from, self._pace_samples = now, 0
         h = next((h for h in self.held if h.g == g), None)
         if h is None:  # lost meanwhile: whoever won trains it
             self.stats.samples_trained_twice += samples
@@ -175,7 +188,7 @@ class Leases:
                 self.table.mark_done(g)
                 self.stats.chunks_done += 1
         if (now - self._last_beat >= self.settings.renew_share * self.settings.lease_time
-                or pace_bucket(self.pace) != self._published):  # a new pace changes the line: say so at once
+                or self._bucket() != self._published):  # a new pace changes the line: say so at once
             self._renew(now)
 
     # -- what the driver calls --------------------------------------------------------------------
@@ -213,10 +226,18 @@ class Leases:
     def _renew(self, now: float) -> None:
         self._beat += 1
         self._last_beat = now
-        bucket = pace_bucket(self.pace)
+        bucket = self._bucket()
         if bucket != self._published:
             self._published, self._published_at = bucket, now
         self.table.beat(self.me, self._beat, self._published)
+
+    def _bucket(self) -> int:
+        """The pace bucket to publish: a new one only when the pace is a bucket and a half away from the one
+        published (a pace near a bucket's edge would flip the line back and forth)."""
+        if self.pace is None:
+            return self._published
+        exact = 2 * math.log2(max(self.pace, 1.0))
+        return pace_bucket(self.pace) if abs(exact - self._published) >= 1.5 else self._published
 
     def _wanted(self) -> int:
         """Chunks to hold: ``ahead`` seconds of our pace, 1..max_held."""
@@ -245,8 +266,11 @@ class Leases:
             return False
         return now - seen[1] > self.settings.lease_time
 
-    def _top_up(self, now: float) -> None:
+    def _top_up(self, now: float, samples: int = 0) -> None:
         need = self._wanted() - len(self.held)
+        short = samples - sum(self.plan.size(h.g) - h.trained for h in self.held)
+        if short > 0:
+            need = max(need, min(self.settings.max_held - len(self.held), math.ceil(short * self.plan.chunks / self.plan.samples)))
         if need <= 0:
             return
         # In line: the live members that still renew (a member that stalled, alive to membership but training
@@ -271,7 +295,12 @@ class Leases:
         # so the better placed had their turn and thieves that all ran out do not all take the same chunk;
         # never a member's next few free chunks, which it is about to claim itself; highest first, away from
         # where the members climb from the bottom.
-        reserved = self._reserves(live, lo, hi, now)
+        if self._floor_seen[0] != lo:
+            self._floor_seen = (lo, now)
+        # A floor that stands still while chunks are free below others' claims: views that disagree on the line
+        # (a pace not heard everywhere yet) can leave a chunk each thinks another's; then reserves do not hold.
+        stuck = now - self._floor_seen[1] > 3 * self.settings.steal_after
+        reserved = set() if stuck else self._reserves(live, lo, hi, now)
         turns = min(len(live), MAX_TURNS)
         tops = [self._stealable_top(now, k) for k in range(1, turns + 1)]
         ranked = sorted(

@@ -132,16 +132,20 @@ class LeaseTable:
     # -- the wire ---------------------------------------------------------------------------------
 
     def to_wire(self) -> dict[str, Any]:
-        """A msgpack-able body: the done chunks as a bitmap above the floor, claims and beats by owner index."""
-        bits = bytearray((self.window + 7) // 8)
-        for g in self.done:
+        """A msgpack-able body: the done chunks as runs above the floor, claims and beats by owner index."""
+        runs: list[list[int]] = []
+        for g in sorted(self.done):
             off = g - self.floor
-            if off < self.window:
-                bits[off >> 3] |= 1 << (off & 7)
+            if off >= self.window:
+                break
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1][1] += 1
+            else:
+                runs.append([off, 1])
         owners = sorted(self.beats.keys() | {c.owner for c in self.claims.values()})
         index = {o: i for i, o in enumerate(owners)}
         claims = [[g - self.floor, c.term, index[c.owner]] for g, c in sorted(self.claims.items())]
-        return {"f": self.floor, "d": bytes(bits.rstrip(b"\0")), "c": claims, "o": owners,
+        return {"f": self.floor, "d": runs, "c": claims, "o": owners,
                 "b": [self.beats.get(o, -1) for o in owners], "p": [self.paces.get(o, -1) for o in owners]}
 
     @classmethod
@@ -149,11 +153,11 @@ class LeaseTable:
         """The table a peer sent; ProtocolError where it is malformed or past the bounds of ``window``."""
         if not isinstance(body, dict):
             raise ProtocolError("a lease table is a map")
-        floor, bits, claims, owners, beats, paces = (body.get(k) for k in ("f", "d", "c", "o", "b", "p"))
+        floor, runs, claims, owners, beats, paces = (body.get(k) for k in ("f", "d", "c", "o", "b", "p"))
         if type(floor) is not int or not 0 <= floor < (1 << 62):
             raise ProtocolError("a lease table's floor is an int in 0..2**62")
-        if not isinstance(bits, bytes) or len(bits) > (window + 7) // 8:
-            raise ProtocolError(f"a lease table's done bitmap is at most {(window + 7) // 8} bytes")
+        if not isinstance(runs, list) or len(runs) > (window + 1) // 2:
+            raise ProtocolError(f"a lease table's done chunks are at most {(window + 1) // 2} runs")
         if not isinstance(owners, list) or len(owners) > window + 1:
             raise ProtocolError(f"a lease table names at most {window + 1} owners")
         if not all(type(o) is str and 0 < len(o) <= _MAX_ID for o in owners) or len(set(owners)) != len(owners):
@@ -168,10 +172,13 @@ class LeaseTable:
             raise ProtocolError(f"a lease table holds at most {window} claims")
         table = cls(window)
         table.floor = floor
-        for i, byte in enumerate(bits):
-            for bit in range(8):
-                if byte >> bit & 1 and i * 8 + bit < window:
-                    table.done.add(floor + i * 8 + bit)
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run)):
+                raise ProtocolError("a lease table's done run is [offset, length]")
+            off, length = run
+            if not (0 <= off and 1 <= length and off + length <= window):
+                raise ProtocolError("a lease table's done run is past its window")
+            table.done.update(range(floor + off, floor + off + length))
         for entry in claims:
             if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
                 raise ProtocolError("a lease claim is [offset, term, owner index]")

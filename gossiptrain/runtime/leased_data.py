@@ -1,0 +1,182 @@
+"""Leased data in a running peer: the lease machine shared by the training thread and the network side.
+
+The lease machine (``gossiptrain.protocol.leases``) is sans-IO and not
+thread-safe; a peer's training loop asks it for chunks and reports samples
+trained on its own thread, while the peer's event loop merges the tables
+other members send and pushes ours. ``LeaseClient`` holds the machine under
+one lock (every call is short: no I/O, no waiting under it) and wakes a
+trainer that waits for a chunk when a merge may have freed one.
+
+``LeasedSampler`` is what the Python API hands a user's ``DataLoader``
+(``Peer.sampler``): the indices of the chunks this peer holds, in order.
+``LeasedBatches`` is the CLI peer's and the simulator's form: batches of a
+dataset held in memory, samples counted as trained only after the step
+that trained them.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from gossiptrain.config import DataConfig
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.leases import ChunkPlan, Leases, LeaseSettings, SendLeases, default_chunks
+
+
+def plan_for(samples: int, config: DataConfig, seed: int) -> ChunkPlan:
+    """The swarm's chunk plan for a dataset of ``samples``: the same on every member of one run."""
+    return ChunkPlan(samples, config.chunks or default_chunks(samples), seed)
+
+
+def settings_for(config: DataConfig) -> LeaseSettings:
+    return LeaseSettings(interval=config.gossip_interval, lease_time=config.lease_time, ahead=config.ahead_seconds,
+                         max_held=config.max_held, steal_after=3 * config.gossip_interval)
+
+
+class LeaseClient:
+    """One member's lease machine behind a lock, for the training thread and the network side alike."""
+
+    def __init__(
+        self, me: str, plan: ChunkPlan, config: DataConfig, *, live: Callable[[], Sequence[str]], now: Callable[[], float],
+        rng: random.Random,
+    ) -> None:
+        self.plan = plan
+        self.now = now
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.machine = Leases(me, plan, live=live, rng=rng, settings=settings_for(config))
+        self.refused = 0  # tables from members with another plan (another dataset size or chunk count)
+
+    # -- the training side ------------------------------------------------------------------------
+
+    def next_chunk(self) -> tuple[int, int] | None:
+        """(chunk, samples of it trained already) to train next; None: nothing to claim now."""
+        with self._lock:
+            return self.machine.next_chunk(self.now())
+
+    def holding(self, samples: int = 0) -> list[tuple[int, int]]:
+        """Every chunk we hold, in order, with what of each was trained (``Leases.holding``)."""
+        with self._lock:
+            return self.machine.holding(self.now(), samples)
+
+    def wait_chunk(self, timeout: float) -> tuple[int, int] | None:
+        """``next_chunk``, waiting up to ``timeout`` seconds (real time) for a merge to free one."""
+        with self._lock:
+            got = self.machine.next_chunk(self.now())
+            if got is None and timeout > 0:
+                self._changed.wait(timeout)
+                got = self.machine.next_chunk(self.now())
+            return got
+
+    def trained(self, g: int, samples: int) -> None:
+        with self._lock:
+            self.machine.trained(g, samples, self.now())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the swarm's epoch and this epoch's chunks done (``Peer.stats()``, metrics, status)."""
+        with self._lock:
+            done, chunks = self.machine.epoch_progress()
+            return {**self.machine.stats.to_dict(), "lease_epoch": self.machine.epoch, "lease_epoch_chunks_done": done,
+                    "lease_epoch_chunks": chunks, "lease_chunks_held": len(self.machine.held)}
+
+    def position(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the chunks we hold and what of each we trained (``resume`` takes it back)."""
+        with self._lock:
+            return {"plan": self.plan.to_wire(), "held": [[h.g, h.trained] for h in self.machine.held]}
+
+    # -- the network side -------------------------------------------------------------------------
+
+    def next_timer(self) -> float:
+        with self._lock:
+            return self.machine.next_timer()
+
+    def tick(self) -> list[SendLeases]:
+        with self._lock:
+            return self.machine.tick(self.now())
+
+    def handle(self, sender: str, body: Any) -> list[SendLeases]:
+        """A member's lease message: ``{"plan": [...], "table": {...}, "reply": bool}``; ProtocolError if malformed."""
+        if not isinstance(body, dict) or not isinstance(body.get("reply", False), bool):
+            raise ProtocolError("a lease message is a map with a bool reply")
+        if body.get("plan") != self.plan.to_wire():
+            self.refused += 1  # another run's data (or a member that leases another dataset): not ours to merge
+            return []
+        with self._lock:
+            out = self.machine.handle(sender, body.get("table"), self.now(), reply=body.get("reply", False))
+            self._changed.notify_all()
+            return out
+
+    def message(self, action: SendLeases) -> dict[str, Any]:
+        return {"plan": self.plan.to_wire(), "table": action.body, "reply": action.reply}
+
+
+class LeasedSampler(torch.utils.data.Sampler[int]):
+    """The dataset indices of the chunks this peer holds, chunk after chunk: a ``DataLoader``'s ``sampler``.
+
+    One pass (``iter``) ends when the swarm has finished the epoch that was
+    current when the pass began, so ``for epoch in ...: for batch in
+    loader`` reads as it does with static data. A sample counts as trained
+    when it is yielded: a ``DataLoader`` that prefetches holds a few batches
+    the swarm already counts (``prefetch_factor`` x ``num_workers``), lost if
+    the peer dies with them. ``len`` is this peer's share of an epoch if the
+    live members split it evenly: an estimate (a faster peer trains more).
+    """
+
+    def __init__(self, client: LeaseClient, members: Callable[[], int], *, wait: float = 0.05) -> None:
+        self.client = client
+        self.members = members
+        self.wait = wait
+
+    def __len__(self) -> int:
+        return max(1, self.client.plan.samples // max(1, self.members()))
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.client.machine.epoch
+        while self.client.machine.epoch <= epoch:
+            got = self.client.wait_chunk(self.wait)
+            if got is None:
+                continue
+            g, done = got
+            for i in self.client.plan.indices(g)[done:]:
+                yield i
+                self.client.trained(g, 1)
+
+
+class LeasedBatches:
+    """Batches of ``inputs``/``targets`` (the whole dataset, in the plan's index order) from the chunks we hold.
+
+    ``next()`` gives the next batch, or None when no chunk can be claimed
+    now; ``commit()`` after the step that trained it counts its samples.
+    """
+
+    def __init__(self, client: LeaseClient, inputs: Tensor, targets: Tensor, batch_size: int) -> None:
+        if len(targets) != client.plan.samples:
+            raise ValueError(f"the leased dataset holds {len(targets)} samples, its plan {client.plan.samples}")
+        self.client = client
+        self.inputs, self.targets = inputs, targets  # (N, ...), (N,)
+        self.batch_size = batch_size
+        self._pending: list[tuple[int, int]] = []  # (chunk, samples) of the batch given out and not committed yet
+
+    def next(self) -> tuple[Tensor, Tensor] | None:
+        self._pending = []
+        picked: list[int] = []
+        for g, done in self.client.holding(self.batch_size):
+            take = self.client.plan.indices(g)[done : done + self.batch_size - len(picked)]
+            picked += take
+            self._pending.append((g, len(take)))
+            if len(picked) == self.batch_size:
+                break
+        if not picked:
+            return None
+        index = torch.tensor(picked)
+        return self.inputs[index], self.targets[index]  # (B, ...), (B,)
+
+    def commit(self) -> None:
+        for g, n in self._pending:
+            self.client.trained(g, n)
+        self._pending = []

@@ -1,0 +1,110 @@
+"""Leased data on real peers (``Peer.sampler``): loopback, each peer on its own 127.0.0.x, one of them killed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from gossiptrain.errors import GossipError
+from gossiptrain.runtime.peer import Peer
+
+from .conftest import fast_config
+from .swarm import next_host, wait_for
+
+SAMPLES = 3000
+# No exchanges and no state download: the data is what is tested. Lease gossip fast enough for a short test.
+QUIET = {"train.workload": "external", "gossip.exchange_every_steps": 2 * 10**9, "state.enabled": False,
+         "data.gossip_interval": 0.05, "data.lease_time": 2.0}
+
+
+class Trainer(threading.Thread):
+    """A user's loop over ``peer.sampler``: counts each index it is given, steps every 32, paced to ``pace``/s."""
+
+    def __init__(self, peer: Peer, counts: list[int], lock: threading.Lock, pace: float) -> None:
+        super().__init__(daemon=True)
+        self.peer, self.counts, self.lock, self.pace = peer, counts, lock, pace
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            sampler = self.peer.sampler(SAMPLES)
+            n = 0
+            while not self.stop.is_set():
+                for i in sampler:
+                    with self.lock:
+                        self.counts[i] += 1
+                    n += 1
+                    if n % 32 == 0:
+                        self.peer.step()
+                        time.sleep(32 / self.pace)
+                    if self.stop.is_set():
+                        return
+        except GossipError:
+            if not self.stop.is_set():
+                raise
+        except BaseException as e:  # the test reads it
+            self.error = e
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_peers_chunks_are_trained_by_the_others_and_every_sample_once_an_epoch(coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**QUIET))
+    join = coord.address.removeprefix("tcp://")
+    peers = [Peer(torch.nn.Linear(4, 2), join=join, bind=f"{next_host()}:0", transfer_state=False) for _ in range(3)]
+    counts, lock = [0] * SAMPLES, threading.Lock()
+    trainers = [Trainer(p, counts, lock, pace) for p, pace in zip(peers, (3000.0, 3000.0, 1500.0))]
+    try:
+        assert [p.wait_for_peers(3, timeout=30) for p in peers] == [3, 3, 3]
+        for t in trainers:
+            t.start()
+        victim = peers[2]
+        # Mid-epoch: the victim holds chunks it has started, and has finished some.
+        wait_for(lambda: victim.stats().get("chunks_done", 0) >= 5 and victim.stats().get("lease_chunks_held", 0) > 0,
+                 30, "the victim to train some chunks")
+        held = [g for g, _ in victim._node.leases.position()["held"]]
+        epoch_then = peers[0].stats()["lease_epoch"]
+        trainers[2].stop.set()
+        victim._teardown()  # killed: no leave, its claims stand until membership finds it dead
+        wait_for(lambda: peers[0].stats()["lease_epoch"] >= epoch_then + 3, 60, "three more epochs",
+                 state=lambda: str({k: v for k, v in peers[0].stats().items() if "lease" in k or "chunks" in k}))
+        with lock:
+            seen = list(counts)
+        finished = min(p.stats()["lease_epoch"] for p in peers[:2])
+        done = [all(p._node.leases.machine.table.is_done(g) for g in held) for p in peers[:2]]
+        twice = sum(p.stats()["samples_trained_twice"] for p in peers[:2])
+    finally:
+        for t in trainers:
+            t.stop.set()
+        for p in peers:
+            p.close()
+        for t in trainers:
+            t.join(10)
+    assert not [t.error for t in trainers if t.error is not None]
+    # Every sample was trained in each finished epoch: the victim's chunks too, taken over by the others.
+    assert min(seen) >= finished
+    # The chunks the victim held when it died (taken over if its claims had spread, else simply claimed) are done.
+    assert held and done == [True, True]
+    # Samples trained twice: claims that crossed (the victim's own it had started are not counted by anyone).
+    assert twice <= 0.05 * sum(seen)
+
+
+@pytest.mark.timeout(60)
+def test_peers_leasing_different_datasets_ignore_each_others_tables(coordinator_factory: Any) -> None:
+    coord = coordinator_factory(fast_config(**QUIET))
+    join = coord.address.removeprefix("tcp://")
+    a, b = (Peer(torch.nn.Linear(4, 2), join=join, bind=f"{next_host()}:0", transfer_state=False) for _ in range(2))
+    try:
+        assert [p.wait_for_peers(2, timeout=30) for p in (a, b)] == [2, 2]
+        sa, sb = a.sampler(1000), b.sampler(2000)
+        next(iter(sa)), next(iter(sb))
+        wait_for(lambda: a._node.leases.refused > 0 and b._node.leases.refused > 0, 20, "each to refuse the other's table")
+        with pytest.raises(ValueError, match="1000 samples, not 5"):
+            a.sampler(5)
+    finally:
+        a.close()
+        b.close()
