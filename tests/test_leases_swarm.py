@@ -108,3 +108,25 @@ def test_peers_leasing_different_datasets_ignore_each_others_tables(coordinator_
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(120)
+def test_cli_peers_with_leased_data_go_on_through_epochs_when_one_is_killed(procs: Any, coordinator_factory: Any) -> None:
+    """`gossiptrain peer --data leased`: three processes lease digits-small's chunks; one is killed (SIGKILL)."""
+    config = fast_config(**{"train.max_steps": 0, "train.max_seconds": 30.0, "data.mode": "leased",
+                            "data.gossip_interval": 0.05, "data.lease_time": 2.0})
+    coord = coordinator_factory(config)
+    join = coord.address.removeprefix("tcp://")
+    peers = [procs.peer(join, "--wait-for", "3") for _ in range(3)]
+    epoch = lambda p: (p.latest() or {}).get("lease_epoch", 0)  # noqa: E731
+    procs.wait_for(lambda: all(epoch(p) >= 2 for p in peers), 60, "every peer to see epoch 2")
+    peers[2].kill()
+    then = max(epoch(p) for p in peers[:2])
+    procs.wait_for(lambda: all(epoch(p) >= then + 5 for p in peers[:2]), 60, "five more epochs without the killed peer")
+    for p in peers[:2]:
+        p.signal(2)  # Ctrl+C: each ends its run, says so in its last record, and exits 130
+    for p in peers[:2]:
+        assert p.wait(30) == 130, p.output()
+        last = p.records("done")[0]
+        assert last["lease_epoch"] >= then + 5 and last["chunks_done"] > 0, last
+        assert last["samples_trained_twice"] <= 0.05 * last["step"] * config.train.batch_size, last

@@ -58,6 +58,7 @@ _RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--partition": ("train.partition", str, "how data is split over shards: iid, dirichlet, classes-per-peer"),
     "--partition-alpha": ("train.partition_alpha", float, "Dirichlet concentration (smaller: more label skew)"),
     "--partition-classes": ("train.partition_classes", int, "classes per shard for classes-per-peer"),
+    "--data": ("data.mode", str, "shards (each peer its shard, fixed) or leased (chunks of the whole dataset, leased through the swarm: fast peers train more, a dead peer's chunks are taken over; every peer must read all the data)"),
 }
 
 

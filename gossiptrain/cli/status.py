@@ -107,6 +107,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("IDLE S", "idle_s", lambda v: f"{v:.1f}"),
     ("OFF", "backed_off", str),  # added methods the stability guard turned off (0: the defaults all run)
     ("NAN", "restores", str),  # times the model went non-finite and was restored
+    ("EPOCH", "lease_epoch", str),  # leased data: the swarm's epoch as the member sees it (-: a fixed shard)
     ("HEARD", "heard_s_ago", lambda v: f"{v:.0f}s ago"),
 )
 _LEFT_ALIGNED = {"ID", "ADDRESS", "ROLE", "STATE"}

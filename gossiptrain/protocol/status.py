@@ -38,6 +38,7 @@ _INTS = ("shard", "step", "samples", "members", "exchanges", "bytes_sent", "byte
 _FLOATS = ("exchanges_per_s", "staleness_mean", "rtt_ms", "idle_s", "uptime_s")
 _OPTIONAL_FLOATS = ("loss", "test_loss", "test_acc")
 _OPTIONAL_INTS = ("backed_off", "restores")  # 0 where a member of an older version does not say
+_LEASE_INTS = ("lease_epoch", "lease_chunks_done")  # None where a member trains a fixed shard (data.mode = shards)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class MemberStatus:
     test_acc: float | None = None
     backed_off: int = 0  # added methods its stability guard has turned off now (gossiptrain.protocol.stability)
     restores: int = 0  # times its model became non-finite and was restored
+    lease_epoch: int | None = None  # leased data: the swarm's epoch as this member sees it (gossiptrain.protocol.leases)
+    lease_chunks_done: int | None = None  # ...and the chunks of it done
     partners: tuple[str, ...] = field(default=())
 
     def to_body(self) -> dict[str, Any]:
@@ -90,6 +93,11 @@ class MemberStatus:
             v = body.get(name, 0)
             if type(v) is not int or v < 0:
                 raise ProtocolError(f"status: {name} must be an int >= 0")
+            values[name] = v
+        for name in _LEASE_INTS:
+            v = body.get(name)
+            if v is not None and (type(v) is not int or v < 0):
+                raise ProtocolError(f"status: {name} must be an int >= 0 or absent")
             values[name] = v
         for name in _OPTIONAL_FLOATS:
             v = body.get(name)

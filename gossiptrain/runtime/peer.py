@@ -64,7 +64,7 @@ from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.join_client import join_swarm, reach_verdict
-from gossiptrain.runtime.leased_data import LeasedSampler
+from gossiptrain.runtime.leased_data import LeaseClient, LeasedSampler
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
 from gossiptrain.runtime.peer_group import PeerGroup
@@ -588,7 +588,15 @@ class Peer:
             "exchanges": stats.completed + stats.served, "staleness_mean": mean_staleness(Counter(dict(stats.staleness))),
             "rtt_ms": stats.rtt_ms, "idle_s": 0.0 if last is None else round(max(0.0, self._clock.now() - last), 3),
             **{k: v for k, v in reported.items() if v == v and abs(v) != float("inf")},  # finite only
+            **self._lease_status(),
         }
+
+    def _lease_status(self) -> dict[str, int]:
+        leases = self._node.leases if self._node is not None else None
+        if leases is None:
+            return {}
+        stats = leases.stats()
+        return {"lease_epoch": stats["lease_epoch"], "lease_chunks_done": stats["lease_epoch_chunks_done"]}
 
     @property
     def samples_seen(self) -> int:
@@ -685,11 +693,20 @@ class Peer:
         the chunks this peer leases from the swarm (``data.*``; ``gossiptrain.protocol.leases``), so a faster
         peer trains more, a dead peer's chunks are taken over, and each sample is trained once an epoch.
         Every peer must pass the same ``num_samples`` and ``seed`` (default ``train.seed``)."""
+        return LeasedSampler(self.leases(num_samples, seed=seed), lambda: self.members)
+
+    def leases(self, num_samples: int, *, seed: int | None = None) -> LeaseClient:
+        """This peer's lease machine for a dataset of ``num_samples`` (``sampler``'s; the CLI loop's batches)."""
         node = self._check_open()
         if self._group is not None:
             raise GossipError("leased data is not built for a peer of several workers yet: give each worker its own data")
-        client = node.use_leases(num_samples, self.config.train.seed if seed is None else seed)
-        return LeasedSampler(client, lambda: self.members)
+        return node.use_leases(num_samples, self.config.train.seed if seed is None else seed)
+
+    def wait_for_data(self, timeout: float = 0.05) -> None:
+        """Leased data and nothing to claim now: wait up to ``timeout`` for the swarm's tables to free a chunk."""
+        node = self._check_open()
+        if node.leases is not None:
+            node.leases.wait_chunk(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this peer: exchanges, bytes, drops, membership."""

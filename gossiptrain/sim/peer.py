@@ -164,14 +164,18 @@ class SimPeer:
                     node.wait_for(self.spec.wait_for)
                     while not node.released.is_set():
                         await asyncio.sleep(0.01)
-                trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer)
+                leases = (lambda n: node.use_leases(n, config.train.seed)) if config.data.mode == "leased" else None
+                trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer,
+                                                      leases=leases)
                 if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
                     trainer.steps = self.transfer.step
                 started = self.started_at = self.clock.now()
                 spec = self.spec
                 next_eval = started + config.train.eval_every_seconds
                 while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
-                    trainer.step()  # real computation, no virtual time
+                    if trainer.step() is None:  # leased data: nothing to claim now; the others' tables come meanwhile
+                        await asyncio.sleep(spec.step_time)
+                        continue
                     await asyncio.sleep(spec.step_time * spec.speed * spec.contention * self._jitter())  # the virtual time it costs
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
@@ -232,4 +236,6 @@ class SimPeer:
             out["lr_scale"] = self.lr_scaling.last_factor if self.lr_scaling is not None else 1.0
             if (guard := self.safepoint.guard) is not None:  # the stability guard: methods off now, NaN models restored
                 out.update(guard_backed_off=guard.stats.backed_off, guard_restores=guard.stats.restores)
+        if self.node is not None and self.node.leases is not None:  # leased data: the epoch, chunks done, twice
+            out.update({k: float(v) for k, v in self.node.leases.stats().items()})
         return out

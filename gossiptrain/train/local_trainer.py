@@ -9,13 +9,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from gossiptrain.config import TrainConfig
 from gossiptrain.errors import WorkloadError
+from gossiptrain.runtime.leased_data import LeaseClient, LeasedBatches
 from gossiptrain.state.checkpoint import Checkpoint, restore
 from gossiptrain.train.evaluation import EvalResult
 from gossiptrain.train.partition import class_histogram, describe
@@ -95,13 +96,16 @@ class LocalTrainer:
     def __init__(
         self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int,
         optimizer: torch.optim.Optimizer | None = None, *, worker: tuple[int, int] = (0, 1),
-        forward: torch.nn.Module | None = None,
+        forward: torch.nn.Module | None = None, leases: Callable[[int], LeaseClient] | None = None,
     ) -> None:
         self.workload = workload
         self.model = model
         self.forward = forward if forward is not None else model
-        inputs, targets = load_shard(workload, config, shard)
         rank, size = worker
+        if leases is not None and size > 1:
+            raise WorkloadError("leased data (data.mode = leased) is not built for a peer of several workers yet")
+        # Leased (data.mode = leased): the whole training set, batches from the chunks the swarm leases us.
+        inputs, targets = workload.train_shard(0, 1, config.seed) if leases is not None else load_shard(workload, config, shard)
         if size > 1:  # (N, ...) -> (about N / size, ...): this worker's part of the shard
             inputs, targets = inputs[rank::size], targets[rank::size]
         self.samples = len(targets)
@@ -113,14 +117,22 @@ class LocalTrainer:
         self.clip = clip_norm_of(workload)
         # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
         self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard + 1_000_003 * rank)
+        self.leased = LeasedBatches(leases(len(targets)), inputs, targets, config.batch_size) if leases is not None else None
         self.loss_avg = math.nan  # exponential moving average of the training loss
         self.steps = 0
         self.samples_seen = 0  # samples consumed by step(); both counters continue across a resume
         model.train()
 
-    def step(self) -> float:
-        """One optimizer step on the next mini-batch (clipped, then scheduled, where the workload says); returns its loss."""
-        x, y = next(self._data)  # (B, ...) inputs, (B,) targets
+    def step(self) -> float | None:
+        """One optimizer step on the next mini-batch (clipped, then scheduled, where the workload says); returns its
+        loss, or None where the data is leased and no chunk can be claimed now (wait a little, then step again)."""
+        if self.leased is not None:
+            batch = self.leased.next()
+            if batch is None:
+                return None
+            x, y = batch
+        else:
+            x, y = next(self._data)  # (B, ...) inputs, (B,) targets
         loss = self.workload.loss(self.forward, x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -133,6 +145,8 @@ class LocalTrainer:
         self.loss_avg = value if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * value
         self.steps += 1
         self.samples_seen += len(y)
+        if self.leased is not None:
+            self.leased.commit()  # trained now: the swarm may count these samples
         return value
 
     def load_state(

@@ -236,14 +236,18 @@ def _train(
     cfg = peer.config.train
     size = workers.size if workers is not None else 1
     forward = _data_parallel(peer.model, group) if group is not None else None
-    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer, worker=(0, size), forward=forward)
+    leases = (lambda n: peer.leases(n)) if peer.config.data.mode == "leased" else None
+    trainer = LocalTrainer(workload, peer.model, cfg, peer.shard, optimizer=peer.optimizer, worker=(0, size), forward=forward,
+                           leases=leases)
     resumed = _resume(peer, trainer, resume, resume_any_run) if resume is not None else {}
     report = _Report(peer, trainer, metrics, progress, checkpointer, resumed)
     next_eval = report.started + cfg.eval_every_seconds
     try:
         while peer.agree(not stop.is_set() and not peer.finish_requested and not budget_spent(cfg, peer.steps, report.elapsed())):
             computed = time.perf_counter()
-            trainer.step()
+            if trainer.step() is None:  # leased data: nothing to claim now (the window is full of others' claims)
+                peer.wait_for_data()
+                continue
             if slowdown > 1:  # an emulated slow machine: idle, so the others keep the CPU
                 time.sleep((slowdown - 1) * (time.perf_counter() - computed))
             peer.step(samples_seen=trainer.samples_seen * size)  # apply finished exchanges, answer requests, start the next
@@ -404,6 +408,9 @@ class _Report:
             # membership gossip not believed: made-up or unanswering members, redirections, far jumps, verdicts
             "gossip_refused": stats["gossip_refused"],
         }
+        if "lease_epoch" in stats:  # leased data (gossiptrain.protocol.leases): the swarm's epoch, what we trained
+            rec.update({k: stats[k] for k in ("lease_epoch", "lease_epoch_chunks_done", "lease_epoch_chunks", "chunks_done",
+                                              "chunks_taken_over", "claims_lost", "samples_trained_twice", "waits")})
         if self.checkpointer is not None:
             rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
         rec.update(extra)

@@ -23,14 +23,16 @@ import math
 from typing import Sequence
 
 _MASK = (1 << 64) - 1
-#: The bucket assumed for a member whose pace we have not heard yet (a newcomer): 2**(8/2) = 16 samples/s.
+#: The bucket of every member while nobody's pace is known (all alike then). Once some are, a member whose pace
+#: we have not heard (a newcomer) counts as their median: counted as slow, a newcomer was first in line for
+#: almost nothing and waited to steal.
 UNKNOWN_BUCKET = 8
 
 
-def pace_bucket(pace: float | None) -> int:
+def pace_bucket(pace: float) -> int:
     """A pace in samples per second as a half-octave bucket: round(2 log2(pace)), 0..127."""
-    if not pace or pace <= 0 or not math.isfinite(pace):
-        return UNKNOWN_BUCKET
+    if not pace > 0 or not math.isfinite(pace):
+        return 0
     return max(0, min(127, round(2 * math.log2(max(pace, 1.0)))))
 
 
@@ -60,8 +62,11 @@ class Assignment:
         self._hashes: dict[str, int] = {}
 
     def update(self, members: Sequence[str], buckets: dict[str, int]) -> None:
-        """The live members (ids) and their pace buckets (absent: UNKNOWN_BUCKET); a no-op if nothing changed."""
-        key = tuple((m, buckets.get(m, UNKNOWN_BUCKET)) for m in sorted(members))
+        """The live members (ids) and their pace buckets (absent: the median of theirs that are known, see
+        UNKNOWN_BUCKET); a no-op if nothing changed."""
+        known = sorted(buckets[m] for m in members if m in buckets)
+        unknown = known[len(known) // 2] if known else UNKNOWN_BUCKET
+        key = tuple((m, buckets.get(m, unknown)) for m in sorted(members))
         if key == self._key:
             return
         self._key = key

@@ -45,8 +45,10 @@ from gossiptrain.protocol.leases.chunks import ChunkPlan
 from gossiptrain.protocol.leases.table import Claim, LeaseTable
 
 #: Chunks a window holds at least: on a small dataset an epoch is a fraction of a second of a fast swarm's
-#: work, less than gossip takes to cross it; a window this long is seconds of work (digits, 4 peers: 11 s).
-MIN_WINDOW = 1024
+#: work, less than gossip takes to cross it, and members that have not heard the floor move run out of window.
+#: Simulated, digits-small (44 chunks of 32 samples an epoch), 4 peers of 2 ms steps, one 4x slower: with 1,024
+#: (0.6 s of the swarm's work) the peers waited for chunks in 4,400 of 17,000 steps; with 4,096 in none.
+MIN_WINDOW = 4096
 #: Free chunks of its own a member is left by thieves at least (see ``Leases._top_up``).
 RESERVE = 2
 #: Places in line that wait their turn to steal; further back, all wait as long as the last.
@@ -122,7 +124,8 @@ class Leases:
         # The pace bucket our latest counter carries, since when, and the one our own line uses for us: the new
         # one only once the others have likely heard it (each member computing the line with its own fresh pace
         # and the others' old ones thought itself first for every chunk).
-        self._published = self._in_line = pace_bucket(None)
+        self._published: int | None = None
+        self._in_line: int | None = None  # None: we count as the median of the others (the line's rule for unknowns)
         self._published_at = -math.inf
         self._beat_seen: dict[str, tuple[int, float]] = {}  # owner -> (its counter, when we saw it change)
         self._next_push = 0.0
@@ -237,7 +240,9 @@ class Leases:
         if self.pace is None:
             return self._published
         exact = 2 * math.log2(max(self.pace, 1.0))
-        return pace_bucket(self.pace) if abs(exact - self._published) >= 1.5 else self._published
+        if self._published is None or abs(exact - self._published) >= 1.5:
+            return pace_bucket(self.pace)
+        return self._published
 
     def _wanted(self) -> int:
         """Chunks to hold: ``ahead`` seconds of our pace, 1..max_held."""
@@ -279,7 +284,10 @@ class Leases:
         live = {m for m in members if m == self.me or not self._expired(m, now, members)}
         if now - self._published_at >= self.settings.steal_after:
             self._in_line = self._published  # by now most members have heard it
-        self._line.update(sorted(live), {**self.table.paces, self.me: self._in_line})
+        buckets = {m: b for m, b in self.table.paces.items() if m != self.me}
+        if self._in_line is not None:
+            buckets[self.me] = self._in_line
+        self._line.update(sorted(live), buckets)
         lo, hi = self.table.floor, self.table.floor + self.table.window
         held = {h.g for h in self.held}
         for g in range(lo, hi):  # first in line: ours, lowest first
