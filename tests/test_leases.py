@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from typing import Any
 
 import msgpack
 import pytest
@@ -264,3 +265,43 @@ def test_a_silent_holder_loses_its_chunks_after_the_lease_time() -> None:
     assert a.leases.stats.chunks_taken_over >= len(held)
     assert swarm.untrained_below(a.leases.table.floor) == []
     assert b.leases.held == []  # and b hears that it lost them
+
+
+@pytest.mark.parametrize("down_for", [0.2, 8.0])  # back before the others noticed; back after they took over
+def test_a_resumed_member_takes_back_its_chunks_without_skipping_or_repeating(down_for: float) -> None:
+    plan = ChunkPlan(4000, 100)
+    swarm = LeaseSwarm(plan, LeaseSettings(lease_time=2.0), seed=3, batch=10, detect=1.0)
+    a, b = swarm.add(300.0), swarm.add(300.0)
+    swarm.run(2.0)
+    position = [(h.g, h.trained) for h in a.leases.held]  # the checkpoint, taken as it died
+    assert any(t > 0 for _, t in position)
+    swarm.crash(a.id)
+    swarm.run(2.0 + down_for)
+    again = swarm.add(300.0)
+    again.leases.resume(position, was=a.id)
+    swarm.run(2.0 + down_for + 6.0)
+    resumed = again.leases.stats.chunks_resumed
+    for g, before in position:
+        trained = swarm.ledger[g]
+        # Every sample of the chunk trained once: by the first incarnation up to the checkpoint, then by the
+        # second (taken back) or by the other member from the start (taken over while it was down).
+        assert trained.get(a.id, 0) == before
+        assert sorted(trained) in ([a.id, again.id], [a.id, b.id], [a.id]) or before == 0
+        if again.id in trained:
+            assert trained[again.id] == plan.size(g) - before and b.id not in trained
+    assert (resumed > 0) == (down_for < 1.0)
+    assert swarm.untrained_below(swarm.floor()) == []
+
+
+def test_a_checkpoint_keeps_the_data_position_and_refuses_a_malformed_one(tmp_path: Any) -> None:
+    import torch
+
+    from gossiptrain.errors import CheckpointError
+    from gossiptrain.state.checkpoint import Checkpointer, latest_good
+
+    position = {"plan": [1437, 44, 0], "held": [[90, 12], [93, 0]], "me": "p1234"}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(torch.nn.Linear(2, 2), None, step=3, data=position)
+        with pytest.raises(CheckpointError, match="data position"):
+            ck.save(torch.nn.Linear(2, 2), None, step=4, data={"plan": [1, 2], "held": []})
+    assert latest_good(tmp_path).info.data == position

@@ -87,7 +87,15 @@ class LeaseClient:
     def position(self) -> dict[str, Any]:
         """What a checkpoint keeps: the chunks we hold and what of each we trained (``resume`` takes it back)."""
         with self._lock:
-            return {"plan": self.plan.to_wire(), "held": [[h.g, h.trained] for h in self.machine.held]}
+            return {"plan": self.plan.to_wire(), "held": [[h.g, h.trained] for h in self.machine.held], "me": self.machine.me}
+
+    def resume(self, position: dict[str, Any]) -> bool:
+        """Take back a checkpoint's claims (``position``) if it is of this plan; whether it was."""
+        if position.get("plan") != self.plan.to_wire():
+            return False
+        with self._lock:
+            self.machine.resume([(g, t) for g, t in position["held"]], position.get("me", ""))
+        return True
 
     # -- the network side -------------------------------------------------------------------------
 

@@ -84,6 +84,9 @@ class CheckpointInfo:
     files: dict[str, dict[str, Any]]  # "model"/"optimizer" -> {"file", "bytes", "sha256"}
     optimizer: dict[str, Any] | None  # class, param_groups (names, hyperparameters), state mapping
     averaging: dict[str, float] | None = None  # the averaging algorithm's scalars (push-sum weight); None: none saved
+    # Leased data (gossiptrain.protocol.leases): the chunk plan and the chunks held, with the samples of each trained
+    # by this step, so that --resume neither skips nor repeats them; None: a fixed shard
+    data: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -162,6 +165,7 @@ class Checkpointer:
         shard: int = -1,
         run: Mapping[str, Any] | None = None,
         averaging: Mapping[str, float] | None = None,
+        data: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write one checkpoint atomically, then delete the ones beyond ``keep``; return its metadata.
 
@@ -175,7 +179,7 @@ class Checkpointer:
         if step < 0 or samples_seen < 0:
             raise CheckpointError(f"step and samples_seen must be >= 0, got {step} and {samples_seen}")
         try:
-            info = self._save(model, optimizer, step, samples_seen, fingerprint, peer, shard, run, averaging)
+            info = self._save(model, optimizer, step, samples_seen, fingerprint, peer, shard, run, averaging, data)
         finally:  # done or failed, this was the save due: the next one is a period away
             self._last_time = self._clock()
             self._last_step = step
@@ -186,6 +190,7 @@ class Checkpointer:
     def _save(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, samples_seen: int,
         fingerprint: str, peer: str, shard: int, run: Mapping[str, Any] | None, averaging: Mapping[str, float] | None,
+        data: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
         seq = _next_seq(self.directory)
         name = f"ckpt-{seq:06d}-step-{step}"
@@ -200,6 +205,10 @@ class Checkpointer:
             averaging_json = _averaging_state(averaging, "averaging") if averaging is not None else None
         except TypeError as e:
             raise CheckpointError(f"cannot save the averaging state: {e}") from None
+        try:
+            data_json = data_position(data) if data is not None else None
+        except TypeError as e:
+            raise CheckpointError(f"cannot save the data position: {e}") from None
         try:
             files = {}
             for role, (suffix, data) in blobs.items():
@@ -220,6 +229,7 @@ class Checkpointer:
                 "files": files,
                 "optimizer": optim_meta,
                 "averaging": averaging_json,
+                "data": data_json,
             }
             path = self.directory / (name + _META)
             storage.write_atomic(path, encode_metadata(meta))  # last: from now on it is a checkpoint
@@ -507,7 +517,25 @@ def _info_from(path: Location, meta: Mapping[str, Any]) -> CheckpointInfo:
         files={role: dict(field("files", dict)[role]) for role in ("model", "optimizer")},
         optimizer=optimizer,
         averaging=_averaging_state(meta["averaging"], "averaging") if meta.get("averaging") is not None else None,
+        data=data_position(meta["data"]) if meta.get("data") is not None else None,
     )
+
+
+def data_position(data: Any) -> dict[str, Any]:
+    """A leased peer's data position: ``{"plan": [samples, chunks, seed], "held": [[chunk, trained], ...], "me":
+    its member id}`` (``LeaseClient.position``), checked; TypeError naming what is wrong."""
+    if not isinstance(data, Mapping):
+        raise TypeError("the data position must be a mapping")
+    plan, held = data.get("plan"), data.get("held")
+    if not (isinstance(plan, list) and len(plan) == 3 and all(type(x) is int and x >= 0 for x in plan)):
+        raise TypeError(f"the data position's plan is [samples, chunks, seed], not {plan!r:.80}")
+    if not (isinstance(held, list) and len(held) <= 65_536 and all(
+            isinstance(h, list) and len(h) == 2 and all(type(x) is int and x >= 0 for x in h) for h in held)):
+        raise TypeError("the data position's held chunks are [[chunk, samples trained], ...]")
+    me = data.get("me", "")
+    if not isinstance(me, str) or len(me) > 64:
+        raise TypeError("the data position's member id is a string of at most 64 characters")
+    return {"plan": list(plan), "held": [list(h) for h in held], "me": me}
 
 
 def _averaging_state(state: Mapping[str, Any], what: str) -> dict[str, float]:

@@ -52,6 +52,7 @@ class LeaseSwarm:
     now: float = 0.0
     members: dict[str, SimMember] = field(default_factory=dict)
     ledger: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))  # chunk -> member -> samples
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))  # chunk -> [start, end) trained
     sent_bytes: int = 0
     messages: int = 0
     on_event: Callable[[LeaseSwarm], None] | None = None  # called after every event (the invariant checks)
@@ -130,14 +131,15 @@ class LeaseSwarm:
         g, done = got
         n = min(self.batch, self.plan.size(g) - done)
         took = n / m.pace
-        self._at(self.now + took, "trained", (mid, g, n))
+        self._at(self.now + took, "trained", (mid, g, done, n))
 
-    def _on_trained(self, what: tuple[str, int, int]) -> None:
-        mid, g, n = what
+    def _on_trained(self, what: tuple[str, int, int, int]) -> None:
+        mid, g, start, n = what
         m = self.members[mid]
         if not m.up:
             return  # died mid-batch: the batch never counted
         self.ledger[g][mid] = self.ledger[g].get(mid, 0) + n
+        self.spans[g].append((start, start + n))
         m.leases.trained(g, n, self.now)
         self._at(self.now, "step", mid)
 
@@ -170,8 +172,18 @@ class LeaseSwarm:
         return max((m.leases.table.floor for m in self.up()), default=0)
 
     def untrained_below(self, floor: int) -> list[int]:
-        """Chunks below ``floor`` that no member trained in full."""
-        return [g for g in range(floor) if max(self.ledger.get(g, {0: 0}).values(), default=0) < self.plan.size(g)]
+        """Chunks below ``floor`` some sample of which nobody trained (a resumed chunk: one member up to its
+        checkpoint, another from there)."""
+        out = []
+        for g in range(floor):
+            covered = 0
+            for start, end in sorted(self.spans.get(g, ())):
+                if start > covered:
+                    break
+                covered = max(covered, end)
+            if covered < self.plan.size(g):
+                out.append(g)
+        return out
 
     def samples_trained(self) -> int:
         return sum(sum(v.values()) for v in self.ledger.values())

@@ -284,7 +284,11 @@ def _resume(peer: Peer, trainer: LocalTrainer, resume: Checkpoint, resume_any_ru
     trainer.load_state(resume, fingerprint=peer.fingerprint, run=peer.config.to_dict(), allow_other_run=resume_any_run)
     peer.resume_at(trainer.steps)
     peer.restore_averaging(resume.info.averaging)  # push-sum: the weight it had, so it rejoins with its own mass
-    if resume.info.shard != peer.shard:
+    if trainer.leased is not None and resume.info.data is not None:  # the chunks it held, from where they were
+        if not trainer.leased.client.resume(resume.info.data):
+            log.warning("not taking back the checkpoint's chunks: it leased another dataset (plan %s, now %s)",
+                        resume.info.data["plan"], trainer.leased.client.plan.to_wire())
+    elif resume.info.shard != peer.shard and trainer.leased is None:
         log.warning("resuming a checkpoint of shard %d on shard %d (the swarm assigned it)", resume.info.shard, peer.shard)
     log.info("resumed from %s at step %d", resume.info.path, resume.info.step)
     return {"resumed_from": str(resume.info.path), "resumed_step": resume.info.step,
@@ -324,6 +328,7 @@ class _Report:
             info = self.checkpointer.save(
                 trainer.model, trainer.opt, step=peer.steps, samples_seen=trainer.samples_seen, fingerprint=peer.fingerprint,
                 peer=peer.id, shard=peer.shard, run=peer.config.to_dict(), averaging=peer.averaging_state(),
+                data=trainer.leased.client.position() if trainer.leased is not None else None,
             )
         except CheckpointError as e:  # keep training: a full disk should not end the run, but say so loudly
             self.failed += 1  # once per save due (the checkpointer tries again at the next one, not at every step)
@@ -410,7 +415,7 @@ class _Report:
         }
         if "lease_epoch" in stats:  # leased data (gossiptrain.protocol.leases): the swarm's epoch, what we trained
             rec.update({k: stats[k] for k in ("lease_epoch", "lease_epoch_chunks_done", "lease_epoch_chunks", "chunks_done",
-                                              "chunks_taken_over", "claims_lost", "samples_trained_twice", "waits")})
+                                              "chunks_taken_over", "chunks_resumed", "claims_lost", "samples_trained_twice", "waits")})
         if self.checkpointer is not None:
             rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
         rec.update(extra)

@@ -79,6 +79,7 @@ class LeaseStats:
     samples_trained: int = 0
     samples_trained_twice: int = 0  # trained by us of chunks we then lost, or that someone else finished
     waits: int = 0  # next_chunk found nothing to claim (the window is full of others' claims)
+    chunks_resumed: int = 0  # a checkpoint's claims taken back after --resume
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -134,6 +135,9 @@ class Leases:
         self._tops: deque[tuple[int, float]] = deque()  # (the window's top, when it rose to it), oldest first
         self._line = Assignment()  # who is first in line for each chunk
         self._floor_seen: tuple[int, float] = (-1, 0.0)  # the floor, and since when we have seen it there
+        self._resume: list[tuple[int, int]] | None = None  # a checkpoint's claims, until we take them back
+        self._was = ""  # the member id that held them
+        self._heard = False  # we have merged another member's table
         self.table.beat(me, 0)
 
     # -- what the trainer calls -------------------------------------------------------------------
@@ -154,9 +158,18 @@ class Leases:
         held = self.holding(now)
         return held[0] if held else None
 
+    def resume(self, held: Sequence[tuple[int, int]], was: str = "") -> None:
+        """A checkpoint's claims (chunk, samples trained by it) of member ``was`` (our earlier incarnation): taken
+        back once we have heard the swarm's table (before that we cannot tell which were finished or taken over
+        meanwhile), trained on from where they were."""
+        self._resume = [(g, t) for g, t in held if 0 <= t < self.plan.size(g)]
+        self._was = was
+
     def holding(self, now: float, samples: int = 0) -> list[tuple[int, int]]:
         """Every chunk we hold, in the order to train them, with the samples of each trained already (claiming
         more if we hold too few, or fewer than ``samples`` untrained: a batch's worth); empty: wait."""
+        if self._resume is not None and (self._heard or not [m for m in self.live() if m != self.me]):
+            self._take_back(now)
         self._drop_lost()
         self._top_up(now, samples)
         if not self.held:
@@ -217,6 +230,7 @@ class Leases:
             if seen is None or count > seen[0]:
                 self._beat_seen[owner] = (count, now)
         self.table.merge(other)
+        self._heard = True
         self._drop_lost()
         return [] if reply else [SendLeases(sender, self._body(), reply=True)]
 
@@ -366,6 +380,21 @@ class Leases:
         self.stats.chunks_taken_over += old is not None
         if self._last_beat == -math.inf:
             self._renew(now)
+
+    def _take_back(self, now: float) -> None:
+        """Claim again the chunks a checkpoint held that nobody finished or holds now (a holder that is gone or
+        silent included: our own earlier incarnation), at the next term, from the samples trained by then."""
+        assert self._resume is not None
+        members = set(self.live()) | {self.me}
+        for g, trained in self._resume:
+            ok, old = self._free(g, now, members)
+            if old is not None and old.owner == self._was != "":  # ours, from before the restart, alive or not
+                ok = not self.table.is_done(g)
+            if ok and self.table.in_window(g) and all(h.g != g for h in self.held):
+                self._claim(g, old, stolen=False, now=now)
+                self.held[[h.g for h in self.held].index(g)].trained = trained
+                self.stats.chunks_resumed += 1
+        self._resume = None
 
     def _drop_lost(self) -> None:
         """Claims another member won, or chunks someone finished: drop them, counting what we had trained."""
