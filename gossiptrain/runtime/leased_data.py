@@ -123,15 +123,19 @@ class LeaseClient:
         return {"plan": self.plan.to_wire(), "table": action.body, "reply": action.reply}
 
 
+#: Samples a sampler yields before it counts them as trained (a lock and a table update each time, not per sample).
+REPORT_EVERY = 16
+
+
 class LeasedSampler(torch.utils.data.Sampler[int]):
     """The dataset indices of the chunks this peer holds, chunk after chunk: a ``DataLoader``'s ``sampler``.
 
     One pass (``iter``) ends when the swarm has finished the epoch that was
     current when the pass began, so ``for epoch in ...: for batch in
     loader`` reads as it does with static data. A sample counts as trained
-    when it is yielded: a ``DataLoader`` that prefetches holds a few batches
-    the swarm already counts (``prefetch_factor`` x ``num_workers``), lost if
-    the peer dies with them. ``len`` is this peer's share of an epoch if the
+    when it is yielded (counted REPORT_EVERY at a time): a ``DataLoader`` that
+    prefetches holds a few batches the swarm already counts
+    (``prefetch_factor`` x ``num_workers``), lost if the peer dies with them. ``len`` is this peer's share of an epoch if the
     live members split it evenly: an estimate (a faster peer trains more).
     """
 
@@ -150,9 +154,13 @@ class LeasedSampler(torch.utils.data.Sampler[int]):
             if got is None:
                 continue
             g, done = got
-            for i in self.client.plan.indices(g)[done:]:
+            told = 0  # samples of the chunk yielded and counted: every REPORT_EVERY, and at its end
+            rest = self.client.plan.indices(g)[done:]
+            for k, i in enumerate(rest, 1):
                 yield i
-                self.client.trained(g, 1)
+                if k - told == REPORT_EVERY or k == len(rest):
+                    self.client.trained(g, k - told)
+                    told = k
 
 
 class LeasedBatches:

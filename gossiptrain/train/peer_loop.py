@@ -415,7 +415,7 @@ class _Report:
         }
         if "lease_epoch" in stats:  # leased data (gossiptrain.protocol.leases): the swarm's epoch, what we trained
             rec.update({k: stats[k] for k in ("lease_epoch", "lease_epoch_chunks_done", "lease_epoch_chunks", "chunks_done",
-                                              "chunks_taken_over", "chunks_resumed", "claims_lost", "samples_trained_twice", "waits")})
+                                              "chunks_taken_over", "chunks_resumed", "claims_lost", "samples_trained_twice", "lease_waits")})
         if self.checkpointer is not None:
             rec.update(checkpoints=self.saved, checkpoint_failures=self.failed)
         rec.update(extra)

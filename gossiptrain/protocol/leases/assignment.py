@@ -61,17 +61,18 @@ class Assignment:
         self._owner: dict[int, str] = {}
         self._hashes: dict[str, int] = {}
 
-    def update(self, members: Sequence[str], buckets: dict[str, int]) -> None:
+    def update(self, members: Sequence[str], buckets: dict[str, int]) -> bool:
         """The live members (ids) and their pace buckets (absent: the median of theirs that are known, see
-        UNKNOWN_BUCKET); a no-op if nothing changed."""
+        UNKNOWN_BUCKET); whether the line changed (a no-op if not)."""
         known = sorted(buckets[m] for m in members if m in buckets)
         unknown = known[len(known) // 2] if known else UNKNOWN_BUCKET
         key = tuple((m, buckets.get(m, unknown)) for m in sorted(members))
         if key == self._key:
-            return
+            return False
         self._key = key
         self._members = [(m, self._hash(m), bucket_weight(b)) for m, b in key]
         self._owner.clear()
+        return True
 
     def owner(self, g: int) -> str:
         """The member first in line for chunk ``g``."""

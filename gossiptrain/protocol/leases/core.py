@@ -78,7 +78,7 @@ class LeaseStats:
     claims_lost: int = 0  # our claims another member won
     samples_trained: int = 0
     samples_trained_twice: int = 0  # trained by us of chunks we then lost, or that someone else finished
-    waits: int = 0  # next_chunk found nothing to claim (the window is full of others' claims)
+    lease_waits: int = 0  # next_chunk found nothing to claim (the window is full of others' claims)
     chunks_resumed: int = 0  # a checkpoint's claims taken back after --resume
 
     def to_dict(self) -> dict[str, int]:
@@ -135,6 +135,7 @@ class Leases:
         self._tops: deque[tuple[int, float]] = deque()  # (the window's top, when it rose to it), oldest first
         self._line = Assignment()  # who is first in line for each chunk
         self._floor_seen: tuple[int, float] = (-1, 0.0)  # the floor, and since when we have seen it there
+        self._own_from = 0  # where the next scan for chunks of ours starts (see _top_up)
         self._resume: list[tuple[int, int]] | None = None  # a checkpoint's claims, until we take them back
         self._was = ""  # the member id that held them
         self._heard = False  # we have merged another member's table
@@ -173,7 +174,7 @@ class Leases:
         self._drop_lost()
         self._top_up(now, samples)
         if not self.held:
-            self.stats.waits += 1
+            self.stats.lease_waits += 1
         return [(h.g, h.trained) for h in self.held]
 
     def trained(self, g: int, samples: int, now: float) -> None:
@@ -230,6 +231,7 @@ class Leases:
             if seen is None or count > seen[0]:
                 self._beat_seen[owner] = (count, now)
         self.table.merge(other)
+        self._own_from = 0  # claims may have lapsed or moved: scan from the floor again
         self._heard = True
         self._drop_lost()
         return [] if reply else [SendLeases(sender, self._body(), reply=True)]
@@ -301,17 +303,34 @@ class Leases:
         buckets = {m: b for m, b in self.table.paces.items() if m != self.me}
         if self._in_line is not None:
             buckets[self.me] = self._in_line
-        self._line.update(sorted(live), buckets)
+        if self._line.update(sorted(live), buckets):
+            self._own_from = 0  # another line: every chunk may be ours now
         lo, hi = self.table.floor, self.table.floor + self.table.window
         held = {h.g for h in self.held}
-        for g in range(lo, hi):  # first in line: ours, lowest first
+        # First in line: ours, lowest first, from where the last scan found nothing of ours it could not take (the
+        # chunks below it were done, held by us, or others'; a merge or a new line starts over from the floor).
+        start = max(lo, self._own_from)
+        resume_at = None
+        done, claims, me = self.table.done, self.table.claims, self.me
+        for g in range(start, hi):
             if need == 0:
-                return
-            if self._line.owner(g) == self.me and g not in held:
+                resume_at = g
+                break
+            if g in held or g in done:
+                continue
+            c = claims.get(g)
+            if c is not None and (c.owner == me or not self._expired(c.owner, now, live)):
+                continue  # ours already, or another's that stands (a merge that changes that rescans)
+            if self._line.owner(g) == me:
                 ok, old = self._free(g, now, live)
                 if ok:
                     self._claim(g, old, stolen=False, now=now)
                     need -= 1
+                elif resume_at is None:
+                    resume_at = g  # ours but held by another for now: look again from here next time
+        self._own_from = hi if resume_at is None else resume_at
+        if need == 0:
+            return
         # None of ours left in the window (we are faster than our weight says, or the window is full): steal.
         # A thief k-th in line for a chunk may take it once the chunk has been in the window k x steal_after,
         # so the better placed had their turn and thieves that all ran out do not all take the same chunk;
