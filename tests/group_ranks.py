@@ -36,6 +36,9 @@ def train(rank: int, join: str, init: str, out: str, steps: int) -> None:
         ddp = DistributedDataParallel(model)
         gen = torch.Generator().manual_seed(100 + rank)  # each worker its own batches
         seen.append(digest(model))
+        # Both members start together (the rendezvous, as `--wait-for`): a group that started alone could take its
+        # 80 steps, a fraction of a second, before it met the solo member, and end with no exchange at all.
+        peer.wait_for_peers(2, timeout=60)
         while peer.agree(peer.steps < steps):
             x = torch.randn(16, 8, generator=gen)  # (B, 8)
             y = (x.sum(1) > 0).long()  # (B,)
@@ -62,6 +65,7 @@ def solo(join: str, steps: int) -> None:
     with Peer(model, join=join, bind="127.0.0.1:0", config=config) as peer:
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(200)
+        peer.wait_for_peers(2, timeout=60)  # the group's rendezvous
         while peer.steps < steps:
             x = torch.randn(16, 8, generator=gen)
             loss = torch.nn.functional.cross_entropy(model(x), (x.sum(1) < 0).long())

@@ -16,8 +16,12 @@ from .test_hf_callback import Tokens, trainer
 
 
 def main(rank: int, port: int, join: str, out: str, steps: int) -> None:
-    # What torchrun sets: the Trainer (accelerate) initialises the gloo group from it.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # What torchrun sets: the Trainer (accelerate) initialises the gloo group from it. torchrun also sets
+    # OMP_NUM_THREADS=1 for each of several ranks; without it accelerate sets torch's threads to the cores per rank
+    # (2 here, past the set_num_threads(1) below), and the ranks beside the test's own trainer oversubscribed the
+    # machine: about one step a second (20 steps in 20 s; the peer warned of it).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     with GossipCallback(join, bind="127.0.0.1:0", wait_for_peers=2, wait_timeout=60) as gossip:
         t = trainer(Path(out).parent / f"rank{rank}", stride=1, max_steps=steps, callbacks=[gossip], ddp_backend="gloo")

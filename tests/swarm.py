@@ -162,6 +162,39 @@ def run_in_session(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+_forked_runs = itertools.count()
+
+
+def run_forked(
+    args: list[str], timeout: float, what: str, workdir: Path, module: str = "gossiptrain"
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` as ``run_in_session`` runs it (its exit status, stdout and stderr apart, failing
+    the test on an overrun), forked from the test fork server that imported torch already (tests/zygote.py):
+    for a CLI process whose own behaviour is under test, not its interpreter's start. Its output goes to files in
+    ``workdir``. With GOSSIPTRAIN_TEST_EXEC=1, ``run_in_session`` itself."""
+    import pytest
+
+    if not zygote.enabled():
+        return run_in_session([sys.executable, "-m", module, *args], timeout, what)
+    n = next(_forked_runs)
+    out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
+    out.touch()
+    err.touch()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = zygote.ForkedProcess(module, args, out, env, ROOT, err_log=err)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+        pytest.fail(f"{what} ran over {timeout} s:\n{out.read_text()[-3000:]}{err.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return subprocess.CompletedProcess([module, *args], code, out.read_text(), err.read_text())
+
+
 def run_quick_experiment(name: str, out: Path, timeout: float, *flags: str) -> tuple[dict[str, Any], str]:
     """Run experiments/NAME.py --quick --out OUT (and ``flags``); its last line as JSON, and its output.
 

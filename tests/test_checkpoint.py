@@ -28,7 +28,7 @@ from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
 from .conftest import fast_config
-from .swarm import ROOT, Procs, next_host
+from .swarm import ROOT, Procs, next_host, run_forked
 
 LOG = "gossiptrain.state.checkpoint"
 
@@ -436,14 +436,13 @@ def test_random_small_state_dicts_round_trip(spec: list[tuple[torch.dtype, list[
 
 
 def test_resume_without_a_good_checkpoint_exits_2_naming_the_problem(tmp_path: Path) -> None:
-    from .test_cli import run_cli
-
     model, opt = trained()
     with Checkpointer(tmp_path) as ck:
         meta = save(ck, model, opt, 3)
     damage(data_files(meta)["model"], "truncate")
     # The checkpoint is read before joining, so the (unused) join address is never contacted.
-    result = run_cli("peer", "--join", "127.0.0.1:9", "--resume", str(tmp_path), "--quiet")
+    result = run_forked(["peer", "--join", "127.0.0.1:9", "--resume", str(tmp_path), "--quiet"], 60, "gossiptrain peer",
+                        tmp_path)
     assert result.returncode == 2, result
     assert f"no good checkpoint in {tmp_path}" in result.stderr and str(data_files(meta)["model"]) in result.stderr
     assert "Traceback" not in result.stderr

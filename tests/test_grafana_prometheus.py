@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -69,29 +70,46 @@ def test_the_dashboards_staleness_quantiles_sum_peers_that_saw_different_stalene
     assert float(got["value"][1]) == pytest.approx(63 + 64 * 30 / 50)
 
 
+def free_address() -> str:
+    """HOST:PORT free now, on a loopback address of its own (``next_host``)."""
+    host = next_host()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
 def test_every_dashboard_query_returns_the_swarms_peers_from_a_real_prometheus(procs: Procs, tmp_path: Path) -> None:
     if why := why_not():
         pytest.skip(why)
-    coord = procs.start("coordinator", "--bind", f"{next_host()}:0", "--prometheus", "127.0.0.1:0", "--shards", "2",
-                        "--workload", "digits-small", "--seconds", "120", "--set", "train.eval_every_seconds=0.3",
-                        "--set", "membership.report_interval=0.5", name="coordinator")
-    join = procs.wait_for(lambda: (m := re.search(r"listening on tcp://(\S+) ", coord.output())) and m.group(1), 60,
-                          "the coordinator to listen")
-    peers = [procs.peer(join, "--prometheus", "127.0.0.1:0") for _ in range(2)]
-
-    def metrics_at(proc: Proc) -> str:
-        return procs.wait_for(lambda: (m := re.search(r"Prometheus metrics at http://(\S+)/metrics", proc.output()))
-                              and m.group(1), 60, f"{proc.name} to print its metrics address")
-
-    targets = {"coordinator": [metrics_at(coord)], "peers": [metrics_at(p) for p in peers]}
-    ids = procs.wait_for(lambda: all(p.records("start") for p in peers) and {p.records("start")[0]["peer"] for p in peers},
-                         60, "the peers' ids")
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [(where, grafana_to_promql(expr, template_values(dashboard))) for where, expr in dashboard_exprs(dashboard)]
-    assert len(exprs) >= 10
-
+    # The metrics addresses are chosen here, so that Prometheus starts with the swarm: it scrapes a new target only
+    # about 5 s after it starts (its discovery's update interval), a wait that once came after the swarm's start.
+    targets = {"coordinator": [free_address()], "peers": [free_address(), free_address()]}
+    coord = procs.start("coordinator", "--bind", f"{next_host()}:0", "--prometheus", targets["coordinator"][0],
+                        "--shards", "2", "--workload", "digits-small", "--seconds", "120",
+                        "--set", "train.eval_every_seconds=0.3", "--set", "membership.report_interval=0.5", name="coordinator")
     with PrometheusServer(targets, tmp_path / "prometheus") as prom:
+        join = procs.wait_for(lambda: (m := re.search(r"listening on tcp://(\S+) ", coord.output())) and m.group(1), 60,
+                              "the coordinator to listen")
+        peers = [procs.peer(join, "--prometheus", address) for address in targets["peers"]]
+
+        def metrics_at(proc: Proc) -> str:
+            return procs.wait_for(lambda: (m := re.search(r"Prometheus metrics at http://(\S+)/metrics", proc.output()))
+                                  and m.group(1), 60, f"{proc.name} to print its metrics address")
+
+        assert {"coordinator": [metrics_at(coord)], "peers": [metrics_at(p) for p in peers]} == targets
+        ids = procs.wait_for(lambda: all(p.records("start") for p in peers) and {p.records("start")[0]["peer"] for p in peers},
+                             60, "the peers' ids")
+        dashboard = json.loads(DASHBOARD.read_text())
+        exprs = [(where, grafana_to_promql(expr, template_values(dashboard))) for where, expr in dashboard_exprs(dashboard)]
+        assert len(exprs) >= 10
+
         prom.wait_scraped(times=2)
+
+        def every_target_scraped_up_twice() -> bool:  # its scrapes before the target listened count in wait_scraped
+            ups = {r["metric"]["instance"]: float(r["value"][1]) for r in prom.query("sum_over_time(up[10m])")}
+            return all(ups.get(address, 0) >= 2 for addresses in targets.values() for address in addresses)
+
+        procs.wait_for(every_target_scraped_up_twice, 60, "every target to be scraped up twice")
 
         def exchanging_peers_scraped_twice() -> bool:  # two scrapes of each peer since it first exchanged
             got = prom.query("count_over_time(gossiptrain_exchanges_total[1m]) >= 2"

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import random
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.train.model_spec import workload_spec
 
 from .conftest import fast_config
-from .swarm import next_host, run_in_session, wait_for
+from .swarm import next_host, run_forked, wait_for
 
 SWARM = RunConfig().with_overrides({"train.shards": 2, "train.max_steps": 200, "gossip.topology": "ring"})
 
@@ -95,12 +94,12 @@ def test_a_peer_that_finds_its_model_wrong_after_the_welcome_withdraws_and_is_no
 FLAGGED_SWARM = {"train.workload": "digits-small", "train.lr": 0.1, "train.max_steps": 5, "train.shards": 2}
 
 
-def _cli_peer(join: str, *flags: str, timeout: float = 60) -> Any:
-    """``gossiptrain peer --join JOIN FLAGS`` as a process: a refused one exits before anything trains."""
-    return run_in_session(
-        [sys.executable, "-m", "gossiptrain", "peer", "--join", join, "--bind", f"{next_host()}:0", "--quiet",
-         "--join-attempts", "2", *flags],
-        timeout, f"gossiptrain peer {' '.join(flags)}",
+def _cli_peer(workdir: Path, join: str, *flags: str, timeout: float = 60) -> Any:
+    """``gossiptrain peer --join JOIN FLAGS`` as a process: a refused one exits before anything trains. Forked from
+    the test fork server (its stdout and stderr apart, as a fresh one's): what is checked is the command's own."""
+    return run_forked(
+        ["peer", "--join", join, "--bind", f"{next_host()}:0", "--quiet", "--join-attempts", "2", *flags],
+        timeout, f"gossiptrain peer {' '.join(flags)}", workdir,
     )
 
 
@@ -114,10 +113,10 @@ def _cli_peer(join: str, *flags: str, timeout: float = 60) -> Any:
     ],
 )
 def test_a_run_flag_given_at_its_default_is_compared_and_refused_naming_the_field(
-    flags: list[str], named: str
+    flags: list[str], named: str, tmp_path: Path
 ) -> None:
     with BackgroundCoordinator(fast_config(**FLAGGED_SWARM), bind=f"{next_host()}:0") as coord:
-        result = _cli_peer(coord.address.removeprefix("tcp://"), *flags)
+        result = _cli_peer(tmp_path, coord.address.removeprefix("tcp://"), *flags)
         assert result.returncode == 2, result.stdout + result.stderr
         assert "run configuration differs from the swarm's" in result.stderr and named in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
@@ -131,16 +130,16 @@ def test_a_config_file_written_by_gossiptrain_config_is_compared_key_by_key(tmp_
     with open(full, "w") as fh, contextlib.redirect_stdout(fh):
         assert main(["config"]) == 0  # every field, at its default
     with BackgroundCoordinator(fast_config(**FLAGGED_SWARM), bind=f"{next_host()}:0") as coord:
-        result = _cli_peer(coord.address.removeprefix("tcp://"), "--config", str(full))
+        result = _cli_peer(tmp_path, coord.address.removeprefix("tcp://"), "--config", str(full))
     assert result.returncode == 2, result.stdout + result.stderr
     for named in ("train.workload: 'digits' vs 'digits-small'", "train.lr: 0.05 vs 0.1", "train.shards: 4 vs 2",
                   "train.max_steps: 2000 vs 5"):
         assert named in result.stderr, result.stderr
 
 
-def test_run_flags_not_given_are_taken_from_the_swarm_and_named() -> None:
+def test_run_flags_not_given_are_taken_from_the_swarm_and_named(tmp_path: Path) -> None:
     with BackgroundCoordinator(fast_config(**FLAGGED_SWARM), bind=f"{next_host()}:0") as coord:
-        result = _cli_peer(coord.address.removeprefix("tcp://"), "--lr", "0.1")  # given, and as the swarm runs it
+        result = _cli_peer(tmp_path, coord.address.removeprefix("tcp://"), "--lr", "0.1")  # given, and as the swarm runs it
     assert result.returncode == 0, result.stdout + result.stderr
     taken = re.search(r"from the swarm: (.*)", result.stderr)
     assert taken, result.stderr

@@ -136,27 +136,28 @@ def test_cli_peers_with_leased_data_go_on_through_epochs_when_one_is_killed(proc
 
 @pytest.mark.timeout(120)
 def test_a_killed_cli_peer_resumed_from_its_checkpoint_takes_back_its_chunks(procs: Any, coordinator_factory: Any, tmp_path: Any) -> None:
-    # Two chunks an epoch (720 samples, 22 steps each) and a slowed victim: the chunk it holds at a checkpoint is
-    # seconds from done, so stopping it just after one leaves that chunk unfinished, for the resumed peer to take back.
-    # The peer restarts (a process start, 2-3 s here) before its claims lapse (lease_time) or membership finds it
-    # dead (suspicion_mult): it takes them back. Restarted later, the others have taken them over (the core's tests).
+    """The command line's part: the checkpoint holds the data position and ``--resume`` hands it to the leases.
+
+    The peer trains alone, so nobody else can win its chunks meanwhile (with another peer training, a chunk the
+    checkpoint lists may have gone to it in a race the checkpoint predates: then it is rightly not taken back;
+    the core's tests cover the swarm's side, tests/test_leases.py).
+    """
+    # Two chunks an epoch (720 samples, 22 steps each) and a slowed peer: the chunk it holds at a checkpoint is
+    # seconds from done, so stopping it just after one leaves that chunk unfinished, to be taken back.
     config = fast_config(**{"train.max_steps": 0, "train.max_seconds": 60.0, "data.mode": "leased", "data.chunks": 2,
-                            "data.gossip_interval": 0.05, "data.lease_time": 15.0, "data.ahead_seconds": 0.5,
-                            "membership.suspicion_mult": 40.0})
+                            "data.gossip_interval": 0.05, "data.ahead_seconds": 0.5})
     coord = coordinator_factory(config)
     join = coord.address.removeprefix("tcp://")
     ckpt = tmp_path / "ck"
-    other = procs.peer(join)
     victim = procs.peer(join, "--slowdown", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "1", name="victim")
     procs.wait_for(lambda: len(victim.records("checkpoint")) >= 3, 60, "three checkpoints")
     victim.signal(signal.SIGSTOP)  # frozen between two steps (or in one): its newest checkpoint is at most a step old
     saved = latest_good(ckpt).info.data
     victim.kill()
     assert saved is not None and saved["plan"][:2] == [1437, 2] and saved["held"], saved
-    again = procs.peer(join, "--resume", str(ckpt), name="again")  # at once: before the others find it dead
+    again = procs.peer(join, "--resume", str(ckpt), name="again")
     procs.wait_for(lambda: (again.latest() or {}).get("chunks_done", 0) >= 1, 60, "the resumed peer to finish a chunk")
     rec = again.latest() or {}
-    assert rec["chunks_resumed"] >= 1, (saved, again.output()[-3000:])  # what it held came back to it, trained on from where it was
+    assert rec["chunks_resumed"] == len(saved["held"]), (saved, rec)  # every chunk it held, from where it was
     again.signal(signal.SIGINT)
-    other.signal(signal.SIGINT)
-    assert again.wait(30) == 130 and other.wait(30) == 130
+    assert again.wait(30) == 130

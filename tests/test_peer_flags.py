@@ -16,7 +16,6 @@ import asyncio
 import random
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from gossiptrain.train.metrics import read_metrics
 from gossiptrain.train.workload import load_workload
 
 from .conftest import fast_config
-from .swarm import Proc, Procs, next_host, run_in_session, wait_for
+from .swarm import Proc, Procs, next_host, run_forked, wait_for
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -264,10 +263,11 @@ def other_runs_checkpoint(directory: Path, swarm: RunConfig) -> tuple[RunConfig,
 
 
 def resume_cli(join: str, ckpt: Path, metrics: Path, *extra: str) -> Any:
-    """`gossiptrain peer --resume CKPT` to completion, in its own session (bounded; killed on an overrun)."""
-    cmd = [sys.executable, "-m", "gossiptrain", "peer", "--join", join, "--bind", f"{next_host()}:0", "--quiet",
-           "--metrics", str(metrics), "--resume", str(ckpt), *extra]
-    return run_in_session(cmd, 60, "gossiptrain peer --resume")
+    """`gossiptrain peer --resume CKPT` to completion (bounded; killed on an overrun), forked from the test fork
+    server (tests/zygote.py), its stdout and stderr apart; its output files beside ``metrics``."""
+    args = ["peer", "--join", join, "--bind", f"{next_host()}:0", "--quiet", "--metrics", str(metrics), "--resume", str(ckpt),
+            *extra]
+    return run_forked(args, 60, "gossiptrain peer --resume", metrics.parent)
 
 
 @pytest.mark.timeout(90)

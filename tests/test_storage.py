@@ -26,9 +26,8 @@ from gossiptrain.state.checkpoint import Checkpointer, latest_good, list_checkpo
 from gossiptrain.train.metrics import MetricsLog, check_metrics_path, read_metrics
 from gossiptrain.train.peer_loop import PeerOptions
 
-from .swarm import ROOT
+from .swarm import ROOT, run_forked
 from .test_checkpoint import assert_same_state, small_model, train, trained
-from .test_cli import run_cli
 from .test_cli_errors import run_main
 
 fsspec = pytest.importorskip("fsspec", reason="the storage extra: pip install -e '.[storage]' (make installs it)")
@@ -334,11 +333,12 @@ def test_the_cli_resumes_from_a_file_url(tmp_path: Path) -> None:
     model_object = meta.path.parent / meta.files["model"]["file"]
     good = storage.read_bytes(model_object)
     storage.write_atomic(model_object, good[:-7])
-    result = run_cli("peer", "--join", "127.0.0.1:9", "--resume", url, "--quiet")
+    result = run_forked(["peer", "--join", "127.0.0.1:9", "--resume", url, "--quiet"], 60, "gossiptrain peer", tmp_path)
     assert result.returncode == 2, result
     assert f"no good checkpoint in {url}" in result.stderr and str(model_object) in result.stderr, result.stderr
     storage.write_atomic(model_object, good)
-    result = run_cli("peer", "--join", "127.0.0.1:9", "--join-attempts", "1", "--resume", url, "--quiet")
+    result = run_forked(["peer", "--join", "127.0.0.1:9", "--join-attempts", "1", "--resume", url, "--quiet"], 60,
+                        "gossiptrain peer", tmp_path)
     assert result.returncode == 2 and "checkpoint" not in result.stderr, result.stderr  # loaded; then no swarm to join
 
 

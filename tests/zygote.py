@@ -27,6 +27,9 @@ from typing import Mapping
 #: What a peer or coordinator imports before it can start: loaded once, in the fork server.
 PRELOAD = [
     "torch",
+    # torch imports it lazily, at the first optimizer a process makes (torch.optim.Optimizer.__init__), with some
+    # 800 modules more (sympy, torch.fx's symbolic shapes, ...): about 1 s of CPU in every peer forked without it.
+    "torch._dynamo",
     "gossiptrain.cli.main",
     "gossiptrain.runtime.peer",
     "gossiptrain.runtime.coordinator_process",
@@ -63,8 +66,11 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _run_module(module: str, args: list[str], log: str, env: dict[str, str], cwd: str, netns: str | None = None) -> None:
-    """In the forked child: become ``python -m module args`` writing to ``log`` (inside ``netns``, if named)."""
+def _run_module(
+    module: str, args: list[str], log: str, env: dict[str, str], cwd: str, netns: str | None = None, err_log: str | None = None
+) -> None:
+    """In the forked child: become ``python -m module args`` writing to ``log`` (its stderr to ``err_log``, if named;
+    inside ``netns``, if named)."""
     import runpy
     import sys
 
@@ -73,6 +79,8 @@ def _run_module(module: str, args: list[str], log: str, env: dict[str, str], cwd
 
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
+    os.close(fd)
+    fd = os.open(err_log or log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     os.close(fd)
     for stream in (sys.stdout, sys.stderr):
@@ -98,12 +106,14 @@ class ForkedProcess:
     """The part of ``subprocess.Popen`` the tests use, for a process forked from the fork server."""
 
     def __init__(
-        self, module: str, args: list[str], log: Path, env: Mapping[str, str], cwd: Path, netns: str | None = None
+        self, module: str, args: list[str], log: Path, env: Mapping[str, str], cwd: Path, netns: str | None = None,
+        err_log: Path | None = None,
     ) -> None:
         self.args = [module, *args]
         self.stdout = None  # as a Popen whose output went to a file
         self._process = _forkserver().Process(
-            target=_run_module, args=(module, list(args), str(log), dict(env), str(cwd), netns), daemon=False
+            target=_run_module, args=(module, list(args), str(log), dict(env), str(cwd), netns,
+                                      None if err_log is None else str(err_log)), daemon=False,
         )
         self._process.start()
         self.pid: int = self._process.pid  # type: ignore[assignment]
