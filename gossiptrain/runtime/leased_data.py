@@ -54,18 +54,14 @@ class LeaseClient:
 
     # -- the training side ------------------------------------------------------------------------
 
-    def next_chunk(self) -> tuple[int, int] | None:
-        """(chunk, samples of it trained already) to train next; None: nothing to claim now."""
-        with self._lock:
-            return self.machine.next_chunk(self.now())
-
     def holding(self, samples: int = 0) -> list[tuple[int, int]]:
         """Every chunk we hold, in order, with what of each was trained (``Leases.holding``)."""
         with self._lock:
             return self.machine.holding(self.now(), samples)
 
     def wait_chunk(self, timeout: float) -> tuple[int, int] | None:
-        """``next_chunk``, waiting up to ``timeout`` seconds (real time) for a merge to free one."""
+        """(chunk, samples of it trained already) to train next, waiting up to ``timeout`` seconds (real time)
+        for a merge to free one; None: nothing to claim yet."""
         with self._lock:
             got = self.machine.next_chunk(self.now())
             if got is None and timeout > 0:
