@@ -169,7 +169,6 @@ def real_run(setting: str, mode: str, seed: int, args: argparse.Namespace, work:
         join = harness.start_coordinator(procs, overrides)
         running = {i: start(procs, i, join) for i in range(PEERS)}
         if setting == "churn":
-            t0 = time.monotonic()
             # Kill peers 1, 2, 3 in turn once all train; each comes back CHURN_DOWN s later for the rest of the run.
             harness.poll_run(procs, lambda: [], None, STARTUP, done=lambda: all(
                 (work / f"{n}.jsonl").exists() and '"start"' in (work / f"{n}.jsonl").read_text() for n in names))

@@ -111,13 +111,16 @@ class LocalTrainer:
         self.samples = len(targets)
         # Samples per class on this shard: what the partition gave this peer ([] if not a classifier).
         self.class_histogram: list[int] = _histogram(workload, targets)
-        _log_shard(config, shard, self.samples, self.class_histogram)
+        if leases is None:  # a leased peer's data is the whole set; node.use_leases logs its plan
+            _log_shard(config, shard, self.samples, self.class_histogram)
         self.opt = optimizer if optimizer is not None else optimizer_for(workload, config, model)
         self.scheduler = scheduler_for(workload, self.opt, config)
         self.clip = clip_norm_of(workload)
-        # Each shard shuffles with its own seed, so peers on different shards never march in lockstep.
-        self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard + 1_000_003 * rank)
+        # One source of batches: the chunks leased to us, or our shard's endless shuffle (each shard shuffles with
+        # its own seed, so peers on different shards never march in lockstep).
         self.leased = LeasedBatches(leases(len(targets)), inputs, targets, config.batch_size) if leases is not None else None
+        self._data = batches(inputs, targets, config.batch_size, seed=config.seed * 1000 + shard + 1_000_003 * rank) \
+            if leases is None else iter(())
         self.loss_avg = math.nan  # exponential moving average of the training loss
         self.steps = 0
         self.samples_seen = 0  # samples consumed by step(); both counters continue across a resume
