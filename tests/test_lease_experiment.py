@@ -38,3 +38,16 @@ def test_data_balance_quick(tmp_path: Path) -> None:
     assert static[0] < 0.6 and 0.67 <= leased[0] <= leased[1] <= 1.5, head
     summary = (tmp_path / "summary.md").read_text()
     assert "| 4x | leased |" in summary and "| 16 | digits-small | 4x | leased |" in summary
+
+
+def test_the_scale_study_keeps_members_busy_and_loses_no_chunk_under_churn(tmp_path: Path) -> None:
+    """experiments/lease_scale.py, one small churning swarm: a tenth of the members crash every 2 s, newcomers
+    replace them; every chunk below the floor was trained, and the members were busy nearly all the time."""
+    from experiments import lease_scale
+
+    row = lease_scale.one_run("churn", 24, 0, 6.0)
+    assert row["untrained_below_floor"] == 0 and row["epochs"] > 0
+    assert row["utilization"] > 0.9 and 0 < row["share_min"] <= row["share_max"] <= 1.0
+    assert row["trained_twice"] < 0.05 and row["taken_over"] > 0  # the crashed members' chunks went to others
+    lines, head = lease_scale.summarise([row], "python experiments/lease_scale.py --members 24")
+    assert "| 24 | churn | 1 |" in "\n".join(lines) and head["churn_24"]["untrained"] == 0

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.leases import ChunkPlan, Claim, Leases, LeaseSettings, LeaseTable, default_chunks
+from gossiptrain.protocol.leases.assignment import Assignment
 from gossiptrain.testing.lease_swarm import LeaseSwarm
 
 # ---------------------------------------------------------------- the plan
@@ -119,11 +120,31 @@ def test_a_table_round_trips_through_msgpack(t: LeaseTable) -> None:
         {"f": 0, "d": [], "c": [], "o": ["a"], "b": [0], "p": [200]},
         {"f": 0, "d": "text", "c": [], "o": [], "b": [], "p": []},
         {"f": 0, "d": [], "c": [[0, 0]], "o": ["a"], "b": [0], "p": [0]},
+        {"f": 0, "d": [], "c": [[0, 0.0, 0]], "o": ["a"], "b": [0], "p": [0]},  # a term that is not an int
+        {"f": 0, "d": [], "c": [[0, 0, True]], "o": ["a"], "b": [0], "p": [0]},
     ],
 )
 def test_a_malformed_table_is_refused(body: object) -> None:
     with pytest.raises(ProtocolError):
         LeaseTable.from_wire(body, 40)
+
+
+@given(
+    members=st.lists(st.text("abcdefgh0123", min_size=1, max_size=8), min_size=1, max_size=40, unique=True),
+    buckets=st.lists(st.integers(0, 127), min_size=40, max_size=40),
+    start=st.integers(0, 2**40),
+)
+@settings(max_examples=60, deadline=None)
+def test_owners_scored_in_blocks_are_the_line_scored_one_by_one(members: list[str], buckets: list[int], start: int) -> None:
+    """The tensor path (a block of chunks at once, shared by a process's members) and the plain scores agree,
+    and a member's place in line is 0 exactly for the chunks it owns."""
+    line = Assignment()
+    line.update(members, dict(zip(members, buckets)))
+    for g in range(start, start + 50):
+        plain = max(line._members, key=lambda m: line._score(g, m[1], m[2]))[0]
+        assert line.owner(g) == plain
+        for m in members[:3]:
+            assert (line.rank(g, m, cap=2) == 0) == (plain == m) == line.is_first(g, m)
 
 
 # ---------------------------------------------------------------- one member

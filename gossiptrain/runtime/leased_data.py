@@ -150,13 +150,11 @@ class LeasedSampler(torch.utils.data.Sampler[int]):
             if got is None:
                 continue
             g, done = got
-            told = 0  # samples of the chunk yielded and counted: every REPORT_EVERY, and at its end
             rest = self.client.plan.indices(g)[done:]
-            for k, i in enumerate(rest, 1):
-                yield i
-                if k - told == REPORT_EVERY or k == len(rest):
-                    self.client.trained(g, k - told)
-                    told = k
+            for start in range(0, len(rest), REPORT_EVERY):  # counted REPORT_EVERY at a time, and at the chunk's end
+                part = rest[start : start + REPORT_EVERY]
+                yield from part
+                self.client.trained(g, len(part))
 
 
 class LeasedBatches:

@@ -321,7 +321,7 @@ class Leases:
             c = claims.get(g)
             if c is not None and (c.owner == me or not self._expired(c.owner, now, live)):
                 continue  # ours already, or another's that stands (a merge that changes that rescans)
-            if self._line.owner(g) == me:
+            if self._line.is_first(g, me):
                 ok, old = self._free(g, now, live)
                 if ok:
                     self._claim(g, old, stolen=False, now=now)
@@ -344,10 +344,14 @@ class Leases:
         reserved = set() if stuck else self._reserves(live, lo, hi, now)
         turns = min(len(live), MAX_TURNS)
         tops = [self._stealable_top(now, k) for k in range(1, turns + 1)]
-        ranked = sorted(
-            (min(self._line.rank(g, self.me), turns), -g) for g in range(min(hi, tops[0]) - 1, lo - 1, -1)
-            if g not in held and g not in reserved and self._line.owner(g) != self.me and self._free(g, now, live)[0]
-        )
+        ranked = []  # (our place in line, at most turns; -chunk): the free chunks of others, best placed first
+        for g in range(min(hi, tops[0]) - 1, lo - 1, -1):
+            if g in held or g in reserved or not self._free(g, now, live)[0]:
+                continue
+            k = self._line.rank(g, self.me, cap=turns)
+            if k > 0:
+                ranked.append((k, -g))
+        ranked.sort()
         for k, minus_g in ranked:
             if need == 0:
                 return

@@ -179,14 +179,23 @@ class LeaseTable:
             if not (0 <= off and 1 <= length and off + length <= window):
                 raise ProtocolError("a lease table's done run is past its window")
             table.done.update(range(floor + off, floor + off + length))
+        named = [Claim(0, o) for o in owners]  # term-0 claims shared by every entry that needs no other term
+        done, got = table.done, table.claims
         for entry in claims:
-            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
+            if not (type(entry) is list and len(entry) == 3):
                 raise ProtocolError("a lease claim is [offset, term, owner index]")
             off, term, who = entry
+            if not (type(off) is int and type(term) is int and type(who) is int):
+                raise ProtocolError("a lease claim is [offset, term, owner index]")
             if not (0 <= off < window and 0 <= term <= _MAX_TERM and 0 <= who < len(owners)):
                 raise ProtocolError("a lease claim is past its table's window, terms or owners")
-            if floor + off not in table.done:
-                table.put_claim(floor + off, Claim(term, owners[who]))
+            g = floor + off
+            if g in done:
+                continue
+            claim = named[who] if term == 0 else Claim(term, owners[who])
+            old = got.get(g)
+            if old is None or claim.wins(old):  # a sender that repeats a chunk: the rule picks, as put_claim would
+                got[g] = claim
         for o, b, p in zip(owners, beats, paces):
             if b >= 0:
                 table.beat(o, b, p if p >= 0 else None)
