@@ -14,13 +14,16 @@ evaluation old). Settings (``--settings``):
 - ``equal``: four peers of one speed;
 - ``2x``, ``4x``: peer 3 sleeps after each step so that it is 2 or 4 times slower;
 - ``churn``: peers 1, 2 and 3 in turn are killed (SIGKILL) and restarted 4 s
-  later (a quarter of the swarm down at a time).
+  later (a quarter of the swarm down at a time);
+- ``churn8``: 8 peers, two killed at a time (1 and 2, 3 and 4, 5 and 6) and
+  restarted 4 s later, as in the churn experiment (issue 49's target).
 
 Per run: the per-sample counts as multiples of their mean (min, max); for
 leased runs the epochs the swarm finished, the chunks of finished epochs
 with a sample trained fewer times than the epochs finished ("untrained"),
 and the samples trained twice (the peers' own count, ``samples_trained_twice``)
-as a share of the samples trained; the time to the target (the peers' mean
+as a share of the samples trained; the longest stall (the longest time
+between two steps of one peer, its first step on); the time to the target (the peers' mean
 test accuracy held at ``--target`` for 3 evaluations).
 
 **Simulated** (``--sim``): 16 and 64 peers (``gossiptrain.sim``, the same
@@ -71,9 +74,12 @@ LR, MOMENTUM = 0.05, 0.9
 EVAL_EVERY = 0.25
 COUNTS_EVERY = 1.0  # seconds between a peer's writes of its per-sample counts
 STARTUP = 180.0
-SETTINGS = ("equal", "2x", "4x", "churn")
-SLOW = {"equal": 1.0, "2x": 2.0, "4x": 4.0, "churn": 1.0}  # peer 3's slowdown
-CHURN_EVERY, CHURN_DOWN = 6.0, 4.0  # seconds between kills (peers 1, 2, 3 in turn), and down time
+SETTINGS = ("equal", "2x", "4x", "churn", "churn8")
+SLOW = {"equal": 1.0, "2x": 2.0, "4x": 4.0, "churn": 1.0, "churn8": 1.0}  # peer 3's slowdown
+PEERS_OF = {"churn8": 8}  # settings of another swarm size than PEERS
+# Who is killed at each churn (SIGKILL), CHURN_EVERY s apart once all train; each comes back CHURN_DOWN s later.
+KILLS = {"churn": ((1,), (2,), (3,)), "churn8": ((1, 2), (3, 4), (5, 6))}
+CHURN_EVERY, CHURN_DOWN = 6.0, 4.0
 MODES = ("static", "leased")
 SIM_PEERS = (16, 64)
 SIM_WORKLOADS = {"digits-small": 0.93, "charlm": 0.40}  # workload -> target (test accuracy; next-byte accuracy)
@@ -106,6 +112,7 @@ def peer_main(args: argparse.Namespace) -> None:
             indices = (mine[b] for b in shuffled(len(mine), BATCH, args.seed * 1000 + peer.shard))
         log.start(shard=peer.shard, mode=args.mode)
         step, next_eval, next_counts = 0, EVAL_EVERY, COUNTS_EVERY
+        stall, last_step = 0.0, None  # the longest time between two steps (a peer that waits for data, say)
         while time.monotonic() - log.started < args.seconds:
             computed = time.perf_counter()
             batch = next(indices)  # (B,) dataset indices
@@ -116,18 +123,22 @@ def peer_main(args: argparse.Namespace) -> None:
             peer.step()
             counts[batch] += 1
             step += 1
+            now = time.perf_counter()
+            stall = max(stall, now - last_step) if last_step is not None else 0.0
+            last_step = now
             if args.slowdown > 1:  # a slow machine: idle, so the others keep the CPU
                 time.sleep((args.slowdown - 1) * (time.perf_counter() - computed))
             elapsed = time.monotonic() - log.started
             if elapsed >= next_eval:
                 acc = accuracy(model, x_test, y_test)
-                log.write("eval", step=step, test_acc=acc, **lease_fields(peer))
+                log.write("eval", step=step, test_acc=acc, longest_stall_s=round(stall, 3), **lease_fields(peer))
                 peer.report(loss=loss.item(), test_acc=acc)
                 next_eval = elapsed + EVAL_EVERY
             if elapsed >= next_counts:
                 log.write("counts", counts=counts.tolist())
                 next_counts = elapsed + COUNTS_EVERY
-        log.write("done", step=step, test_acc=accuracy(model, x_test, y_test), **lease_fields(peer))
+        log.write("done", step=step, test_acc=accuracy(model, x_test, y_test), longest_stall_s=round(stall, 3),
+                  **lease_fields(peer))
         log.write("counts", counts=counts.tolist())
         peer.finish()
 
@@ -155,31 +166,34 @@ def lease_fields(peer: Any) -> dict[str, Any]:
 
 def real_run(setting: str, mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     harness.fresh_dir(work)
-    overrides = {"train.workload": "external", "train.shards": PEERS, "train.seed": seed}
-    names = [f"peer-{i}" for i in range(PEERS)]
+    peers = PEERS_OF.get(setting, PEERS)
+    overrides = {"train.workload": "external", "train.shards": peers, "train.seed": seed}
+    names = [f"peer-{i}" for i in range(peers)]
 
     def start(procs: harness.Procs, i: int, join: str, restarted: bool = False, seconds: float = args.seconds) -> Any:
         return procs.start(f"{names[i]}{'-again' if restarted else ''}-{time.monotonic_ns()}", child(
-            "--role", "peer", "--join", join, "--index", i, "--peers", PEERS, "--host", f"127.0.0.{20 + i}",
+            "--role", "peer", "--join", join, "--index", i, "--peers", peers, "--host", f"127.0.0.{20 + i}",
             "--mode", mode, "--seed", seed, "--seconds", seconds, "--metrics", work / f"{names[i]}.jsonl",
             "--slowdown", SLOW[setting] if i == 3 else 1.0, *(["--restarted"] if restarted else [])))
 
     began = time.perf_counter()
     with harness.Procs(work) as procs:
         join = harness.start_coordinator(procs, overrides)
-        running = {i: start(procs, i, join) for i in range(PEERS)}
-        if setting == "churn":
-            # Kill peers 1, 2, 3 in turn once all train; each comes back CHURN_DOWN s later for the rest of the run.
+        running = {i: start(procs, i, join) for i in range(peers)}
+        if setting in KILLS:
+            # Kill in turn once all train; each comes back CHURN_DOWN s later for the rest of the run.
             harness.poll_run(procs, lambda: [], None, STARTUP, done=lambda: all(
                 (work / f"{n}.jsonl").exists() and '"start"' in (work / f"{n}.jsonl").read_text() for n in names))
             t0 = time.monotonic()
-            for k, i in enumerate((1, 2, 3)):
+            for k, victims in enumerate(KILLS[setting]):
                 time.sleep(max(0.0, t0 + CHURN_EVERY * (k + 1) - time.monotonic()))
-                running[i].send_signal(signal.SIGKILL)
+                for i in victims:
+                    running[i].send_signal(signal.SIGKILL)
                 time.sleep(CHURN_DOWN)
                 left = args.seconds - (time.monotonic() - t0)
                 if left > 2:
-                    running[i] = start(procs, i, join, restarted=True, seconds=left)
+                    for i in victims:
+                        running[i] = start(procs, i, join, restarted=True, seconds=left)
         deadline = time.monotonic() + args.seconds + STARTUP
         while any(p.poll() is None for p in running.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -215,6 +229,7 @@ def summarise(per_peer: list[list[dict[str, Any]]], mode: str, seed: int, target
         "count_max": round(float(total.max()) / mean, 3) if total.numel() else None,
         "mean_count": round(mean, 2),
         "final_acc": round(statistics.mean(e[-1]["test_acc"] for e in evals if e), 4),
+        "longest_stall_s": max((r.get("longest_stall_s", 0.0) for e in evals for r in e), default=None),
     }
     if mode == "leased":
         epochs = max((r.get("lease_epoch", 0) for e in evals for r in e), default=0)
@@ -302,8 +317,8 @@ def med(values: list[Any]) -> float | None:
 
 
 def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
-    out = ["| setting | mode | runs | time to target (s), each seed | count min / max (x mean) | epochs | untrained chunks | trained twice | final acc |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| setting | peers | mode | runs | time to target (s), each seed | count min / max (x mean) | epochs | untrained chunks | trained twice | longest stall (s) | final acc |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     med_of: dict[tuple[str, str], dict[str, Any]] = {}
     for setting in SETTINGS:
         for mode in MODES:
@@ -313,12 +328,14 @@ def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
             times = [r.get("time_to_target_s") for r in rs]
             m = {"time": harness.spread(times)[0], "min": med([r.get("count_min") for r in rs]),
                  "max": med([r.get("count_max") for r in rs]), "untrained": med([r.get("untrained_chunks") for r in rs]),
-                 "twice": med([r.get("trained_twice") for r in rs])}
+                 "twice": med([r.get("trained_twice") for r in rs]),
+                 "stall": max((r["longest_stall_s"] for r in rs if r.get("longest_stall_s") is not None), default=None)}
             med_of[setting, mode] = m
-            out.append(f"| {setting} | {mode} | {len(rs)} | {harness.fmt_seconds(m['time'])}: "
+            out.append(f"| {setting} | {PEERS_OF.get(setting, PEERS)} | {mode} | {len(rs)} | {harness.fmt_seconds(m['time'])}: "
                        f"{', '.join(harness.fmt_seconds(t) for t in times)} | {harness.fmt(m['min'])} / {harness.fmt(m['max'])} | "
                        f"{med([r.get('epochs') for r in rs]) if mode == 'leased' else '-'} | "
                        f"{m['untrained'] if mode == 'leased' else '-'} | {m['twice'] if mode == 'leased' else '-'} | "
+                       f"{'-' if m['stall'] is None else harness.fmt(m['stall'])} | "
                        f"{harness.fmt(med([r.get('final_acc') for r in rs]), 3)} |")
 
     def pair(setting: str, mode: str) -> list[float | None] | None:
@@ -329,10 +346,14 @@ def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
     ratio = None
     if eq_s and eq_l and eq_s["time"] and eq_l["time"] and math.isfinite(eq_s["time"]) and math.isfinite(eq_l["time"]):
         ratio = round(eq_l["time"] / eq_s["time"], 3)
-    churn = med_of.get(("churn", "leased"))
-    return out, {"count_spread_4x_static": pair("4x", "static"), "count_spread_4x_leased": pair("4x", "leased"),
-                 "untrained_chunks_churn": churn["untrained"] if churn else None,
-                 "trained_twice_churn": churn["twice"] if churn else None, "time_leased_over_static_equal": ratio}
+    head: dict[str, Any] = {"count_spread_4x_static": pair("4x", "static"), "count_spread_4x_leased": pair("4x", "leased")}
+    for setting in ("churn", "churn8"):
+        churn = med_of.get((setting, "leased"))
+        head.update({f"untrained_chunks_{setting}": churn["untrained"] if churn else None,
+                     f"trained_twice_{setting}": churn["twice"] if churn else None,
+                     f"longest_stall_{setting}": churn["stall"] if churn else None})
+    head["time_leased_over_static_equal"] = ratio
+    return out, head
 
 
 def sim_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -399,7 +420,7 @@ def main() -> int:
                     rows.append(row)
         harness.write_csv(out / "runs.csv", rows)
         table, headline = real_table(rows)
-        lines += ["## 4 real peers on loopback, digits", "", *table, ""]
+        lines += ["## Real peers on loopback, digits", "", *table, ""]
     if args.sim:
         rows = []
         for seed in range(args.seeds):

@@ -22,12 +22,13 @@ def test_the_counts_of_all_incarnations_are_summed_and_read_as_multiples_of_the_
     peer1 = [{"event": "start", "time": 0.0}, {"event": "counts", "counts": [1] * half + [0] * (n - half)},
              {"event": "start", "time": 0.5}, {"event": "counts", "counts": [0] * half + [1] * (n - half)},
              {"event": "eval", "time": 1.0, "elapsed": 0.5, "step": 5, "test_acc": 0.5, "lease_epoch": 3,
-              "samples_trained": n, "samples_trained_twice": 0}]
+              "samples_trained": n, "samples_trained_twice": 0, "longest_stall_s": 0.4}]
     row = data_balance.summarise([peer0, peer1], "leased", 0, 0.9)
     assert row["count_min"] == row["count_max"] == 1.0 and row["mean_count"] == 3.0
     assert row["epochs"] == 3 and row["untrained_chunks"] == 0
     assert row["trained_twice"] == round(10 / (3 * n), 4)
     assert row["time_to_target_s"] is None  # 0.5 never reaches 0.9
+    assert row["longest_stall_s"] == 0.4  # the longest of any peer's
 
 
 @pytest.mark.slow  # 4 real runs of 8 s and two simulated ones, ~3 min on 2 cores: `make test-slow`
@@ -37,7 +38,7 @@ def test_data_balance_quick(tmp_path: Path) -> None:
     static, leased = head["count_spread_4x_static"], head["count_spread_4x_leased"]
     assert static[0] < 0.6 and 0.67 <= leased[0] <= leased[1] <= 1.5, head
     summary = (tmp_path / "summary.md").read_text()
-    assert "| 4x | leased |" in summary and "| 16 | digits-small | 4x | leased |" in summary
+    assert "| 4x | 4 | leased |" in summary and "| 16 | digits-small | 4x | leased |" in summary
 
 
 def test_the_scale_study_keeps_members_busy_and_loses_no_chunk_under_churn(tmp_path: Path) -> None:
