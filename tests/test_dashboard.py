@@ -85,7 +85,8 @@ def _rows(dom: str) -> dict[str, str]:
 def test_a_real_browser_shows_a_three_peer_swarm_and_a_member_that_went_quiet(
     procs: Procs, coordinator_factory: Any, tmp_path: Path
 ) -> None:
-    coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 0, "train.max_seconds": 180}))
+    coord = coordinator_factory(fast_config(**{"train.shards": 3, "train.max_steps": 0, "train.max_seconds": 180,
+                                                "data.mode": "leased"}))  # the data's epoch has its column too
     join = coord.address.removeprefix("tcp://")
     peers = [procs.peer(join) for _ in range(3)]
     with Dashboard(join, port=0, every=0.5, timeout=2.0) as dashboard:
@@ -95,8 +96,10 @@ def test_a_real_browser_shows_a_three_peer_swarm_and_a_member_that_went_quiet(
             90, "the dashboard to see three members training",
         )
         ids = {r.id for r in latest.rows}
-        rows = _rows(_render(dashboard.url, tmp_path))
+        dom = _render(dashboard.url, tmp_path)
+        rows = _rows(dom)
         assert set(rows) == ids  # all three listed (a poll answered late on a loaded machine may show one quiet)
+        assert "<th>epoch</th>" in dom and "data epoch " in dom  # leased data: the swarm's epoch, and each member's
 
         victim = next(p for p in peers if p.latest() and p.latest().get("peer"))
         victim_id = victim.latest()["peer"]

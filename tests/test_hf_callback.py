@@ -165,6 +165,59 @@ def test_a_members_stop_request_ends_the_other_trainer_early(coordinator_factory
 
 
 @needs_hf
+@pytest.mark.timeout(120)
+def test_two_trainers_lease_chunks_of_one_dataset_through_the_callbacks_sampler(coordinator_factory: Any, tmp_path: Path) -> None:
+    """`GossipCallback.sampler`: both Trainers read one dataset's leased chunks; each sample goes to one of them."""
+    from transformers import Trainer, TrainingArguments
+
+    from gossiptrain.integrations import GossipCallback
+
+    join = swarm_join(coordinator_factory)
+    callbacks = [GossipCallback(join, bind=f"{next_host()}:0", wait_for_peers=2, wait_timeout=60) for _ in range(2)]
+    data = Tokens(stride=1, samples=1024)  # every member holds the same dataset
+    seen: list[list[int]] = [[], []]
+
+    class Counted(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __init__(self, who: int) -> None:
+            self.who = who
+
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            seen[self.who].append(i)
+            return data[i]
+
+    def leased(i: int, cb: GossipCallback) -> Any:
+        class LeasedTrainer(Trainer):  # the two lines the docstring of GossipCallback.sampler shows
+            def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+                return cb.sampler(len(self.train_dataset))
+
+        args = TrainingArguments(output_dir=str(tmp_path / f"t{i}"), max_steps=16, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True,
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        return LeasedTrainer(model=tiny_gpt2(), args=args, train_dataset=Counted(i), callbacks=[cb])
+
+    trainers = [leased(i, cb) for i, cb in enumerate(callbacks)]
+    assert len(trainers[0].get_train_dataloader()) == 1024 // 2 // 4  # before joining: a half share, in batches
+    with callbacks[0], callbacks[1]:
+        train_both(trainers)
+    assert [t.state.global_step for t in trainers] == [16, 16]
+    for cb, mine in zip(callbacks, seen):
+        stats = cb.peer.stats()  # type: ignore[union-attr]
+        # 16 batches of 4, and a batch or two the loader read ahead (accelerate looks one batch past the last step);
+        # the sampler counted what it gave out, 16 samples at a time.
+        assert 16 * 4 <= len(mine) <= 18 * 4 and len(mine) - 16 <= stats["samples_trained"] <= len(mine), (len(mine), stats)
+    # About 2 x 64 of 1,024 samples, all of the first epoch: a sample went to both Trainers only where both claimed
+    # its chunk before hearing of the other's claim, and the loser counted what it had trained of it.
+    twice = [cb.peer.stats() for cb in callbacks]  # type: ignore[union-attr]
+    both = set(seen[0]) & set(seen[1])
+    assert len(both) <= sum(st["samples_trained_twice"] for st in twice), (len(both), twice)
+    assert all(len(set(mine)) == len(mine) for mine in seen)  # neither read a sample twice
+    assert all(st["lease_epoch"] == 0 for st in twice)
+
+
+@needs_hf
 @pytest.mark.timeout(60)
 def test_a_trainer_that_raises_inside_the_with_block_leaves_the_swarm(coordinator_factory: Any, tmp_path: Path) -> None:
     from transformers import TrainerCallback

@@ -95,6 +95,9 @@ def test_states_totals_and_who_lags() -> None:
     text = render({"run": "fp", "answered_by": "a", "stopping": False,
                    "members": [r.to_dict() for r in rows], "totals": totals, "steps": steps})
     assert "lagging: c" in text and text.count("\n") == 1 + 4 + 2
+    assert totals["lease_epoch"] is None  # fixed shards: no data epoch
+    leased = (_row("a", 10, lease_epoch=3, lease_chunks_done=40), _row("b", 10, lease_epoch=4, lease_chunks_done=2))
+    assert summarize(leased)[0]["lease_epoch"] == 4  # the furthest member's view: epochs only advance
 
 
 def test_the_table_says_which_members_relay_and_which_are_behind_nat() -> None:

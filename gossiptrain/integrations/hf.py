@@ -64,10 +64,12 @@ class GossipCallback(TrainerCallback):
     whose members should start together. ``final_model``, a path or URL,
     makes this member write the swarm's merged model at the end.
 
-    What it does not do: shard your data (each Trainer trains on the dataset
-    you give it; ``peer.shard``/``peer.num_shards`` are known only once
-    training begins, after the Trainer built its data loader), or save the
-    peer's averaging state in the Trainer's checkpoints.
+    Data: each Trainer trains on the dataset you give it (``peer.shard``/
+    ``peer.num_shards`` are known only once training begins, after the
+    Trainer built its data loader), unless it trains leased chunks of a
+    dataset every member holds (``sampler``: a faster member trains more, a
+    dead member's chunks are taken over). What it does not do: save the peer's
+    averaging state in the Trainer's checkpoints.
 
     After training, ``peer`` is the (closed) peer, for ``peer.stats()``, and
     ``final_report`` says how the final phase went (None when it did not run).
@@ -106,6 +108,21 @@ class GossipCallback(TrainerCallback):
         self.final_report: FinalReport | None = None
         self._open = False  # self.peer is a live member (Peer has no public "closed")
         self._samples_per_step = 0
+
+    def sampler(self, num_samples: int, *, seed: int | None = None) -> "torch.utils.data.Sampler[int]":
+        """The Trainer's sampler over leased chunks of a dataset of ``num_samples`` that every member holds
+        (``Peer.sampler``; the run's ``data.*`` settings), made once this member has joined. The Trainer builds
+        its data loader before the callback joins, so give it this through a two-line subclass::
+
+            class LeasedTrainer(Trainer):
+                def _get_train_sampler(self, *args, **kwargs):
+                    return gossip.sampler(len(self.train_dataset))
+
+        One pass over it is one epoch of the swarm; its length, which the Trainer reads to plan epochs and
+        schedules, is this member's share if the ``wait_for_peers`` members (1 if not given) split it evenly:
+        give the Trainer ``max_steps`` for a schedule of an exact length. A Trainer of several processes cannot
+        lease yet (``Peer.leases`` says so when it joins)."""
+        return _SamplerOnJoin(self, num_samples, seed)
 
     # -- the Trainer's events ---------------------------------------------------------------
 
@@ -186,6 +203,29 @@ class GossipCallback(TrainerCallback):
         if not self._open or self.peer is None:
             raise GossipError("GossipCallback has no live peer: it joins in on_train_begin (is it in the Trainer's callbacks?)")
         return self.peer
+
+
+class _SamplerOnJoin(torch.utils.data.Sampler[int]):
+    """``GossipCallback.sampler``: the peer's ``LeasedSampler``, built at the first pass (the peer joins in
+    ``on_train_begin``, after the Trainer built its data loader and before it reads a batch)."""
+
+    def __init__(self, callback: GossipCallback, num_samples: int, seed: int | None) -> None:
+        if num_samples < 1:
+            raise ConfigError(f"GossipCallback.sampler: a dataset of {num_samples} samples has nothing to lease")
+        self.callback, self.num_samples, self.seed = callback, num_samples, seed
+        self._inner: Any = None
+        self._of: Peer | None = None  # the peer it was built for (a second train() joins again)
+
+    def __len__(self) -> int:
+        if self._inner is not None:
+            return len(self._inner)
+        return max(1, self.num_samples // max(1, self.callback.wait_for_peers or 1))
+
+    def __iter__(self) -> Any:
+        peer = self.callback._live_peer()
+        if self._inner is None or self._of is not peer:
+            self._inner, self._of = peer.sampler(self.num_samples, seed=self.seed), peer
+        return iter(self._inner)
 
 
 def _process_group(args: TrainingArguments) -> Any:

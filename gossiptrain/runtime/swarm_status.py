@@ -113,6 +113,8 @@ def summarize(rows: tuple[MemberRow, ...]) -> tuple[dict[str, Any], dict[str, An
         "mb_received": round(sum(s.bytes_received for s in known) / 1e6, 3),
         "mean_test_acc": round(statistics.fmean(accs), 4) if accs else None,
         "mean_loss": round(statistics.fmean(losses), 4) if losses else None,
+        # leased data (gossiptrain.protocol.leases): the swarm's epoch, as its furthest member has heard; None: shards
+        "lease_epoch": max((s.lease_epoch for s in known if s.lease_epoch is not None), default=None),
     }
     steps = [s.step for s in known]
     if not steps:
