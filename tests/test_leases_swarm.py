@@ -161,3 +161,33 @@ def test_a_killed_cli_peer_resumed_from_its_checkpoint_takes_back_its_chunks(pro
     assert rec["chunks_resumed"] == len(saved["held"]), (saved, rec)  # every chunk it held, from where it was
     again.signal(signal.SIGINT)
     assert again.wait(30) == 130
+
+
+def test_a_swarm_that_runs_through_its_lease_window_faster_than_gossip_is_told_so_once(caplog: Any) -> None:
+    """Many fast peers on a small dataset cut into small chunks: the window holds a fraction of a second of the
+    swarm's work and peers wait for chunks. The peer says so once, naming the setting that helps."""
+    import logging
+    import random
+
+    from gossiptrain.config import DataConfig
+    from gossiptrain.protocol.leases import Claim
+    from gossiptrain.runtime.leased_data import WARN_AFTER_WAITS, LeaseClient, plan_for
+
+    now = [0.0]
+    client = LeaseClient("me", plan_for(1437, DataConfig(mode="leased"), 0), DataConfig(mode="leased"),
+                         live=lambda: ["me", "other"], now=lambda: now[0], rng=random.Random(0))
+    table = client.machine.table
+    caplog.set_level(logging.WARNING, logger="gossiptrain.runtime.leased_data")
+    for _ in range(WARN_AFTER_WAITS + 20):
+        # The other member holds every chunk of the window (it renews, so nothing lapses), and the floor rises
+        # by 4,000 chunks a second: the window of 4,096 chunks holds about 1 s of the swarm's work.
+        table.beat("other", int(now[0] * 100) + 1)
+        for g in range(table.floor, table.floor + table.window):
+            table.claims.setdefault(g, Claim(0, "other"))
+        assert client.holding(32) == []
+        now[0] += 0.02
+        table.floor += 80  # 4,000 chunks a second
+        table.claims = {g: c for g, c in table.claims.items() if g >= table.floor}
+    warnings = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
+    assert len(warnings) == 1 and "data.chunks, now 44 an epoch" in warnings[0], warnings
+    assert 0.5 < client.machine.window_seconds(now[0]) < 2.0  # type: ignore[operator]

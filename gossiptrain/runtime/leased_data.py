@@ -16,6 +16,7 @@ that trained them.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -26,6 +27,12 @@ from torch import Tensor
 from gossiptrain.config import DataConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.leases import ChunkPlan, Leases, LeaseSettings, SendLeases, default_chunks
+from gossiptrain.protocol.leases.core import WINDOW_MIN_SECONDS
+
+log = logging.getLogger(__name__)
+
+#: Waits for a chunk before a window too small for the swarm is reported (a newcomer waits a few at its start).
+WARN_AFTER_WAITS = 100
 
 
 def plan_for(samples: int, config: DataConfig, seed: int) -> ChunkPlan:
@@ -51,13 +58,17 @@ class LeaseClient:
         self._changed = threading.Condition(self._lock)
         self.machine = Leases(me, plan, live=live, rng=rng, settings=settings_for(config))
         self.refused = 0  # tables from members with another plan (another dataset size or chunk count)
+        self.warned = False  # that the window holds too little of the swarm's work (_check_window)
 
     # -- the training side ------------------------------------------------------------------------
 
     def holding(self, samples: int = 0) -> list[tuple[int, int]]:
         """Every chunk we hold, in order, with what of each was trained (``Leases.holding``)."""
         with self._lock:
-            return self.machine.holding(self.now(), samples)
+            got = self.machine.holding(self.now(), samples)
+            if not got:
+                self._check_window()
+            return got
 
     def wait_chunk(self, timeout: float) -> tuple[int, int] | None:
         """(chunk, samples of it trained already) to train next, waiting up to ``timeout`` seconds (real time)
@@ -65,9 +76,24 @@ class LeaseClient:
         with self._lock:
             got = self.machine.next_chunk(self.now())
             if got is None and timeout > 0:
+                self._check_window()
                 self._changed.wait(timeout)
                 got = self.machine.next_chunk(self.now())
             return got
+
+    def _check_window(self) -> None:
+        """We wait for a chunk: say once why, where the cause is the data's cut (see WINDOW_MIN_SECONDS)."""
+        held = self.machine.window_seconds(self.now())
+        if self.warned or held is None or held >= WINDOW_MIN_SECONDS or self.machine.stats.lease_waits < WARN_AFTER_WAITS:
+            return
+        self.warned = True
+        log.warning(
+            "leased data: the swarm trains its window of %d chunks (%.0f epochs of %d samples) in %.2f s, faster than "
+            "its lease tables spread, so peers wait for chunks (%d waits so far). Lease fewer, larger chunks "
+            "(data.chunks, now %d an epoch) or a larger dataset.",
+            self.machine.table.window, self.machine.table.window / self.plan.chunks, self.plan.samples, held,
+            self.machine.stats.lease_waits, self.plan.chunks,
+        )
 
     def trained(self, g: int, samples: int) -> None:
         with self._lock:
