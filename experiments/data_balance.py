@@ -257,7 +257,7 @@ def evals_with_start(per_peer: list[list[dict[str, Any]]]) -> list[list[dict[str
 # -- simulated runs ------------------------------------------------------------------------------------------
 
 
-def sim_run(peers: int, workload: str, speeds: str, mode: str, seed: int, duration: float) -> dict[str, Any]:
+def sim_run(peers: int, workload: str, speeds: str, mode: str, seed: int, duration: float, chunks: int = 0) -> dict[str, Any]:
     import random
 
     from gossiptrain.config import RunConfig
@@ -266,7 +266,7 @@ def sim_run(peers: int, workload: str, speeds: str, mode: str, seed: int, durati
 
     target = SIM_WORKLOADS[workload]
     run = RunConfig().with_overrides({"train.workload": workload, "train.shards": peers, "train.seed": seed,
-                                      "data.mode": "leased" if mode == "leased" else "shards",
+                                      "data.mode": "leased" if mode == "leased" else "shards", "data.chunks": chunks,
                                       "train.max_steps": 0, "train.max_seconds": 0})
     rng = random.Random(seed)
     factors = {"equal": [1.0] * peers, "4x": [1.0] * (peers - 1) + [4.0],
@@ -285,10 +285,11 @@ def sim_run(peers: int, workload: str, speeds: str, mode: str, seed: int, durati
         if len(window) == 3 and all(mean_acc(res.rows, w) >= target for w in window):
             reached = t
             break
-    row: dict[str, Any] = {"peers": peers, "workload": workload, "speeds": speeds, "mode": mode, "seed": seed,
+    row: dict[str, Any] = {"peers": peers, "workload": workload, "speeds": speeds, "mode": mode, "seed": seed, "chunks": chunks,
                            "time_to_target_s": reached, "wall_s": round(time.perf_counter() - began, 1)}
     steps = [r.get("step", 0) for r in last.values()]
-    if mode == "leased":
+    row["steps_median"] = statistics.median(steps) if steps else 0
+    if mode == "leased" and last:
         trained = sum(r.get("samples_trained", 0) for r in last.values())
         row.update(epochs=max(r.get("lease_epoch", 0) for r in last.values()),
                    trained_twice=round(sum(r.get("samples_trained_twice", 0) for r in last.values()) / max(1, trained), 4),
@@ -357,14 +358,15 @@ def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
 
 
 def sim_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| peers | workload | speeds | mode | time to target (s), median | count min / max (static) | epochs | trained twice | waits |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| peers | workload | speeds | mode | time to target (s), median | steps per peer, median | count min / max (static) | epochs | trained twice | waits |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = sorted({(r["peers"], r["workload"], r["speeds"], r["mode"]) for r in rows})
     for peers, workload, speeds, mode in keys:
         rs = [r for r in rows if (r["peers"], r["workload"], r["speeds"], r["mode"]) == (peers, workload, speeds, mode)]
         t = harness.spread([r["time_to_target_s"] for r in rs])[0]
         counts = f"{harness.fmt(med([r.get('count_min') for r in rs]))} / {harness.fmt(med([r.get('count_max') for r in rs]))}" if mode == "static" else "-"
-        out.append(f"| {peers} | {workload} | {speeds} | {mode} | {harness.fmt_seconds(t)} | {counts} | "
+        out.append(f"| {peers} | {workload} | {speeds} | {mode} | {harness.fmt_seconds(t)} | "
+                   f"{med([r.get('steps_median') for r in rs])} | {counts} | "
                    f"{med([r.get('epochs') for r in rs]) if mode == 'leased' else '-'} | "
                    f"{med([r.get('trained_twice') for r in rs]) if mode == 'leased' else '-'} | "
                    f"{med([r.get('waits') for r in rs]) if mode == 'leased' else '-'} |")
@@ -384,6 +386,7 @@ def main() -> int:
     parser.add_argument("--sim-peers", default=",".join(map(str, SIM_PEERS)))
     parser.add_argument("--sim-workloads", default=",".join(SIM_WORKLOADS))
     parser.add_argument("--sim-speeds", default=",".join(SIM_SPEEDS))
+    parser.add_argument("--sim-chunks", type=int, default=0, help="data.chunks of simulated leased runs (0: the default)")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--out", type=Path)
     # a peer's own arguments
@@ -428,7 +431,7 @@ def main() -> int:
                 for workload in args.sim_workloads.split(","):
                     for speeds in args.sim_speeds.split(","):
                         for mode in MODES:
-                            row = sim_run(peers, workload, speeds, mode, seed, args.sim_seconds)
+                            row = sim_run(peers, workload, speeds, mode, seed, args.sim_seconds, args.sim_chunks)
                             print(json.dumps(row), flush=True)
                             rows.append(row)
         harness.write_csv(out / "sim.csv", rows)
