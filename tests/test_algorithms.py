@@ -36,6 +36,7 @@ def initial(n: int, dim: int, seed: int) -> torch.Tensor:
 
 
 def gossip(algorithm: str, topology: str, **kw: object) -> GossipConfig:
+    kw.setdefault("compression", "none")  # exact arithmetic (auto starts at fp16)
     return GossipConfig(topology=topology, algorithm=algorithm, local_steps=1, **kw)  # type: ignore[arg-type]
 
 
@@ -238,7 +239,7 @@ def test_averaging_keeps_the_local_steps_taken_since_the_model_was_sent(algorith
     models directly (the previous neighbour merge) kept only 0.51 of the
     progress; both algorithms now apply differences and keep all of it.
     """
-    cfg = GossipConfig(algorithm=algorithm, topology="complete")
+    cfg = GossipConfig(algorithm=algorithm, topology="complete", compression="none")
     ids = ["a", "b"]
     params = [{"x": torch.zeros(4, dtype=torch.float64)} for _ in ids]
     peers = [make_averaging(params[i], cfg, random.Random(i), me=ids[i]) for i in range(2)]
@@ -399,7 +400,7 @@ def test_local_sgd_outer_momentum_converges_in_lockstep_with_neighbours() -> Non
     """16 peers on the exponential graph, the largest accepted outer momentum: the swarm comes together, the mean stays."""
     initial = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     sim = Lockstep(initial, GossipConfig(algorithm="local-sgd", topology="exponential", local_steps=1,
-                                         outer_lr=0.4, outer_momentum=0.8))
+                                         outer_lr=0.4, outer_momentum=0.8, compression="none"))
     distances = sim.run(300)
     # Heavy momentum on the disagreement: slow modes oscillate out at about |mu|^(1/2) per round, but they go.
     assert distances[300] < 0.02 * distances[0] and distances[300] < 0.5 * distances[150]

@@ -22,7 +22,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XACK, XPUSH
 from gossiptrain.net.transport.sim import LinkProfile
 from gossiptrain.protocol.algorithms import make_averaging
-from gossiptrain.protocol.auto_compression import BLOCK_EXCHANGES, SETTLE_EXCHANGES, AutoCompression
+from gossiptrain.protocol.auto_compression import BLOCK_EXCHANGES, SETTLE_EXCHANGES, START_LEVEL, AutoCompression
 from gossiptrain.protocol.averaging_events import AtSafePoint, Received, SendExchange, wire_bytes
 from gossiptrain.protocol.compression import AUTO_LEVELS, AutoCodec
 from gossiptrain.sim.cluster import Cluster, SimConfig
@@ -62,8 +62,9 @@ MODEL = [torch.zeros(19_210)]  # digits-small: 76,840 bytes in float32
 STEP = 0.002
 
 
-def policy_after_steps() -> AutoCompression:
+def policy_after_steps(level: int = 0) -> AutoCompression:
     auto = AutoCompression(AutoCodec(), MODEL)
+    auto.codec.level = level  # the scenarios below begin at none (a policy starts at START_LEVEL)
     for step in range(10):
         auto.at_step(step, step * STEP, 0.0)
     return auto
@@ -116,6 +117,24 @@ def test_fewer_bytes_that_do_shorten_exchanges_are_kept() -> None:
     assert auto.codec.level == 1  # int8 kept after its trial, then fp16, which fits this link too: never none again
 
 
+def test_it_starts_at_fp16_and_a_fast_link_takes_it_to_none_with_no_trial_to_fail() -> None:
+    auto = policy_after_steps(START_LEVEL)
+    assert AUTO_LEVELS[auto.codec.level] == "fp16"
+    levels = []
+    for _ in range(2 * SETTLE_EXCHANGES):  # 1 ms per exchange against 16 ms of steps
+        auto.exchanged(0.001, auto.level_bytes[auto.codec.level], 8)
+        levels.append(auto.codec.level)
+    assert levels == [1] * (SETTLE_EXCHANGES - 1) + [0] * (SETTLE_EXCHANGES + 1)
+    assert auto._trial is None and auto._blocked == 0
+
+
+def test_from_fp16_a_slow_link_tries_int8_and_keeps_it() -> None:
+    auto = policy_after_steps(START_LEVEL)
+    for _ in range(3 * SETTLE_EXCHANGES):  # 1 ms of latency plus the model both ways at 10 Mbit/s: fp16 does not fit
+        auto.exchanged(0.001 + 16 * auto.level_bytes[auto.codec.level] / 1e7, auto.level_bytes[auto.codec.level], 8)
+    assert AUTO_LEVELS[auto.codec.level] == "int8" and auto._blocked == 0
+
+
 def test_steps_spent_waiting_for_the_link_do_not_count_as_step_time() -> None:
     auto = AutoCompression(AutoCodec(), MODEL)
     auto.at_step(1, 0.0, 0.0)
@@ -124,12 +143,12 @@ def test_steps_spent_waiting_for_the_link_do_not_count_as_step_time() -> None:
 
 
 def test_without_time_between_steps_nothing_changes() -> None:
-    """A machine driven by hand (lockstep tests, the same ``now`` every step) stays at none."""
+    """A machine driven by hand (lockstep tests, the same ``now`` every step) stays where it started."""
     auto = AutoCompression(AutoCodec(), MODEL)
     for step in range(5):
         auto.at_step(step, 0.0, 0.0)
         auto.exchanged(1.0, 76_840, 8)
-    assert auto.codec.level == 0
+    assert auto.codec.level == START_LEVEL
 
 
 # -- nothing lost through changes ------------------------------------------------------------

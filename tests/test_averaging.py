@@ -21,7 +21,8 @@ from gossiptrain.protocol.pairwise import OVERDUE_SECONDS, PairwiseAveraging
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.rtt import RttEstimator
 
-CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
+# compression none: exact arithmetic (auto starts at fp16)
+CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0, compression="none")
 
 
 def make(values: list[float], seed: int = 0, ready: bool = True) -> tuple[PairwiseAveraging, dict[str, torch.Tensor]]:

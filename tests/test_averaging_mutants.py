@@ -37,8 +37,9 @@ from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.push_sum import MIN_PUSH_WEIGHT, UNACKED_PUSHES, PushSum
 from gossiptrain.protocol.rtt import RttEstimator
 
-CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0)
-PUSH_SUM = GossipConfig(algorithm="push-sum")
+# compression none: exact arithmetic (auto starts at fp16)
+CONFIG = GossipConfig(exchange_timeout_min=0.5, exchange_timeout_max=4.0, compression="none")
+PUSH_SUM = GossipConfig(algorithm="push-sum", compression="none")
 
 
 def pairwise(values: list[float], me: str = "", seed: int = 0, config: GossipConfig = CONFIG,

@@ -322,7 +322,8 @@ class Raw:
 def target(coordinator_factory: Any) -> Iterator[Peer]:
     """A real Peer alone in its swarm (so it starts no exchange of its own), on its own 127.0.0.x."""
     # No drift correction: the tests read the merge itself, exactly (it would replay it over the next safe points).
-    coord = coordinator_factory(fast_config(**{"train.workload": "external", "gossip.drift_gain": 0.0}))
+    coord = coordinator_factory(fast_config(**{"train.workload": "external", "gossip.drift_gain": 0.0,
+                                                "gossip.compression": "none"}))
     torch.manual_seed(0)
     peer = Peer(torch.nn.Linear(8, 4), coord.address.removeprefix("tcp://"), bind=f"{next_host()}:0")
     try:

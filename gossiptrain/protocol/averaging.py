@@ -127,6 +127,7 @@ class Averaging:
         # compression "auto": the level follows the measured link (``protocol.auto_compression``)
         self.steps = StepTimer()  # the local step time, flow control's waits excluded
         self.auto = AutoCompression(self.codec, self.params, self.steps) if isinstance(self.codec, AutoCodec) else None
+        self.stats.compression_level = self.auto.codec.level if self.auto is not None else 0
         self.staleness = StalenessPolicy(config.staleness_weighting, config.staleness_exponent, config.staleness_bound)
         self.clip = NormClip(config.robust_clip) if config.robust else None
         # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
