@@ -53,7 +53,7 @@ def test_a_layout_round_trips_and_two_layouts_that_differ_are_named_both() -> No
     fsdp = PieceLayout("fsdp", ((PieceEntry("0.weight", "float32", (9, 8), 0),), (PieceEntry("0.weight", "float32", (8, 8), 0),)))
     assert PieceLayout.from_wire(fsdp.to_wire()) == fsdp and one.mismatch(PieceLayout.from_wire(one.to_wire())) is None
     said = fsdp.mismatch(one)
-    assert said is not None and "fsdp over 2 ranks" in said and "whole over 1 rank " in said
+    assert said is not None and "fsdp over 2 ranks" in said and "whole on one rank" in said
     assert "rank 0: 1 tensors, 72 values" in said  # what each rank holds, so the user sees which split differs
 
 
@@ -61,6 +61,7 @@ def test_a_layout_round_trips_and_two_layouts_that_differ_are_named_both() -> No
     None, {"kind": "tensor-parallel", "pieces": [[]]}, {"kind": "fsdp", "pieces": []},
     {"kind": "fsdp", "pieces": [[["w", "float32", [2, -1], 0]]]}, {"kind": "fsdp", "pieces": [[["w", "float32", [2], 1]]]},
     {"kind": "whole", "pieces": [[["w", "float32", [2]]]]}, {"kind": "whole", "pieces": ["w"]},
+    {"kind": "whole", "pieces": [[], []]},  # whole: rank 0's piece only
 ])
 def test_a_malformed_layout_is_refused(raw: Any) -> None:
     with pytest.raises(ProtocolError):

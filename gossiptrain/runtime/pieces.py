@@ -54,24 +54,28 @@ class PieceLayout:
     """What each rank of a peer holds (see the module docstring); equal layouts average piece by piece."""
 
     kind: str
-    pieces: tuple[tuple[PieceEntry, ...], ...]  # one per rank, in rank order
+    pieces: tuple[tuple[PieceEntry, ...], ...]  # one per rank that owns a piece, in rank order (whole: rank 0's only)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a piece layout is one of {', '.join(KINDS)}, not {self.kind!r}")
-        if not self.pieces:
-            raise ValueError("a piece layout holds at least one rank's piece")
+        if not self.pieces or (self.kind == "whole" and len(self.pieces) != 1):
+            raise ValueError("a piece layout holds one piece per rank that owns one (whole: exactly one, rank 0's): "
+                             f"{len(self.pieces)} given")
 
     @property
     def ranks(self) -> int:
         return len(self.pieces)
 
     def describe(self) -> str:
-        """One line: the kind, the ranks and what each holds (values and tensors)."""
+        """One line: the kind, the ranks and what each holds (values and tensors). A peer of one worker and a DDP
+        group hold the same layout (``whole``: rank 0 owns the model, whatever the group's size)."""
         held = ", ".join(
             f"rank {r}: {len(p)} tensors, {sum(_numel(e.shape) for e in p):,} values" for r, p in enumerate(self.pieces)
         )
-        return f"{self.kind} over {self.ranks} rank{'s' if self.ranks > 1 else ''} ({held})"
+        if self.kind == "whole":
+            return f"whole on one rank ({held})"
+        return f"{self.kind} over {self.ranks} ranks ({held})"
 
     def mismatch(self, other: PieceLayout) -> str | None:
         """None if the layouts are equal, else a sentence that names both (this peer's first)."""
@@ -88,8 +92,9 @@ class PieceLayout:
         if not isinstance(raw, dict) or raw.get("kind") not in KINDS or not isinstance(raw.get("pieces"), list):
             raise ProtocolError(f"a piece layout is a map of a kind ({', '.join(KINDS)}) and its pieces")
         pieces = raw["pieces"]
-        if not 1 <= len(pieces) <= max_ranks or sum(len(p) if isinstance(p, list) else 0 for p in pieces) > max_entries:
-            raise ProtocolError(f"a piece layout holds 1..{max_ranks} pieces of at most {max_entries} tensors in all")
+        if not 1 <= len(pieces) <= max_ranks or sum(len(p) if isinstance(p, list) else 0 for p in pieces) > max_entries \
+                or (raw["kind"] == "whole" and len(pieces) != 1):
+            raise ProtocolError(f"a piece layout holds 1..{max_ranks} pieces (whole: 1) of at most {max_entries} tensors")
         out = []
         for piece in pieces:
             if not isinstance(piece, list):
