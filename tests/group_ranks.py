@@ -56,6 +56,31 @@ def train(rank: int, join: str, init: str, out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
+def split(kind: str, rank: int, join: str, init: str, out: str) -> None:
+    """A peer of two ranks whose model is FSDP2-sharded or cut into pipeline stages: refused, on both ranks."""
+    from gossiptrain.errors import ConfigError, GossipError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    else:  # pipeline stages: rank 0 the first layers, rank 1 the last
+        model = model[:2] if rank == 0 else model[2:]
+    config = fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60})
+    try:
+        with Peer(model, join=join, bind="127.0.0.1:0", config=config, group=dist.group.WORLD):
+            said = ""
+    except (GossipError, ConfigError) as e:
+        said = str(e)
+    Path(out).write_text(json.dumps({"error": said}))
+    dist.destroy_process_group()
+
+
 def solo(join: str, steps: int) -> None:
     """A single-worker member of the same model, so that the group's leader has someone to average with."""
     torch.set_num_threads(1)
@@ -76,11 +101,13 @@ def solo(join: str, steps: int) -> None:
         peer.finish("budget")
 
 
-if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | solo JOIN STEPS
+if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT | solo JOIN STEPS
     import sys
 
     what, *rest = sys.argv[1:]
     if what == "train":
         train(int(rest[0]), rest[1], rest[2], rest[3], int(rest[4]))
+    elif what == "split":
+        split(rest[0], int(rest[1]), rest[2], rest[3], rest[4])
     else:
         solo(rest[0], int(rest[1]))

@@ -43,6 +43,27 @@ def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
     assert leader["exchanges"] > 0  # merges moved the leader's model, and the worker holds it all the same
 
 
+@pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
+def test_a_peer_whose_ranks_each_hold_a_piece_of_the_model_is_refused_on_every_rank(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path, kind: str
+) -> None:
+    """Syncing rank 0's parameters over the others would overwrite their shards or stages: refused, saying how the
+    model is split, on both ranks (neither waits for the other in a collective), and the leader leaves."""
+    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60}))
+    join = coord.address.removeprefix("tcp://")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ranks = [procs.start("split", kind, str(r), join, init, outs[r], name=f"{kind}{r}", module="tests.group_ranks")
+             for r in range(2)]
+    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-2000:] for p in ranks]
+    said = [json.loads(Path(o).read_text())["error"] for o in outs]
+    assert said[0] == said[1], said
+    if kind == "fsdp":  # the parameters are DTensors: refused before anything is contacted
+        assert "is a DTensor" in said[0] and "not built yet" in said[0]
+    else:  # each rank's own parameters: found at the first collective, after the leader joined
+        assert "pipeline over 2 ranks" in said[0] and "every rank must hold the whole model" in said[0]
+
+
 def test_workers_environment() -> None:
     assert Workers.from_environment({}) is None
     assert Workers.from_environment({"GOSSIPTRAIN_WORKER_RANK": "1", "GOSSIPTRAIN_WORKER_SIZE": "2",

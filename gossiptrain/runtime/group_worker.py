@@ -24,6 +24,7 @@ from gossiptrain.errors import GossipError
 from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalReport
 from gossiptrain.runtime.peer_group import PeerGroup, control_dict
+from gossiptrain.runtime.preflight import refuse_unusable_model
 from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
 
 
@@ -41,6 +42,8 @@ class WorkerRank:
     ) -> None:
         self._closed = False
         self._node = None
+        if isinstance(model, torch.nn.Module):  # as the leader does, before the first collective: all ranks refuse alike
+            refuse_unusable_model(inner_model(model))
         self._group = PeerGroup(group)
         info = self._group.share(None)  # the leader's welcome, or its failure raised here
         self.config = RunConfig.from_dict(info["config"])
@@ -53,6 +56,7 @@ class WorkerRank:
         self._step = 0
         self._samples: int | None = None
         self._control: dict[str, float] = {}
+        self._group.check_whole(self.model)
         self._follow()
 
     def _follow(self) -> None:

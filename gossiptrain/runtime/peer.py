@@ -301,6 +301,7 @@ class Peer:
                     "id": self.id, "shard": self.shard, "fingerprint": self.fingerprint, "config": self.config.to_dict(),
                     "address": self.address, "joined_via": self.joined_via, "taken_from_swarm": self.taken_from_swarm,
                 })
+                self._group.check_whole(self.model)
                 self._sync_group()
             except BaseException:  # a worker is gone already: leave the swarm we just joined
                 self.close()

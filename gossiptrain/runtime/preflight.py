@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def refuse_unusable_model(model: torch.nn.Module) -> None:
-    """``ConfigError`` (a ValueError) for a model no swarm can average: no parameters, or tensors on the meta device."""
+    """``ConfigError`` (a ValueError) for a model no swarm can average: no parameters, DTensor parameters, or tensors
+    on the meta device."""
     params = dict(model.named_parameters())
     if not params:
         buffers = [name for name, _ in model.named_buffers()]
@@ -35,6 +36,13 @@ def refuse_unusable_model(model: torch.nn.Module) -> None:
             f"the model has no parameters{held}: a peer averages parameters, so give Peer a model with at least one "
             "torch.nn.Parameter"
         )
+    for name, p in params.items():
+        if hasattr(p, "to_local") and hasattr(p, "placements"):  # a DTensor: FSDP2, tensor parallelism
+            raise ConfigError(
+                f"the model's parameter {name!r} is a DTensor (sharded or placed across ranks, as FSDP2 does): a peer "
+                "gossips whole local tensors, and a peer whose ranks each gossip their own shard is not built yet; "
+                "give Peer a model every rank holds whole (DDP, Peer(..., group=...))"
+            )
     for kind, named in (("parameter", params.items()), ("buffer", model.named_buffers())):
         for name, tensor in named:
             if tensor.is_meta:
