@@ -4,8 +4,9 @@
 loopback, each a user's script on the Python API (``gossiptrain.Peer``): an
 MLP 64-128-10 on the digits this repository ships, SGD lr 0.05 momentum 0.9,
 batch 32, one torch thread. ``static``: each peer trains its iid shard (a
-quarter of the data). ``leased``: each iterates ``peer.sampler(1437)``, the
-chunks it leases (``gossiptrain.protocol.leases``). Every peer counts how
+quarter of the data), reshuffled each pass. ``leased``: each iterates
+``peer.sampler(1437)``, the chunks it leases (``gossiptrain.protocol.leases``).
+Both read their indices one at a time and batch them, as a DataLoader does. Every peer counts how
 often it trained each sample (the dataset's index) and writes the counts
 with its evaluations, so the per-sample counts of the whole swarm are the
 sums of the peers' last counts (a killed peer's last counts are at most one
@@ -56,7 +57,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -92,7 +93,7 @@ SIM_SPEEDS = ("equal", "4x", "lognormal")
 def peer_main(args: argparse.Namespace) -> None:
     """One peer: the digits MLP on its shard or on the chunks it leases; counts and evaluations as JSON lines."""
     import gossiptrain
-    from experiments.user_loop import Records, accuracy, digits, shuffled
+    from experiments.user_loop import Records, accuracy, digits
     from gossiptrain.train.partition import partition_indices
 
     torch.set_num_threads(1)
@@ -106,10 +107,10 @@ def peer_main(args: argparse.Namespace) -> None:
         if not args.restarted:
             peer.wait_for_peers(args.peers, timeout=STARTUP)
         if args.mode == "leased":
-            indices = iter_leased(peer, len(y_train))
+            indices = batches_of(leased_indices(peer, len(y_train)))
         else:
             mine = partition_indices(y_train, peer.shard, peer.num_shards, args.seed, "iid")  # (n,)
-            indices = (mine[b] for b in shuffled(len(mine), BATCH, args.seed * 1000 + peer.shard))
+            indices = batches_of(shuffled_indices(mine, args.seed * 1000 + peer.shard))
         log.start(shard=peer.shard, mode=args.mode)
         step, next_eval, next_counts = 0, EVAL_EVERY, COUNTS_EVERY
         stall, last_step = 0.0, None  # the longest time between two steps (a peer that waits for data, say)
@@ -143,16 +144,29 @@ def peer_main(args: argparse.Namespace) -> None:
         peer.finish()
 
 
-def iter_leased(peer: Any, samples: int) -> Any:
-    """Batches (B,) of the indices ``peer.sampler`` yields, pass after pass."""
-    sampler = peer.sampler(samples)
+def batches_of(indices: Iterator[int]) -> Iterator[torch.Tensor]:
+    """Batches (B,) of the indices a sampler gives one at a time, as a DataLoader takes them: the same for both
+    modes, so that what differs between them is where the indices come from."""
     batch: list[int] = []
+    for i in indices:
+        batch.append(i)
+        if len(batch) == BATCH:
+            yield torch.tensor(batch)
+            batch = []
+
+
+def leased_indices(peer: Any, samples: int) -> Iterator[int]:
+    """The indices ``peer.sampler`` yields, pass after pass (one pass: one epoch of the swarm)."""
+    sampler = peer.sampler(samples)
     while True:
-        for i in sampler:
-            batch.append(i)
-            if len(batch) == BATCH:
-                yield torch.tensor(batch)
-                batch = []
+        yield from sampler
+
+
+def shuffled_indices(mine: torch.Tensor, seed: int) -> Iterator[int]:
+    """This peer's shard, reshuffled each pass: a RandomSampler over it (``DataLoader(shuffle=True)``)."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield from mine[torch.randperm(len(mine), generator=gen)].tolist()
 
 
 def lease_fields(peer: Any) -> dict[str, Any]:

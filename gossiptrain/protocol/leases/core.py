@@ -363,12 +363,24 @@ class Leases:
         reserved = set() if stuck else self._reserves(live, lo, hi, now)
         turns = min(len(live), MAX_TURNS)
         tops = [self._stealable_top(now, k) for k in range(1, turns + 1)]
-        ranked = []  # (our place in line, at most turns; -chunk): the free chunks of others, best placed first
+        # The free chunks of others, best placed first (our place in line, then the highest): a chunk we are
+        # second in line for is taken as the scan meets it, highest first, so a scan stops once it has enough
+        # of those (the window is thousands of chunks, and a thief claims at nearly every step); the others are
+        # ranked only if the scan ends short.
+        ranked = []  # (our place in line, at most turns; -chunk)
         for g in range(min(hi, tops[0]) - 1, lo - 1, -1):
-            if g in held or g in reserved or not self._free(g, now, live)[0]:
+            if g in held or g in reserved:
+                continue
+            free, old = self._free(g, now, live)
+            if not free:
                 continue
             k = self._line.rank(g, self.me, cap=turns)
-            if k > 0:
+            if k == 1:
+                self._claim(g, old, stolen=True, now=now)
+                need -= 1
+                if need == 0:
+                    return
+            elif k > 1:
                 ranked.append((k, -g))
         ranked.sort()
         for k, minus_g in ranked:
