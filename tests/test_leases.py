@@ -284,7 +284,9 @@ def test_a_silent_holder_loses_its_chunks_after_the_lease_time() -> None:
     # Past the lease time its claims are free: the other takes each over when it comes to it (claiming at the
     # next term), and the swarm goes past them.
     assert a.leases.table.floor > max(held)
-    assert a.leases.stats.chunks_taken_over >= len(held)
+    finished = [g for g in held if swarm.ledger[g].get(b.id, 0) == plan.size(g)]  # by the step under way as it stalled
+    assert len(finished) <= 1
+    assert a.leases.stats.chunks_taken_over >= len(held) - len(finished)
     assert swarm.untrained_below(a.leases.table.floor) == []
     assert b.leases.held == []  # and b hears that it lost them
 

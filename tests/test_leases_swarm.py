@@ -191,3 +191,29 @@ def test_a_swarm_that_runs_through_its_lease_window_faster_than_gossip_is_told_s
     warnings = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
     assert len(warnings) == 1 and "data.chunks, now 44 an epoch" in warnings[0], warnings
     assert 0.5 < client.machine.window_seconds(now[0]) < 2.0  # type: ignore[operator]
+
+
+def test_a_sampler_pass_is_one_epoch_and_counts_what_it_gave_even_when_the_loop_breaks() -> None:
+    """A lone member's pass: every index of the epoch once, the pass ending with the epoch; the samples a loop
+    took before it broke off are counted as trained (a chunk's last report rides on the next claim)."""
+    import random
+
+    from gossiptrain.config import DataConfig
+    from gossiptrain.runtime.leased_data import LeaseClient, LeasedSampler, plan_for
+
+    config = DataConfig(mode="leased", chunks=7)
+    client = LeaseClient("me", plan_for(1000, config, 0), config, live=lambda: ["me"], now=time.monotonic,
+                         rng=random.Random(0))
+    sampler = LeasedSampler(client, lambda: 1)
+    first = list(sampler)
+    assert sorted(first) == list(range(1000)) and client.machine.epoch == 1
+    assert client.stats()["samples_trained"] == 1000
+    second = list(sampler)
+    assert sorted(second) == list(range(1000)) and second != first  # epoch 1's shuffle
+    taken = []
+    for i in sampler:
+        taken.append(i)
+        if len(taken) == 150:  # mid-chunk (chunks of 142-143)
+            break
+    assert client.stats()["samples_trained"] == 2150
+    assert sorted(taken + list(sampler)) == list(range(1000))  # the pass after the break goes on from there

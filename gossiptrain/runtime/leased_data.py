@@ -70,10 +70,13 @@ class LeaseClient:
                 self._check_window()
             return got
 
-    def wait_chunk(self, timeout: float) -> tuple[int, int] | None:
+    def wait_chunk(self, timeout: float, *, trained: tuple[int, int] | None = None) -> tuple[int, int] | None:
         """(chunk, samples of it trained already) to train next, waiting up to ``timeout`` seconds (real time)
-        for a merge to free one; None: nothing to claim yet."""
+        for a merge to free one; None: nothing to claim yet. ``trained``: (chunk, samples) to count as trained
+        first, under the same lock (a sampler's last report of the chunk it finished)."""
         with self._lock:
+            if trained is not None:
+                self.machine.trained(trained[0], trained[1], self.now())
             got = self.machine.next_chunk(self.now())
             if got is None and timeout > 0:
                 self._check_window()
@@ -145,8 +148,10 @@ class LeaseClient:
         return {"plan": self.plan.to_wire(), "table": action.body, "reply": action.reply}
 
 
-#: Samples a sampler yields before it counts them as trained (a lock and a table update each time, not per sample).
-REPORT_EVERY = 16
+#: Samples of a chunk a sampler yields before it counts them as trained (a lock and a table update each time,
+#: not per sample); the rest of a chunk is counted with the claim of the next (one lock a chunk for chunks of
+#: up to this many samples, as the default cut of a small dataset's are).
+REPORT_EVERY = 64
 
 
 class LeasedSampler(torch.utils.data.Sampler[int]):
@@ -170,17 +175,25 @@ class LeasedSampler(torch.utils.data.Sampler[int]):
         return max(1, self.client.plan.samples // max(1, self.members()))
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self.client.machine.epoch
-        while self.client.machine.epoch <= epoch:
-            got = self.client.wait_chunk(self.wait)
-            if got is None:
-                continue
-            g, done = got
-            rest = self.client.plan.indices(g)[done:]
-            for start in range(0, len(rest), REPORT_EVERY):  # counted REPORT_EVERY at a time, and at the chunk's end
-                part = rest[start : start + REPORT_EVERY]
-                yield from part
-                self.client.trained(g, len(part))
+        client = self.client
+        epoch = client.machine.epoch
+        g, given = -1, 0  # the chunk being given out, and how many of its samples were given and not yet counted
+        try:
+            while client.machine.epoch <= epoch:
+                got = client.wait_chunk(self.wait, trained=(g, given) if given else None)
+                given = 0
+                if got is None or client.machine.epoch > epoch:  # (that report may have finished the epoch)
+                    continue
+                g, done = got
+                for index in client.plan.indices(g)[done:]:
+                    given += 1  # before the yield: a loop that stops here has taken this one
+                    yield index
+                    if given == REPORT_EVERY:
+                        client.trained(g, given)
+                        given = 0
+        finally:  # the pass ended, or the loop that read it stopped (break, an error, the generator closed)
+            if given:
+                client.trained(g, given)
 
 
 class LeasedBatches:

@@ -34,6 +34,7 @@ log2(n) intervals, which is what ``lease_time`` must exceed by far.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import deque
@@ -61,6 +62,8 @@ WINDOW_MIN_SECONDS = 2.0
 #: Weight of a new measurement in the smoothed pace, and the seconds each measurement spans at least.
 PACE_SMOOTHING = 0.3
 PACE_SPAN = 0.25
+#: Share of the chunks it wants that a member trains before it claims again (at least one chunk).
+TOP_UP_SHARE = 0.25
 #: Seconds between the floor's samples for ``window_seconds``.
 FLOOR_EVERY = 0.5
 
@@ -190,7 +193,7 @@ class Leases:
         more if we hold too few, or fewer than ``samples`` untrained: a batch's worth); empty: wait."""
         if self._resume is not None and (self._heard or not [m for m in self.live() if m != self.me]):
             self._take_back(now)
-        self._drop_lost()
+        # (Claims are lost only in a merge, which drops them: ``handle``.)
         self._top_up(now, samples)
         if not self.held:
             self.stats.lease_waits += 1
@@ -307,10 +310,15 @@ class Leases:
         return now - seen[1] > self.settings.lease_time
 
     def _top_up(self, now: float, samples: int = 0) -> None:
-        need = self._wanted() - len(self.held)
-        short = samples - sum(self.plan.size(h.g) - h.trained for h in self.held)
-        if short > 0:
+        wanted = self._wanted()
+        need = wanted - len(self.held)
+        short = samples - sum(self.plan.size(h.g) - h.trained for h in self.held) if samples > 0 else 0
+        if short > 0:  # a batch's worth first
             need = max(need, min(self.settings.max_held - len(self.held), math.ceil(short * self.plan.chunks / self.plan.samples)))
+        # Claims in a handful: a member that holds most of what it wants scans again only when a TOP_UP_SHARE
+        # of it is trained (a claim per chunk trained cost a scan per chunk, a batch or two of a small model).
+        elif self.held and need < math.ceil(wanted * TOP_UP_SHARE):
+            return
         if need <= 0:
             return
         # In line: the live members that still renew (a member that stalled, alive to membership but training
@@ -427,8 +435,7 @@ class Leases:
         claim = Claim(0 if old is None else old.term + 1, self.me)
         if not self.table.put_claim(g, claim):
             return
-        self.held.append(_Held(g))
-        self.held.sort(key=lambda h: h.g)
+        bisect.insort(self.held, _Held(g), key=lambda h: h.g)
         self.stats.chunks_claimed += 1
         self.stats.chunks_stolen += stolen
         self.stats.chunks_taken_over += old is not None
