@@ -559,7 +559,7 @@ class DataConfig:
     chunks are taken over, each sample is trained once an epoch)."""
 
     mode: str = "shards"  # shards (train.shard of train.shards, fixed at join) or leased
-    chunks: int = 0  # chunks per epoch when leased (0: 256, fewer so that each holds at least 32 samples)
+    chunks: int = 0  # chunks per epoch when leased (0: 256, fewer so that each holds at least 128 samples)
     lease_time: float = 10.0  # a peer that trains nothing this long loses its chunks to the others
     gossip_interval: float = 0.2  # seconds between a peer's pushes of its lease table
     ahead_seconds: float = 2.0  # a peer holds claims for this long of its own pace (1 chunk at least)

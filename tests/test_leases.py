@@ -39,7 +39,8 @@ def test_epochs_shuffle_differently_and_every_member_computes_the_same_plan() ->
 
 def test_the_default_chunk_count_keeps_chunks_of_a_batch_or_more() -> None:
     assert default_chunks(1_000_000) == 256
-    assert default_chunks(1437) == 44  # digits' training split: 32-33 samples a chunk
+    assert default_chunks(1437) == 11  # digits' training split: 130-131 samples a chunk
+    assert default_chunks(50_000) == 256  # CIFAR-10's: 195-196
     assert default_chunks(10) == 1
     with pytest.raises(ValueError):
         ChunkPlan(10, 11)
