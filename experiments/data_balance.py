@@ -25,7 +25,11 @@ with a sample trained fewer times than the epochs finished ("untrained"),
 and the samples trained twice (the peers' own count, ``samples_trained_twice``)
 as a share of the samples trained; the longest stall (the longest time
 between two steps of one peer, its first step on); the time to the target (the peers' mean
-test accuracy held at ``--target`` for 3 evaluations).
+test accuracy held at ``--target`` for 3 evaluations); the samples trained
+in the run (the mean count: times the dataset), and the CPU time of the
+peer processes per step (every thread: a step's cost to the machine, which
+the machine's load does not change as it changes the samples trained in a
+fixed time).
 
 **Simulated** (``--sim``): 16 and 64 peers (``gossiptrain.sim``, the same
 lease core), digits-small and charlm, speeds equal, one peer 4x slower, and
@@ -138,8 +142,9 @@ def peer_main(args: argparse.Namespace) -> None:
             if elapsed >= next_counts:
                 log.write("counts", counts=counts.tolist())
                 next_counts = elapsed + COUNTS_EVERY
+        cpu = time.process_time()  # every thread of this process: training, the peer's network side, its leases
         log.write("done", step=step, test_acc=accuracy(model, x_test, y_test), longest_stall_s=round(stall, 3),
-                  **lease_fields(peer))
+                  cpu_s=round(cpu, 3), **lease_fields(peer))
         log.write("counts", counts=counts.tolist())
         peer.finish()
 
@@ -245,6 +250,9 @@ def summarise(per_peer: list[list[dict[str, Any]]], mode: str, seed: int, target
         "final_acc": round(statistics.mean(e[-1]["test_acc"] for e in evals if e), 4),
         "longest_stall_s": max((r.get("longest_stall_s", 0.0) for e in evals for r in e), default=None),
     }
+    done = [r for recs in per_peer for r in recs if r.get("event") == "done" and "cpu_s" in r]
+    if done:  # CPU per step, over the peers that finished: what a step costs the machine, whatever its load
+        row["cpu_ms_per_step"] = round(1e3 * sum(r["cpu_s"] for r in done) / max(1, sum(r["step"] for r in done)), 3)
     if mode == "leased":
         epochs = max((r.get("lease_epoch", 0) for e in evals for r in e), default=0)
         plan = plan_for(len(total), DataConfig(), seed)
@@ -331,9 +339,13 @@ def med(values: list[Any]) -> float | None:
     return statistics.median(got) if got else None
 
 
+def dash(x: float | None, digits: int) -> str:
+    return "-" if x is None else harness.fmt(x, digits)
+
+
 def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
-    out = ["| setting | peers | mode | runs | time to target (s), each seed | count min / max (x mean) | epochs | untrained chunks | trained twice | longest stall (s) | final acc |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| setting | peers | mode | runs | time to target (s), each seed | count min / max (x mean) | epochs | untrained chunks | trained twice | longest stall (s) | final acc | samples trained (x dataset) | CPU ms / step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     med_of: dict[tuple[str, str], dict[str, Any]] = {}
     for setting in SETTINGS:
         for mode in MODES:
@@ -351,7 +363,9 @@ def real_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
                        f"{med([r.get('epochs') for r in rs]) if mode == 'leased' else '-'} | "
                        f"{m['untrained'] if mode == 'leased' else '-'} | {m['twice'] if mode == 'leased' else '-'} | "
                        f"{'-' if m['stall'] is None else harness.fmt(m['stall'])} | "
-                       f"{harness.fmt(med([r.get('final_acc') for r in rs]), 3)} |")
+                       f"{harness.fmt(med([r.get('final_acc') for r in rs]), 3)} | "
+                       f"{dash(med([r.get('mean_count') for r in rs]), 0)} | "
+                       f"{dash(med([r.get('cpu_ms_per_step') for r in rs]), 3)} |")
 
     def pair(setting: str, mode: str) -> list[float | None] | None:
         m = med_of.get((setting, mode))

@@ -145,6 +145,8 @@ _BUDGET_DEFAULTS: dict[str, int | float] = {"max_steps": _DefaultSteps(2000), "m
 
 #: What ``train.optimizer`` may name (gossiptrain.train.local_trainer.make_optimizer builds them).
 OPTIMIZERS = ("sgd", "adam")
+#: ``train.lr_schedule``: the rate over the run where the workload brings no schedule of its own.
+LR_SCHEDULES = ("constant", "step")
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -165,6 +167,10 @@ class TrainConfig:
     workload: str = "digits"
     optimizer: str = "sgd"  # sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; torch's betas 0.9, 0.999)
     lr: float = 0.05  # learning rate (Adam wants about 0.003)
+    # the rate over the run: constant, or step (x0.1 after 75% of train.max_steps, x0.01 after 90%: the CIFAR
+    # recipe of the decentralized-learning papers; needs max_steps). A workload that brings its own schedule
+    # (make_scheduler) keeps it, and asking for step there is refused
+    lr_schedule: str = "constant"
     momentum: float = 0.9  # SGD momentum
     weight_decay: float = 0.0  # the optimizer's weight decay (torch's weight_decay)
     batch_size: int = 32  # mini-batch size of each local step
@@ -175,8 +181,9 @@ class TrainConfig:
     # budget per peer: this many seconds (0 = none); given alone, the only budget (max_steps is then 0)
     max_seconds: float = _BUDGET_DEFAULTS["max_seconds"]
     eval_every_seconds: float = 1.0  # test-set evaluation cadence for progress/metrics
-    # how labels spread over shards: iid, dirichlet (label skew, partition_alpha), classes-per-peer
-    # (partition_classes); each peer logs its class histogram (gossiptrain.train.partition)
+    # how labels spread over shards: iid, dirichlet (label skew, partition_alpha), dirichlet-even (the same draw
+    # cut into shards of equal size), classes-per-peer (partition_classes); each peer logs its class histogram
+    # (gossiptrain.train.partition)
     partition: str = "iid"
     partition_alpha: float = 0.5  # dirichlet concentration: small = few classes per shard, large = near iid
     partition_classes: int = 2  # classes-per-peer: classes each shard holds (shards * this >= classes)
@@ -193,14 +200,18 @@ class TrainConfig:
         _require(self.optimizer in OPTIMIZERS, f"{s}.optimizer", f"is {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         _require(self.lr > 0 and math.isfinite(self.lr), f"{s}.lr", f"must be a positive number, got {self.lr}")
         _require(0 <= self.momentum < 1, f"{s}.momentum", f"must be in [0, 1), got {self.momentum}")
+        _require(self.lr_schedule in LR_SCHEDULES, f"{s}.lr_schedule",
+                 f"is {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
         _require(self.weight_decay >= 0, f"{s}.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _require(self.batch_size >= 1, f"{s}.batch_size", f"must be >= 1, got {self.batch_size}")
         _require(self.shards >= 1, f"{s}.shards", f"must be >= 1, got {self.shards}")
         _require(self.max_steps >= 0, f"{s}.max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.lr_schedule != "step" or self.max_steps > 0, f"{s}.lr_schedule",
+                 "step decays the rate at 75% and 90% of train.max_steps: give max_steps")
         _require(self.max_seconds >= 0, f"{s}.max_seconds", f"must be >= 0, got {self.max_seconds}")
         _require(self.eval_every_seconds > 0, f"{s}.eval_every_seconds", "must be > 0")
         # gossiptrain.train.partition.SCHEMES, spelled out: importing it would pull torch into config.
-        schemes = ("iid", "dirichlet", "classes-per-peer")
+        schemes = ("iid", "dirichlet", "dirichlet-even", "classes-per-peer")
         _require(
             self.partition in schemes,
             f"{s}.partition",

@@ -287,3 +287,12 @@ def test_param_server_reads_a_good_gradient() -> None:
     assert tensor is not None
     param_server.copy_into(out, tensor)
     assert h == {"kind": "grad", "worker": 1, "version": 5} and torch.equal(out, grad)
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_relaysgd_table_quick(tmp_path: Path) -> None:
+    """Two rows of the RelaySGD table in miniature (simulated, about 5 s): every cell an accuracy."""
+    head = run_script("relaysgd_table", tmp_path)
+    assert set(head) == {"alpha_0.1"} and set(head["alpha_0.1"]) == {"allreduce", "dpsgd_ring"}
+    assert all(0.0 <= acc <= 1.0 for acc in head["alpha_0.1"].values())
+    assert (tmp_path / "runs.csv").exists() and "| allreduce |" in (tmp_path / "summary.md").read_text()

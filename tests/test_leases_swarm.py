@@ -72,7 +72,10 @@ def test_a_killed_peers_chunks_are_trained_by_the_others_and_every_sample_once_a
         epoch_then = peers[0].stats()["lease_epoch"]
         trainers[2].stop.set()
         victim._teardown()  # killed: no leave, its claims stand until membership finds it dead
-        wait_for(lambda: peers[0].stats()["lease_epoch"] >= epoch_then + 3, 60, "three more epochs",
+        # On until both survivors' floors pass the victim's highest chunk (a peer holds up to 2 s of claims ahead,
+        # which with chunks of 130 samples can reach epochs past the floor) and an epoch has finished since.
+        wait_for(lambda: min(p._node.leases.machine.table.floor for p in peers[:2]) > max(held)
+                 and peers[0].stats()["lease_epoch"] > epoch_then, 60, "the survivors past the victim's chunks",
                  state=lambda: str({k: v for k, v in peers[0].stats().items() if "lease" in k or "chunks" in k}))
         with lock:
             seen = list(counts)

@@ -85,6 +85,8 @@ def test_shards_are_disjoint_covering_nonempty_and_deterministic(
         assert all(torch.equal(s, s.sort().values) for s in shards)
     if scheme == "classes-per-peer":
         assert all(labels[s].unique().numel() <= k for s in shards)
+    if scheme == "dirichlet-even":
+        assert max(s.numel() for s in shards) - min(s.numel() for s in shards) <= 1
     again = _all_shards(labels, count, seed, scheme, alpha, k)
     assert all(torch.equal(a, b) for a, b in zip(shards, again))
 
@@ -124,6 +126,8 @@ def test_small_alpha_is_far_more_skewed_than_large_alpha() -> None:
         return float(np.mean(per_seed))
 
     tiny, middle, huge, iid = skew("dirichlet", 0.05), skew("dirichlet", 1.0), skew("dirichlet", 100.0), skew("iid", 0.5)
+    # Evened, the draw keeps its skew: a shard is mostly the samples one shard of the draw held.
+    assert skew("dirichlet-even", 0.05) > 0.5 and skew("dirichlet-even", 100.0) < 0.2
     # Ten balanced classes over 8 shards: an iid shard's majority class holds
     # about 0.13 of it; Dir(0.05) gives most classes to one shard (about 0.7).
     assert tiny > 0.5 and huge < 0.2 and iid < 0.2, (tiny, huge, iid)
@@ -217,7 +221,7 @@ def test_config_rejects_bad_partitions_naming_the_field(kwargs: dict, field: str
 def test_config_knows_every_scheme_and_takes_them_from_strings() -> None:
     # config spells the scheme names out (it must not import torch): keep the two lists in step.
     assert [TrainConfig(partition=s).partition for s in SCHEMES] == list(SCHEMES)
-    with pytest.raises(ConfigError, match="known schemes: iid, dirichlet, classes-per-peer"):
+    with pytest.raises(ConfigError, match="known schemes: iid, dirichlet, dirichlet-even, classes-per-peer"):
         TrainConfig(partition="nope")
     cfg = RunConfig().with_overrides({"train.partition": "dirichlet", "train.partition_alpha": "0.1", "train.partition_classes": "3"})
     assert (cfg.train.partition, cfg.train.partition_alpha, cfg.train.partition_classes) == ("dirichlet", 0.1, 3)

@@ -100,6 +100,41 @@ def test_the_schedule_warms_up_then_decays_to_its_floor() -> None:
     assert shape[110] == pytest.approx(zoo.FLOOR) and shape[-1] == pytest.approx(zoo.FLOOR)
 
 
+def test_a_step_schedule_for_a_workload_without_one_cuts_the_rate_twice_and_resumes_where_it_was(tmp_path: Path) -> None:
+    from gossiptrain.errors import ConfigError, WorkloadError
+    from gossiptrain.state.checkpoint import Checkpointer, latest_good
+    from gossiptrain.train.local_trainer import step_decay
+
+    assert [step_decay(s, total=100) for s in (0, 74, 75, 89, 90, 99)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        TrainConfig(lr_schedule="step", max_seconds=10)  # a budget in seconds alone: no max_steps to cut at
+    with pytest.raises(ConfigError, match="known: constant, step"):
+        TrainConfig(lr_schedule="cosine", max_steps=10)
+    workload = DigitsWorkload(hidden=8, depth=1)
+    config = TrainConfig(shards=1, batch_size=8, lr=0.2, max_steps=20, lr_schedule="step")
+    trainer = LocalTrainer(workload, workload.build_model(0), config, shard=0)
+    rates = []
+    for _ in range(20):
+        trainer.step()
+        rates.append(trainer.opt.param_groups[0]["lr"])
+    assert rates[:14] == pytest.approx([0.2] * 14) and rates[14:17] == pytest.approx([0.02] * 3)
+    assert rates[17:] == pytest.approx([0.002] * 3)
+    # A resumed trainer goes on at the rate of the step it resumes from, not the first one's.
+    half = LocalTrainer(workload, workload.build_model(0), config, shard=0)
+    for _ in range(16):
+        half.step()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(half.model, half.opt, step=half.steps, samples_seen=half.samples_seen)
+    again = LocalTrainer(workload, workload.build_model(0), config, shard=0)
+    again.load_state(latest_good(tmp_path))
+    assert again.opt.param_groups[0]["lr"] == pytest.approx(0.02)
+    again.step(), again.step()
+    assert again.opt.param_groups[0]["lr"] == pytest.approx(0.002)
+    with pytest.raises(WorkloadError, match="its own learning-rate schedule"):
+        cosine = zoo_workload("cnn_cosine")
+        LocalTrainer(cosine, cosine.build_model(0), TrainConfig(shards=1, max_steps=10, lr_schedule="step"), shard=0)
+
+
 def test_clipping_in_the_loop_bounds_the_gradient_norm() -> None:
     class Clipped(DigitsWorkload):
         clip_grad_norm = 1e-3  # far below any gradient of a fresh model

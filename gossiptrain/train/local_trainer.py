@@ -6,9 +6,11 @@ Both the CLI peer (real time) and the simulator (virtual time) step a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -56,13 +58,30 @@ def optimizer_for(workload: Workload | None, config: TrainConfig, model: torch.n
     return optimizer
 
 
+#: ``train.lr_schedule = step``: the fractions of ``max_steps`` after which the rate is cut, and the cut each.
+STEP_MILESTONES = (0.75, 0.9)
+STEP_FACTOR = 0.1
+
+
+def step_decay(step: int, *, total: int) -> float:
+    """The rate's multiplier at ``step`` of ``total``: 1, then x STEP_FACTOR after each of STEP_MILESTONES."""
+    return STEP_FACTOR ** sum(step >= fraction * total for fraction in STEP_MILESTONES)
+
+
 def scheduler_for(
     workload: Workload | None, optimizer: torch.optim.Optimizer, config: TrainConfig
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The workload's learning-rate schedule over ``optimizer`` (``make_scheduler``), or None where it has none."""
+    """The workload's learning-rate schedule over ``optimizer`` (``make_scheduler``), else ``train.lr_schedule``'s;
+    None for a constant rate."""
     build = getattr(workload, "make_scheduler", None) if workload is not None else None
     if build is None:
+        if config.lr_schedule == "step":
+            # A partial of a module-level function, not a lambda: the schedule's state stays plain data.
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(step_decay, total=config.max_steps))
         return None
+    if config.lr_schedule != "constant":
+        raise WorkloadError(f"workload {workload.name!r} brings its own learning-rate schedule (make_scheduler): "
+                            f"train.lr_schedule {config.lr_schedule!r} would be a second one; leave it constant")
     scheduler = build(optimizer, config)
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise WorkloadError(f"workload {workload.name!r}: make_scheduler returned {type(scheduler).__name__}, which has no step()")
@@ -160,6 +179,11 @@ class LocalTrainer:
         restore(checkpoint, self.model, self.opt, fingerprint=fingerprint, run=run, allow_other_run=allow_other_run)
         self.steps = checkpoint.info.step
         self.samples_seen = checkpoint.info.samples_seen
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):  # a rate that is a function of the step:
+            self.scheduler.last_epoch = self.steps - 1  # ...the one of the step we go on from (step() counts it)
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": meant, not a slip here
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
 
     def evaluate(self) -> EvalResult:
         return self.workload.evaluate(self.model)

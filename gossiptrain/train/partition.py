@@ -22,11 +22,11 @@ from gossiptrain.errors import ConfigError, WorkloadError
 __all__ = ["SCHEMES", "check_scheme", "class_histogram", "describe", "partition_indices"]
 
 #: Partition schemes, by the name ``train.partition`` takes.
-SCHEMES = ("iid", "dirichlet", "classes-per-peer")
+SCHEMES = ("iid", "dirichlet", "dirichlet-even", "classes-per-peer")
 
 # Mixed into the numpy seed so that a scheme's draws never coincide with
 # another scheme's (or a future one's) for the same run seed.
-_STREAM = {"dirichlet": 1, "classes-per-peer": 2}
+_STREAM = {"dirichlet": 1, "classes-per-peer": 2, "dirichlet-even": 1}  # dirichlet-even: the same draw, evened
 
 
 def check_scheme(scheme: str, alpha: float, classes_per_peer: int) -> None:
@@ -41,8 +41,8 @@ def check_scheme(scheme: str, alpha: float, classes_per_peer: int) -> None:
 
 def describe(scheme: str, alpha: float, classes_per_peer: int) -> str:
     """A short label for logs: 'iid', 'dirichlet alpha=0.1', 'classes-per-peer k=2'."""
-    if scheme == "dirichlet":
-        return f"dirichlet alpha={alpha:g}"
+    if scheme in ("dirichlet", "dirichlet-even"):
+        return f"{scheme} alpha={alpha:g}"
     if scheme == "classes-per-peer":
         return f"classes-per-peer k={classes_per_peer}"
     return scheme
@@ -66,6 +66,11 @@ def partition_indices(
     - ``dirichlet``: each class's samples are split among the shards in
       proportions drawn from Dir(alpha) (Hsu et al. 2019). Small alpha gives
       each shard few dominant classes; large alpha approaches iid.
+    - ``dirichlet-even``: the same draw, then the shards' samples, shard
+      after shard, cut into ``count`` parts whose sizes differ by at most
+      one (as the RelaySGD paper's code splits CIFAR-10, Vogels et al. 2021):
+      the skew of ``dirichlet`` without its shards of a handful of samples,
+      which at a small alpha are most of them.
     - ``classes-per-peer``: shard i holds ``classes_per_peer`` classes,
       assigned round-robin over a seeded shuffle of the classes; a class's
       samples are split evenly among the shards that hold it. Needs
@@ -90,6 +95,9 @@ def partition_indices(
     if y.min() < 0:
         raise WorkloadError(f"partition {scheme!r}: class labels must be >= 0, got {int(y.min())}")
     rng = np.random.default_rng([_STREAM[scheme], seed % 2**64])
+    if scheme == "dirichlet-even":
+        drawn = [part for shard in _dirichlet(y, count, alpha, rng) for part in shard]  # shard after shard
+        return torch.from_numpy(np.sort(np.array_split(np.concatenate(drawn), count)[index])).to(torch.int64)  # (n,)
     if scheme == "dirichlet":
         shards = _dirichlet(y, count, alpha, rng)
     else:
