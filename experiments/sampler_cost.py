@@ -14,8 +14,9 @@ alternating.
     python experiments/sampler_cost.py --quick   # a smoke test
 
 Output: experiments/results/sampler_cost/summary.md; the last line printed
-is one JSON object: microseconds per batch of each mode and dataset, and
-the difference.
+is one JSON object: microseconds per batch of each mode and dataset, the
+difference, and a step of data_balance's MLP (``mlp_step_us``), which the
+difference is set against.
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def leased(samples: int) -> Iterator[int]:
         yield from sampler
 
 
+def step_us(steps: int = 1000, repeats: int = 5) -> float:
+    """Microseconds of one training step of experiments/data_balance.py's MLP (64-128-10, SGD 0.05/0.9, batch
+    32, one thread): what the sampler's cost is set against."""
+    torch.manual_seed(0)
+    x, y = torch.randn(1437, 64), torch.randint(0, 10, (1437,))  # (N, 64), (N,)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batch = torch.randint(0, 1437, (BATCH,))  # (B,)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - start) / n * 1e6
+
+    run(200)  # warm up
+    return statistics.median(run(steps) for _ in range(repeats))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=20_000)
@@ -96,6 +119,10 @@ def main() -> int:
                      f"{med['leased'] - med['static']:.1f}"])
         headline[name] = {"static_us": round(med["static"], 2), "leased_us": round(med["leased"], 2),
                           "extra_us": round(med["leased"] - med["static"], 2)}
+    step = step_us(200 if args.quick else 1000, repeats)
+    for row in rows:
+        row.append(f"{100 * float(row[4]) / step:.1f}%")
+    headline["mlp_step_us"] = round(step, 1)
     command = ("python experiments/sampler_cost.py " + " ".join(sys.argv[1:])).strip()
     lines = [
         "# Issue 49: what a leased sampler costs a training loop per batch",
@@ -104,10 +131,12 @@ def main() -> int:
         "",
         f"Batches of {BATCH} indices read into a tensor, {batches:,} a round, medians of {repeats} rounds; `static`: "
         "a quarter of the dataset reshuffled each pass; `leased`: `LeasedSampler` of a lone member (the lease "
-        "machine's cost to the training thread, the swarm's gossip left out).",
+        "machine's cost to the training thread, the swarm's gossip left out). Last column: the difference as a "
+        f"share of one step of experiments/data_balance.py's MLP (64-128-10, batch {BATCH}, one thread: "
+        f"{step:.0f} us here).",
         "",
         *harness.markdown_table(["dataset", "chunks an epoch", "static (us / batch)", "leased (us / batch)",
-                                 "leased - static (us)"], rows),
+                                 "leased - static (us)", "of an MLP step"], rows),
     ]
     return harness.publish(out, lines, headline)
 
