@@ -48,3 +48,23 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
         pytest.fail(f"mkdocs build --strict failed (make docs-build shows the same):\n{run.stdout}{run.stderr}", pytrace=False)
     for page in ("index.html", "reference/cli/index.html", "reference/config/index.html", "reference/api/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
+
+
+def test_every_file_a_page_includes_is_committed() -> None:
+    """A snippet (``--8<-- "experiments/results/..."``) of a file this checkout has but git ignores builds here and
+    fails on a clean clone (CI): results folders are ignored unless .gitignore lets them in."""
+    try:
+        tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                                     check=True).stdout.splitlines())
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout ({e}): nothing to compare with")
+    if not tracked:
+        pytest.skip("git lists no files here (an export, not a checkout)")
+    pages = [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    included = {
+        line.split('"')[1].split(":")[0]
+        for page in pages for line in page.read_text().splitlines() if line.startswith('--8<-- "')
+    }
+    assert included, "no snippets found: the pattern no longer matches how the pages include files"
+    missing = sorted(path for path in included if path not in tracked)
+    assert not missing, f"included by the docs but not committed (see .gitignore's results folders): {missing}"
