@@ -62,7 +62,7 @@ peers' averaged model. Output: experiments/results/relaysgd_table/
 {...}}`` (mean test accuracy, medians over seeds).
 
     python experiments/relaysgd_table.py              # 7 rows x 3 alphas x 3 seeds, 200 epochs: about 15 minutes
-    python experiments/relaysgd_table.py --quick      # 2 rows, alpha 0.1, 1 seed, 2 epochs (smoke test)
+    python experiments/relaysgd_table.py --quick      # 2 rows, alphas 0.1 and 0.01, 1 seed, 2 epochs (smoke test)
 """
 
 from __future__ import annotations
@@ -215,14 +215,14 @@ def main() -> int:
                     help="step (the paper's: x0.1 at 75%% and 90%% of the steps) or constant")
     ap.add_argument("--partition", default="dirichlet-even", choices=("dirichlet-even", "dirichlet"),
                     help="dirichlet-even (the paper's: shards of equal size) or dirichlet (sizes as drawn)")
-    ap.add_argument("--quick", action="store_true", help="2 rows, alpha 0.1, 1 seed, 2 epochs (a smoke test)")
+    ap.add_argument("--quick", action="store_true", help="2 rows, alphas 0.1 and 0.01, 1 seed, 2 epochs (a smoke test)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     names = ["allreduce", "dpsgd_ring"] if args.quick else [n for n in args.rows.split(",") if n]
     unknown = set(names) - set(ROWS)
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
-    alphas = [0.1] if args.quick else [float(a) for a in args.alphas.split(",")]
+    alphas = [0.1, 0.01] if args.quick else [float(a) for a in args.alphas.split(",")]
     seeds, epochs = (1, 2.0) if args.quick else (args.seeds, args.epochs)
     out = harness.results_dir("relaysgd_table", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
