@@ -84,6 +84,39 @@ def test_a_round_trip_that_changes_the_pace_changes_nothing_owed(
     assert torch.allclose(x - total + d.owed()[0], gain * total, atol=1e-9 * (1 + float(total.abs().max())) * 600)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    merges=st.lists(st.tuples(st.one_of(st.none(), st.floats(-10, 10)), st.sampled_from([1.0, 1.0, 1.0, 0.1, 0.5, 2.0])),
+                    min_size=1, max_size=200),
+    gain=st.floats(0, 8),
+)
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_cut_of_the_rate_forgives_as_much_of_what_is_owed_and_a_rise_nothing(
+    merges: list[tuple[float | None, float]], gain: float, reported: bool
+) -> None:
+    """The optimizer's rate, changed before some safe points: a cut by r forgives (1 - r) of what was owed then, a
+    rise (a warmup's) nothing; what is added plus what is owed is gain times the merges less what was forgiven."""
+    x = torch.zeros(3, dtype=torch.float64)
+    d = DriftCorrection([x], gain, reported=reported)
+    rate = [1.0]
+    d.rate = lambda: rate[0]
+    d.follow_rate(rate[0])  # the rate the optimizer starts at
+    expected = torch.zeros(3, dtype=torch.float64)  # gain x the merges, less what the cuts forgave
+    merged = torch.zeros(3, dtype=torch.float64)
+    for m, change in merges:
+        if change < 1:  # a cut
+            expected -= (1 - change) * d.owed()[0]
+        rate[0] *= change
+        merge = None if m is None else torch.tensor([m, -m, 0.5 * m], dtype=torch.float64)
+        safe_point(d, merge)
+        if merge is not None:
+            merged += merge
+            expected += gain * merge
+    added = x - merged
+    scale = 1 + float(merged.abs().max())
+    assert torch.allclose(added + d.owed()[0], expected, atol=1e-9 * scale * 200)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     merges=st.lists(st.tuples(st.one_of(st.none(), st.floats(-10, 10)), st.one_of(st.none(), st.floats(0, 40))), min_size=1, max_size=200),

@@ -179,6 +179,8 @@ def bind_optimizer(side: TrainingSide, optimizer: torch.optim.Optimizer) -> list
         if side.aside is not None:
             _load_aside(side, optimizer)
         side.snapshots.give_optimizer(optimizer)
+        if side.safepoint.drift is not None:  # the correction falls with the user's rate (DriftCorrection.follow_rate)
+            side.safepoint.drift.rate = lambda: optimizer.param_groups[0]["lr"]
     elif len(side.optimizers) == 2:
         side.snapshots.give_optimizer(None)
         if side.node.config.state.transfer_optimizer:
