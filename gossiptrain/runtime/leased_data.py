@@ -27,6 +27,7 @@ from torch import Tensor
 from gossiptrain.config import DataConfig
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.leases import ChunkPlan, Leases, LeaseSettings, SendLeases, default_chunks
+from gossiptrain.protocol.leases.chunks import MIN_CHUNK_SAMPLES
 from gossiptrain.protocol.leases.core import WINDOW_MIN_SECONDS
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,9 @@ class LeaseClient:
 
 
 #: Samples of a chunk a sampler yields before it counts them as trained (a lock and a table update each time,
-#: not per sample); the rest of a chunk is counted with the claim of the next (one lock a chunk for chunks of
-#: up to this many samples, as the default cut of a small dataset's are).
-REPORT_EVERY = 64
+#: not per sample); the rest of a chunk is counted with the claim of the next: two locks a chunk of the default
+#: cut of a small dataset (MIN_CHUNK_SAMPLES to twice that), one for smaller chunks.
+REPORT_EVERY = MIN_CHUNK_SAMPLES
 
 
 class LeasedSampler(torch.utils.data.Sampler[int]):
