@@ -297,3 +297,13 @@ def test_relaysgd_table_quick(tmp_path: Path) -> None:
     assert all(set(cells) == {"allreduce", "dpsgd_ring"} for cells in head.values())
     assert all(0.0 <= acc <= 1.0 for cells in head.values() for acc in cells.values())
     assert (tmp_path / "runs.csv").exists() and "| allreduce |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow  # four 16-peer simulations, about 20 s: `make test-slow`; test_experiment_scripts.py checks it starts
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+def test_scale_defaults_quick(tmp_path: Path) -> None:
+    head = run_script("scale_defaults", tmp_path)
+    assert set(head) == {"10gbit"} and set(head["10gbit"]) == {"defaults", "two-in-flight", "sqrt", "ddp-hd"}
+    own, averaged = head["10gbit"]["defaults"]
+    assert own is None or own > 0
+    assert head["10gbit"]["ddp-hd"][1] is None  # DDP has one model: no average to time
