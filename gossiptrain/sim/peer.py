@@ -168,7 +168,7 @@ class SimPeer:
                 trainer = self.trainer = LocalTrainer(self.workload, model, config.train, welcome.shard, optimizer=optimizer,
                                                       leases=leases)
                 if self.transfer is not None and self.transfer.ok and config.state.transfer_step:
-                    trainer.steps = self.transfer.step
+                    trainer.continue_from(self.transfer.step)
                 started = self.started_at = self.clock.now()
                 spec = self.spec
                 next_eval = started + config.train.eval_every_seconds

@@ -177,10 +177,15 @@ class LocalTrainer:
     ) -> None:
         """Continue from a checkpoint: its model and optimizer state and its counters (see checkpoint.restore)."""
         restore(checkpoint, self.model, self.opt, fingerprint=fingerprint, run=run, allow_other_run=allow_other_run)
-        self.steps = checkpoint.info.step
         self.samples_seen = checkpoint.info.samples_seen
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):  # a rate that is a function of the step:
-            self.scheduler.last_epoch = self.steps - 1  # ...the one of the step we go on from (step() counts it)
+        self.continue_from(checkpoint.info.step)
+
+    def continue_from(self, step: int) -> None:
+        """Go on counting from ``step`` (a checkpoint's, or a donor's with ``state.transfer_step``), at the rate a
+        schedule that is a function of the step (LambdaLR: ``train.lr_schedule``, the zoo's) has there."""
+        self.steps = step
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            self.scheduler.last_epoch = step - 1  # step() counts this one
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": meant, not a slip here
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
