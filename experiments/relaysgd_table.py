@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
+from experiments import zoo  # noqa: E402
 from experiments.zoo import code_version  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
 from gossiptrain.sim.cluster import Cluster, SimConfig  # noqa: E402
@@ -94,15 +95,7 @@ LR_PLAIN = LR / (1 - MOMENTUM)
 STEP_TIME = 0.01  # virtual s per local step: a fast link (the simulator's default, 1 GB/s, 0.5 ms) never binds
 TRAIN_SAMPLES = 1437  # digits' training split (peers.digits)
 #: Every added method off, as experiments/zoo.py's plain arm: what the paper's rows ran.
-NEVER = 10**9
-PLAIN: dict[str, Any] = {
-    "gossip.momentum_mode": "local",
-    "gossip.drift_gain": 0.0,
-    "gossip.lr_scaling": "none",
-    "gossip.compression": "none",
-    "gossip.max_steps_ahead": NEVER,
-    "gossip.guard": False,
-}
+PLAIN: dict[str, Any] = {**zoo.PLAIN, "gossip.guard": False}
 #: row -> (system, gossip overrides, momentum)
 ROWS: dict[str, tuple[str, dict[str, Any], float]] = {
     "allreduce": ("ddp", {}, 0.0),

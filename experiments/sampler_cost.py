@@ -121,7 +121,7 @@ def main() -> int:
                           "extra_us": round(med["leased"] - med["static"], 2)}
     step = step_us(200 if args.quick else 1000, repeats)
     for row in rows:
-        row.append(f"{100 * float(row[4]) / step:.1f}%")
+        row.append(f"{100 * headline[row[0].split(' (')[0]]['extra_us'] / step:.1f}%")
     headline["mlp_step_us"] = round(step, 1)
     command = ("python experiments/sampler_cost.py " + " ".join(sys.argv[1:])).strip()
     lines = [

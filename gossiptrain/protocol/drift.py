@@ -301,15 +301,11 @@ class DriftCorrection:
         """The optimizer's learning rate is ``rate`` now: where it fell since the last safe point, scale ``c`` (and
         so what is owed) down by as much.
 
-        The merges ``c`` remembers were measured at the old rate: a peer's
-        drift per step is its rate times its data's bias, and after a cut the
-        local steps, and so the drift still to correct, are that much smaller.
-        Replayed whole, they kept pushing models apart for the length of the
-        memory: simulated, 16 peers, digits-small, Dirichlet label skew, the
-        rate cut by 10 at 75% and 90% of 84 steps, the peers' own models ended
-        6-14 points below their average (experiments/relaysgd_table.py
-        --epochs 30). A rate that rises (a warmup) is followed from the next
-        cut on, never up: what was measured at a small rate is not inflated.
+        A peer's drift per step is its rate times its data's bias: after a cut
+        the drift still to correct is that much smaller (the module docstring,
+        "It falls with the rate", has the measurement). A rate that rises (a
+        warmup) is followed from the next cut on, never up: what was measured
+        at a small rate is not inflated.
         """
         if not (rate > 0 and math.isfinite(rate)):
             return

@@ -69,8 +69,7 @@ def partition_indices(
     - ``dirichlet-even``: the same draw, then the shards' samples, shard
       after shard, cut into ``count`` parts whose sizes differ by at most
       one (as the RelaySGD paper's code splits CIFAR-10, Vogels et al. 2021):
-      the skew of ``dirichlet`` without its shards of a handful of samples,
-      which at a small alpha are most of them.
+      the skew of ``dirichlet`` without the tiny shards a small alpha draws.
     - ``classes-per-peer``: shard i holds ``classes_per_peer`` classes,
       assigned round-robin over a seeded shuffle of the classes; a class's
       samples are split evenly among the shards that hold it. Needs
