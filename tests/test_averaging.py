@@ -157,6 +157,33 @@ def test_a_paused_training_loop_still_answers_and_applies_the_merges_at_its_next
     assert float(pb["w"]) == pytest.approx(5.0 - 1.0)  # the paused step is kept
 
 
+def test_a_model_put_back_by_the_guard_is_what_partners_get_and_nothing_computed_from_the_old_one_lands() -> None:
+    """The stability guard put the live parameters back after a safe point took their snapshot (a blow-up): a reply
+    to a request that carried the blown-up model, or a merge served from it, would add ``a (s_b - s_blown)`` to the
+    model put back, which is the blow-up again."""
+    a, pa = make([1.0, 1.0])
+    pa["w"].fill_(1e6)  # blows up in a local step...
+    pa["b"].fill_(1e6)
+    settle(a, 1)  # ...and the safe point takes it as the model partners see
+    (req,) = a.handle(AtSafePoint(step=2, partners=["B"]), 0.0)
+    assert float(req.tensors["w"]) == 1e6
+    served = a.handle(Received("C", XREQ, 7, {"w": torch.tensor([3.0]), "b": torch.tensor([3.0])}), 0.0)
+    assert served[0].kind == XREP
+    pa["w"].fill_(1.0)  # the guard puts the model back
+    pa["b"].fill_(1.0)
+    a.model_put_back()
+    assert a.stats.put_back == 1 and not a.busy
+    assert [float(v) for v in a.view] == [1.0, 1.0]  # partners are served the model put back
+    a.handle(Received("B", XREP, req.xid, {"w": torch.tensor([2.0]), "b": torch.tensor([2.0])}, meta={"a": 0.5}), 0.1)
+    settle(a, 3)
+    assert [float(pa["w"]), float(pa["b"])] == [1.0, 1.0]  # neither the reply nor the served merge landed
+    assert a.stats.late == 1
+    (rep,) = a.handle(Received("C", XREQ, 8, {"w": torch.tensor([3.0]), "b": torch.tensor([3.0])}), 0.2)
+    assert float(rep.tensors["w"]) == 1.0
+    settle(a, 4)
+    assert float(pa["w"]) == 2.0  # averaging goes on from the model put back
+
+
 def test_no_request_is_served_before_the_first_safe_point() -> None:
     b, pb = make([8.0, 8.0], ready=False)
     (nak,) = b.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)

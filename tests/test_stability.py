@@ -105,9 +105,9 @@ def test_a_non_finite_model_is_restored_to_the_last_state_kept_and_every_method_
         guard(step)
     kept = param.clone()  # kept at step 20 (every 5 safe points, quiet for a window)
     param.add_(0.5)
-    guard(21)  # not kept: not a multiple of 5
+    assert guard(21) is False  # not kept: not a multiple of 5; nothing put back
     param[1] = math.nan
-    guard(22)
+    assert guard(22) is True  # put back: the caller's averaging forgets what it computed from the NaN model
     assert torch.equal(param, kept)
     assert restored == [True]
     assert guard.stats.restores == 1 and guard.backed_off == BACKOFF_ORDER
@@ -262,9 +262,11 @@ def test_a_sign_puts_the_model_back_to_the_last_calm_state_and_restarts_the_opti
     kept = param.clone()  # step 10
     for step in range(11, 30):
         param.mul_(1.3)
-        guard(step)
+        put_back = guard(step)
         if guard.backed_off:
+            assert put_back is True
             break
+        assert put_back is False
     assert guard.backed_off == (OUTER_STEP,) and torch.equal(param, kept) and restarts == [True]
 
 

@@ -213,6 +213,11 @@ class Averaging:
         might still be replaced); pushes are taken at safe points anyway.
         """
 
+    def model_put_back(self) -> None:
+        """The live parameters were put back outside averaging (the stability guard, at a blow-up): forget what was
+        computed from the model they replaced. Pushing algorithms read the live parameters at each safe point and
+        keep nothing of them: nothing to forget."""
+
     def hold_until(self, now: float) -> float | None:
         """Flow control: until when the training loop should wait after the last safe point (None: go on).
 

@@ -204,6 +204,27 @@ class PairwiseAveraging(Averaging):
             self._base = self._view = self._frozen(self.params)  # a downloaded state replaced the parameters in place
             self._ready = True
 
+    def model_put_back(self) -> None:
+        """Forget the merges computed from the model the guard discarded, and serve the one it put back.
+
+        Partners were served ``base`` (the discarded model) and our requests in
+        flight carried it: their replies would add ``a (s_b - s_discarded)``,
+        and the merges served since the safe point ``a (s_r - s_discarded)``,
+        to the model put back, which is the blow-up again. On real processes
+        (experiments/user_loop.py, quasi-global momentum asked for on a skewed
+        100 Mbit/s link) restored models went non-finite again within 20-50
+        steps, hundreds of times, until this was done. The partners keep what
+        they merged: that part of the blow-up is theirs to catch.
+        """
+        self._settle()
+        self._pending.clear()
+        self._last_served = None  # its merge is gone with pending: nothing to take back should its reply be lost
+        self.stats.put_back += len(self._inflight) + len(self._overdue)
+        self._inflight.clear()  # their replies, when they come, are to exchanges we no longer know (stats.late)
+        self._overdue.clear()
+        self._base = self._frozen(self.params)
+        self._merged()
+
     def after_send(self) -> None:
         self._settle()
 

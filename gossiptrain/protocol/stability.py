@@ -170,21 +170,21 @@ class StabilityGuard:
 
     # -- the safe point ----------------------------------------------------------------------
 
-    def __call__(self, step: int) -> None:
+    def __call__(self, step: int) -> bool:
+        """Judge the model after safe point ``step``: whether it was put back (the caller's averaging must then forget
+        what it computed from the model it replaced: ``Averaging.model_put_back``)."""
         self._calls += 1
         with torch.no_grad():
             norms = torch._foreach_norm([p.detach() for p in self.params], 2) if self.params else []
             norm = float(torch.stack(norms).double().square().sum().sqrt()) if norms else 0.0  # one pass, one sync
         if not math.isfinite(norm):
-            self._restore(step)
-            return
+            return self._restore(step)
         self._norms.append(norm)
         smallest = min(self._norms)
         graced = self.stats.signs == 0 or self._quiet >= self.grace
         judged = self._calls > self.warmup and graced and len(self._norms) > self.window // 2
         if judged and norm > self.growth * smallest > 0:
-            self._sign(step, f"the model's norm grew {norm / smallest:.2f}x in {len(self._norms) - 1} safe points")
-            return
+            return self._sign(step, f"the model's norm grew {norm / smallest:.2f}x in {len(self._norms) - 1} safe points")
         self._quiet += 1
         # Kept only where nothing grows: a quiet window, and a norm near the window's smallest (not a blow-up's start).
         # (past the state kept by far, but quiet for as long as a retry waits: a model that grew the slow way)
@@ -194,8 +194,9 @@ class StabilityGuard:
             self._keep(step, norm)
         if self._off and self._quiet >= self._patience(self._off[-1]):
             self._retry(step)
+        return False
 
-    def _sign(self, step: int, why: str) -> None:
+    def _sign(self, step: int, why: str) -> bool:
         self.stats.signs += 1
         self._quiet = 0
         self._norms.clear()  # judge the next WINDOW safe points afresh: one more method at most per window
@@ -205,15 +206,16 @@ class StabilityGuard:
                 self._said_nothing_left = True
                 log.warning("stability: %s at step %d, with every added method already off: the model still grows "
                             "(partners that blew up, or the optimizer's own rate: is it too high?)", why, step)
-            return
+            return False
         if self.stats.retries and method in self._relapses:
             self._relapses[method] += 1
         self._suspend(method)
         back = self._put_back(step, self.max_rollback)
         log.warning("stability: %s at step %d: backing off %s (off now: %s)%s", why, step, method, ", ".join(self._off),
                     f"; back to the state of step {self._kept_step}" if back else "")
+        return back
 
-    def _restore(self, step: int) -> None:
+    def _restore(self, step: int) -> bool:
         self.stats.signs += 1
         self._quiet = 0
         self._norms.clear()
@@ -226,6 +228,7 @@ class StabilityGuard:
             where = f"restored the state of step {self._kept_step}" if back else "no finite state kept to restore"
             log.error("stability: the model became non-finite at step %d (%d times so far): %s; off now: %s",
                       step, self.stats.restores, where, ", ".join(self._off) or "nothing (plain averaging already)")
+        return back
 
     def _put_back(self, step: int, within: int | None = None) -> bool:
         """The model back to the last state kept (if kept at most ``within`` steps ago), and the optimizers' state

@@ -113,10 +113,12 @@ class SafePoint:
         if self.drift is not None and drift_inputs is not None:
             self.drift.after(*drift_inputs)
         if self.guard is not None:
-            # Last: it judges the model the local step, the merges and every method made. A non-finite one was
-            # never sent (the codec refuses it) and is put back before the next step; the snapshot this safe point
-            # took of it is replaced at the next one, and partners' requests meanwhile go unanswered.
-            self.guard(step)
+            # Last: it judges the model the local step, the merges and every method made. A model it puts back
+            # replaces the one this safe point gave partners to average with: averaging forgets what it computed
+            # from that one, under the lock, before a partner is served from it again.
+            with self._lock:
+                if self.guard(step):
+                    self.averaging.model_put_back()
 
     def _drift_inputs(self, latency: float | None) -> tuple[float, float | None, tuple[list[torch.Tensor], float] | None]:
         """What the drift correction measures by: the share of the model stale merges replaced, the link's
