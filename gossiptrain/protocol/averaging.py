@@ -133,6 +133,9 @@ class Averaging:
         # Fault injection for robustness experiments (the simulator's rogue peers, tests): this peer
         # scales what it sends by this factor. 1.0, honest, everywhere else.
         self.poison = 1.0
+        # Set by the driver after each safe point: the stability guard saw a sign of a blow-up lately. Pairwise
+        # averaging then starts no exchange and serves none until it has settled (``model_put_back``'s docstring).
+        self.settling = False
         self.version = 0
         self._moved: tuple[list[torch.Tensor], float] = ([], 0.0)  # see take_moved
         self._next_xid = rng.getrandbits(31)

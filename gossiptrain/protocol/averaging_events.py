@@ -123,6 +123,7 @@ class AveragingStats:
     abandoned: int = 0  # pairwise: timed-out exchanges forgotten before their reply came (its merge is lost)
     undelivered: int = 0  # replies we could not send, so we took back their merge
     put_back: int = 0  # pairwise: exchanges in flight forgotten because the stability guard put our model back
+    settling: int = 0  # pairwise: requests refused while the stability guard let a blow-up settle
     crossed: int = 0  # requests refused because we had asked the same partner at the same time
     busy: int = 0  # requests refused because we had already served one while ours was in flight
     rejected: int = 0  # updates refused by validation

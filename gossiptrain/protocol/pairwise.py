@@ -215,6 +215,12 @@ class PairwiseAveraging(Averaging):
         100 Mbit/s link) restored models went non-finite again within 20-50
         steps, hundreds of times, until this was done. The partners keep what
         they merged: that part of the blow-up is theirs to catch.
+
+        Then, while the guard lets the run settle (``StabilityGuard.settling``:
+        a sign within its grace), the peer neither starts exchanges nor serves
+        any: partners whose models blew up pulled restored ones straight back
+        up (a plain-averaging peer's norm grew 2e17 times in 16 steps), and a
+        peer in the middle of a blow-up would hand it on.
         """
         self._settle()
         self._pending.clear()
@@ -291,6 +297,8 @@ class PairwiseAveraging(Averaging):
             gone = [xid for xid, x in self._overdue.items() if x.partner_gone]
             oldest = gone[0] if gone else next(iter(self._overdue))
             self._abandon(self._overdue.pop(oldest), f"{OVERDUE_KEPT} newer exchanges timed out since")
+        if self.settling:  # a blow-up lately (model_put_back): neither take one from partners nor give them ours
+            return []
         k = self.concurrency()
         if len(self._live()) >= k or len(self._inflight) >= 2 * k or tick.step - self._last_start_step < self.config.exchange_every_steps:
             return []
@@ -436,6 +444,9 @@ class PairwiseAveraging(Averaging):
     def _serve(self, msg: Received) -> list[Action]:
         if not self._ready:  # our model is not the one we will train yet: the requester asks someone else
             self.stats.busy += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        if self.settling:
+            self.stats.settling += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         if self.me > msg.sender and any(x.partner == msg.sender for x in self._inflight.values()):
             # We asked each other at the same time. Serving both requests would not average the

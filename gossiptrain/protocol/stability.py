@@ -168,6 +168,12 @@ class StabilityGuard:
     def is_on(self, method: str) -> bool:
         return method not in self._off
 
+    @property
+    def settling(self) -> bool:
+        """A sign was seen within the last ``grace`` safe points: the peer keeps out of averaging meanwhile
+        (``PairwiseAveraging.model_put_back``), so that a blow-up is neither handed on nor taken back."""
+        return self.stats.signs > 0 and self._quiet < self.grace
+
     # -- the safe point ----------------------------------------------------------------------
 
     def __call__(self, step: int) -> bool:

@@ -119,6 +119,7 @@ class SafePoint:
             with self._lock:
                 if self.guard(step):
                     self.averaging.model_put_back()
+                self.averaging.settling = self.guard.settling
 
     def _drift_inputs(self, latency: float | None) -> tuple[float, float | None, tuple[list[torch.Tensor], float] | None]:
         """What the drift correction measures by: the share of the model stale merges replaced, the link's
