@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from gossiptrain.runtime.pieces import local_piece, piece_entries
+from gossiptrain.protocol.pieces import local_piece, piece_entries
 
 
 def model() -> nn.Module:

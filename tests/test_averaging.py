@@ -184,6 +184,39 @@ def test_a_model_put_back_by_the_guard_is_what_partners_get_and_nothing_computed
     assert float(pa["w"]) == 2.0  # averaging goes on from the model put back
 
 
+def test_a_peer_settling_after_a_blow_up_neither_starts_exchanges_nor_serves_them() -> None:
+    a, pa = make([1.0, 1.0])
+    a.settling = True  # the guard saw a sign within its grace
+    assert a.handle(AtSafePoint(step=1, partners=["B"]), 0.0) == []
+    (nak,) = a.handle(Received("C", XREQ, 7, {"w": torch.tensor([3.0]), "b": torch.tensor([3.0])}), 0.0)
+    assert nak.kind == XNAK and a.stats.settling == 1
+    settle(a, 2)
+    assert [float(pa["w"]), float(pa["b"])] == [1.0, 1.0]
+    a.settling = False  # settled: averaging as before
+    (req,) = a.handle(AtSafePoint(step=3, partners=["B"]), 0.0)
+    assert req.kind == XREQ
+
+
+def test_a_request_from_a_model_whose_norm_is_a_hundred_times_apart_from_ours_is_refused_either_way() -> None:
+    """One of the two blew up (a model that blew up and stayed huge is steady: its own guard sees no growth)."""
+    a, _ = make([1.0, 1.0])
+    b, pb = make([1.0, 1.0], seed=1)
+    a.norm = 1.0
+    for i, (theirs, refused) in enumerate(((50.0, False), (101.0, True), (0.02, False), (0.009, True))):
+        b.norm = theirs
+        (req,) = b.handle(AtSafePoint(step=10 * i + 1, partners=["A"]), float(i))
+        assert req.meta["norm"] == theirs
+        (answer,) = a.handle(Received("B", XREQ, req.xid, req.tensors, meta=dict(req.meta)), 0.0)
+        assert (answer.kind == XNAK) == refused
+        b.handle(Received("A", answer.kind, answer.xid, answer.tensors, meta=dict(answer.meta)), float(i))
+        settle(a, 10 * i + 2, float(i)), settle(b, 10 * i + 2, float(i))
+    assert a.stats.norm_apart == 2
+    b.norm = None  # no guard, or still in its warmup: nothing to compare
+    (req,) = b.handle(AtSafePoint(step=100, partners=["A"]), 9.0)
+    assert "norm" not in req.meta
+    assert a.handle(Received("B", XREQ, req.xid, req.tensors, meta=dict(req.meta)), 9.0)[0].kind == XREP
+
+
 def test_no_request_is_served_before_the_first_safe_point() -> None:
     b, pb = make([8.0, 8.0], ready=False)
     (nak,) = b.handle(Received("A", XREQ, 1, {"w": torch.tensor([0.0]), "b": torch.tensor([0.0])}), 0.0)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from gossiptrain.errors import ProtocolError
-from gossiptrain.runtime.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
 
 from .piece_ranks import model
 from .swarm import Procs

@@ -112,6 +112,10 @@ def test_a_non_finite_model_is_restored_to_the_last_state_kept_and_every_method_
     assert restored == [True]
     assert guard.stats.restores == 1 and guard.backed_off == BACKOFF_ORDER
     assert not any(s.on for s in switches.values())
+    assert guard.settling  # averaging keeps out for a grace of safe points...
+    for step in range(23, 23 + guard.grace):
+        guard(step)
+    assert not guard.settling  # ...and no longer
 
 
 def test_methods_are_tried_again_after_the_run_settled_last_first_and_a_relapse_doubles_the_wait() -> None:

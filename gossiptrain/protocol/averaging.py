@@ -136,6 +136,9 @@ class Averaging:
         # Set by the driver after each safe point: the stability guard saw a sign of a blow-up lately. Pairwise
         # averaging then starts no exchange and serves none until it has settled (``model_put_back``'s docstring).
         self.settling = False
+        # ...and the model's norm the guard measured there (None: no guard, or still in its warmup). Pairwise
+        # requests carry it; a server refuses one whose norm and its own are ``stability.NORM_RATIO`` apart.
+        self.norm: float | None = None
         self.version = 0
         self._moved: tuple[list[torch.Tensor], float] = ([], 0.0)  # see take_moved
         self._next_xid = rng.getrandbits(31)

@@ -23,13 +23,14 @@ from gossiptrain.protocol.staleness import staleness_buckets
 
 #: Scalars an exchange message may carry besides its xid, and their allowed ranges (checked by
 #: the node before an event reaches an algorithm): push-sum weight, pairwise mixing weight,
-#: sender's out-degree (Metropolis-Hastings weights), sender's model version, edge sequence number.
+#: sender's out-degree (Metropolis-Hastings weights), sender's model version, edge sequence number, model norm.
 META_RANGES: dict[str, tuple[type, float, float]] = {
     "w": (float, 0.0, float(1 << 24)),
     "a": (float, 0.0, 0.5),
     "deg": (int, 0, 1 << 24),
     "ver": (int, 0, (1 << 63) - 1),
     "seq": (int, 0, (1 << 63) - 1),  # top-k neighbour averaging: message number on its edge (0: dense reset)
+    "norm": (float, 0.0, 1e300),  # pairwise: the requester's model norm at its last safe point (stability guard)
 }
 
 
@@ -124,6 +125,7 @@ class AveragingStats:
     undelivered: int = 0  # replies we could not send, so we took back their merge
     put_back: int = 0  # pairwise: exchanges in flight forgotten because the stability guard put our model back
     settling: int = 0  # pairwise: requests refused while the stability guard let a blow-up settle
+    norm_apart: int = 0  # pairwise: requests refused because the two models' norms were far apart (one blew up)
     crossed: int = 0  # requests refused because we had asked the same partner at the same time
     busy: int = 0  # requests refused because we had already served one while ours was in flight
     rejected: int = 0  # updates refused by validation

@@ -88,6 +88,7 @@ from gossiptrain.protocol.averaging_events import (
 from gossiptrain.protocol.compression import AutoCodec
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.stability import NORM_RATIO
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,8 @@ class PairwiseAveraging(Averaging):
         meta: dict[str, float | int] = {"ver": self.version}
         if share < 0.5:
             meta["a"] = share
+        if self.norm is not None and self.norm > 0:  # (a model of zeros has no norm to compare)
+            meta["norm"] = self.norm
         return [SendExchange(partner, XREQ, xid, wire, meta)]
 
     def concurrency(self) -> int:
@@ -448,6 +451,9 @@ class PairwiseAveraging(Averaging):
         if self.settling:
             self.stats.settling += 1
             return [SendExchange(msg.sender, XNAK, msg.xid, {})]
+        if self._norms_apart(msg.meta.get("norm")):
+            self.stats.norm_apart += 1
+            return [SendExchange(msg.sender, XNAK, msg.xid, {})]
         if self.me > msg.sender and any(x.partner == msg.sender for x in self._inflight.values()):
             # We asked each other at the same time. Serving both requests would not average the
             # two models but swap them (each side adds the other's difference twice). The smaller
@@ -482,6 +488,14 @@ class PairwiseAveraging(Averaging):
         for x in self._live():
             x.served_meanwhile += a
         return [SendExchange(msg.sender, XREP, msg.xid, wire, {"a": a, "ver": self.version})]
+
+    def _norms_apart(self, theirs: object) -> bool:
+        """Whether the requester's model norm (its guard's, in the request) and ours are ``NORM_RATIO`` apart: one of
+        the two blew up, and averaging would hand it on. Decided here, on the server, before either side moves."""
+        ours = self.norm
+        if ours is None or type(theirs) is not float or not math.isfinite(theirs) or theirs <= 0 or ours <= 0:
+            return False
+        return max(theirs, ours) > NORM_RATIO * min(theirs, ours)
 
     def _encode_reply(self, request: Received) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]] | None:
         """Our model for a reply, with ``auto`` at least as lossy as the request.

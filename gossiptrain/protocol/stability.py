@@ -86,6 +86,11 @@ MAX_ROLLBACK = 4 * KEEP_EVERY
 GRACE = 4 * WINDOW
 #: Safe points without a sign before the last method backed off is tried again (doubled at each relapse).
 SETTLE = 500
+#: Two models whose norms are this far apart are not averaged (the server refuses): one of them blew up. A model
+#: that blew up and then stayed huge is steady, so its own guard sees no growth; its partners' restored models went
+#: non-finite again, hundreds of times, by averaging with it (real processes, experiments/user_loop.py). Healthy
+#: peers of one swarm were never near this (past the warmup, when norms are compared at all).
+NORM_RATIO = 100.0
 
 
 class Switch(Protocol):
@@ -167,6 +172,14 @@ class StabilityGuard:
 
     def is_on(self, method: str) -> bool:
         return method not in self._off
+
+    @property
+    def norm(self) -> float | None:
+        """The model's norm at the last safe point, once past the warmup and finite (None before: a fresh
+        model's norm says nothing yet); partners compare it with theirs (``PairwiseAveraging._serve``)."""
+        if self._calls <= self.warmup or not self._norms:
+            return None
+        return self._norms[-1]
 
     @property
     def settling(self) -> bool:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gossiptrain.errors import GossipError
-from gossiptrain.runtime.pieces import WHOLE, PieceEntry, PieceLayout, piece_entries
+from gossiptrain.protocol.pieces import WHOLE, PieceEntry, PieceLayout, piece_entries
 
 CONTROL_FIELDS = ("finish_requested", "members", "steps")  # what the leader tells the workers at each sync
 

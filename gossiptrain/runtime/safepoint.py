@@ -120,6 +120,7 @@ class SafePoint:
                 if self.guard(step):
                     self.averaging.model_put_back()
                 self.averaging.settling = self.guard.settling
+                self.averaging.norm = self.guard.norm
 
     def _drift_inputs(self, latency: float | None) -> tuple[float, float | None, tuple[list[torch.Tensor], float] | None]:
         """What the drift correction measures by: the share of the model stale merges replaced, the link's

@@ -1,0 +1,279 @@
+"""Rank-matched, all-or-none exchanges between peers whose models are split across their workers (issue 48).
+
+A peer whose model is split (``gossiptrain.protocol.pieces``: FSDP shards,
+pipeline stages) is R ranks, rank r owning piece r. Two such peers average
+rank by rank: rank r of each sends its piece to rank r of the other, over
+its own link, so no rank carries another's bytes. What makes the R
+transfers one exchange is that it is **applied on every rank of both peers
+or on none**: the pieces of a model always come from the same mix, and a
+gathered model is exactly what unsplit peers with the same exchanges hold.
+
+One exchange, requester P, server Q, id ``xid``, weight ``a``:
+
+1. At a group safe point P's leader picks Q, the xid and ``a`` and tells its
+   ranks (the driver's collective). Each rank ``start``s: it keeps a
+   snapshot of its piece and sends it to Q's rank r (``XPREQ``).
+2. Q's rank r ``serve``s: it answers with its own piece (``XPREP``) and keeps
+   the merge it would make, ``a (s_P - s_Q)``, as *held*, not applied; or
+   refuses (``XPNAK``: busy, a malformed piece).
+3. Each of P's ranks learns its outcome (``reply``, ``refused``, or its
+   deadline passes) and reports ``status(xid)``. At a safe point the driver
+   gathers the R statuses and ``decide`` answers for all ranks at once:
+   every rank has its reply: commit; any refused or late: abort; else wait.
+   P's ranks ``commit`` (move by ``a (s_Q - s_P)``, keeping the local steps
+   taken meanwhile, as pairwise averaging does) or ``abort``; P's leader
+   tells Q's leader the outcome (``XPEND``).
+4. Q's leader hands the outcome to its ranks at Q's next safe point (the
+   driver's broadcast), and each ``settle``s the held merge: applied on
+   commit, dropped on abort. A held merge with no outcome by its deadline
+   is dropped: the requester is most likely dead (``expire``, again decided
+   by the leader for all ranks).
+
+Neither side applies anything before every rank of the requester has the
+reply, so a refusal, a timeout or a dead rank on either side leaves both
+models as they were. The one fault this cannot absorb is the one pairwise
+averaging cannot either: an outcome lost on the network after the
+requester committed (in practice the requester died, and its model left
+the swarm with it).
+
+Sans-IO: tensors in, actions out; the driver sends the messages and runs
+the group's collectives (which carry small integer tensors:
+``Status``, ``Outcome``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.merges import PendingMerges
+from gossiptrain.protocol.pieces import PieceEntry
+from gossiptrain.state.host_buffers import BufferPool
+
+#: Message kinds (on the wire, beside the pairwise ones).
+XPREQ = "xpreq"  # a rank's piece, asking the same rank of the partner to average
+XPREP = "xprep"  # the partner rank's piece, the merge held until the outcome
+XPNAK = "xpnak"  # refused: nothing held
+XPEND = "xpend"  # leader to leader: the exchange's outcome (commit or abort), for every rank
+
+
+class Status(enum.IntEnum):
+    """A requester rank's state of one exchange, gathered over the group to ``decide``."""
+
+    WAITING = 0
+    READY = 1  # the partner rank's reply is here
+    FAILED = 2  # refused, unreadable, or past its deadline
+
+
+class Outcome(enum.IntEnum):
+    """What every rank of both peers does with one exchange."""
+
+    WAIT = 0
+    COMMIT = 1
+    ABORT = 2
+
+
+def decide(statuses: Sequence[int]) -> Outcome:
+    """The outcome for all ranks from each rank's ``Status``: all ready: commit; any failed: abort; else wait."""
+    if not statuses:
+        raise ValueError("an exchange is decided over at least one rank's status")
+    if any(s == Status.FAILED for s in statuses):
+        return Outcome.ABORT
+    if all(s == Status.READY for s in statuses):
+        return Outcome.COMMIT
+    return Outcome.WAIT
+
+
+@dataclass(frozen=True)
+class Send:
+    """A message for the driver to send to ``to``'s rank of the same index (``to`` is the partner peer)."""
+
+    to: str
+    kind: str
+    xid: int
+    tensors: Mapping[str, Tensor] = field(default_factory=dict)
+    meta: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Asked:
+    """An exchange this rank started: the piece sent, and what came back."""
+
+    partner: str
+    share: float
+    snapshot: list[Tensor]
+    deadline: float
+    remote: list[Tensor] | None = None
+    failed: bool = False
+
+
+@dataclass
+class _Held:
+    """A request this rank served: the merge it makes once the requester commits."""
+
+    requester: str
+    delta: list[Tensor]  # s_requester - s_ours, at the time we answered
+    share: float
+    deadline: float
+
+
+@dataclass
+class PieceStats:
+    """One rank's counts (the group's are the leader's plus its ranks', summed by the driver)."""
+
+    started: int = 0
+    committed: int = 0  # exchanges we asked for and applied
+    aborted: int = 0  # ...and dropped (a rank refused, failed or was late)
+    served: int = 0  # requests answered and held
+    applied: int = 0  # held merges applied (the requester committed)
+    dropped: int = 0  # held merges dropped (the requester aborted, or no outcome by the deadline)
+    refused: int = 0  # requests refused (busy, malformed)
+
+
+class RankExchanges:
+    """One rank's side of its peer's piece exchanges (see the module docstring).
+
+    ``piece`` is this rank's piece as views of its local tensors (writing
+    them writes the model); ``entries`` its layout entry, which every piece
+    received is checked against before it is held or merged.
+    """
+
+    def __init__(self, piece: Mapping[str, Tensor], entries: Sequence[PieceEntry], *, timeout: float) -> None:
+        if [e.name for e in entries] != list(piece):
+            raise ValueError("a rank's piece and its layout entries name the same tensors in the same order")
+        if not timeout > 0:
+            raise ValueError(f"an exchange's timeout is a positive number of seconds, not {timeout}")
+        self.names = list(piece)
+        self.params = list(piece.values())
+        self.entries = tuple(entries)
+        self.timeout = timeout
+        self.stats = PieceStats()
+        self._pool = BufferPool()
+        self._pending = PendingMerges(self.params, self._pool)
+        # The piece as of the last safe point, never written: what requests are answered with, from the network
+        # side, while the training side steps the live tensors (merges land only at safe points: see apply).
+        self._base = [p.detach().clone() for p in self.params]
+        self._asked: dict[int, _Asked] = {}
+        self._held: dict[int, _Held] = {}
+
+    # -- requester -----------------------------------------------------------------------------
+
+    def start(self, xid: int, partner: str, share: float, now: float) -> Send:
+        """Ask ``partner``'s rank of our index to average (every rank of the group, with the same xid and share)."""
+        if not 0 < share <= 0.5:
+            raise ValueError(f"an exchange's weight is in (0, 1/2], not {share}")
+        if xid in self._asked:
+            raise ValueError(f"exchange {xid} is already in flight")
+        snapshot = self._base  # started at a safe point: the live piece (frozen: a new base at the next one)
+        self._asked[xid] = _Asked(partner, share, snapshot, now + self.timeout)
+        self.stats.started += 1
+        return Send(partner, XPREQ, xid, dict(zip(self.names, snapshot)), {"a": share})
+
+    def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor]) -> None:
+        """The partner rank answered; unknown, late or malformed replies make the exchange fail, never apply."""
+        asked = self._asked.get(xid)
+        if asked is None or asked.partner != sender or asked.remote is not None or asked.failed:
+            return
+        try:
+            asked.remote = self._checked(tensors)
+        except ProtocolError:
+            asked.failed = True
+
+    def refused(self, sender: str, xid: int) -> None:
+        asked = self._asked.get(xid)
+        if asked is not None and asked.partner == sender:
+            asked.failed = True
+
+    def status(self, xid: int, now: float) -> Status:
+        """This rank's state of exchange ``xid`` for the group's ``decide`` (past its deadline without a reply: failed)."""
+        asked = self._asked.get(xid)
+        if asked is None or asked.failed:
+            return Status.FAILED
+        if asked.remote is not None:
+            return Status.READY
+        return Status.FAILED if now >= asked.deadline else Status.WAITING
+
+    def commit(self, xid: int) -> None:
+        """Every rank has its reply: move by ``a (s_partner - s_sent)`` at the next ``apply`` (local steps since kept)."""
+        asked = self._asked.pop(xid)
+        if asked.remote is None:
+            raise ValueError(f"exchange {xid} committed on a rank without its reply: decide() says when")
+        self._pending.add_difference(asked.remote, asked.snapshot, asked.share)
+        self.stats.committed += 1
+
+    def abort(self, xid: int) -> None:
+        """Some rank's half failed: this rank's half is dropped too."""
+        if self._asked.pop(xid, None) is not None:
+            self.stats.aborted += 1
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """The exchanges this rank asked for and has not settled, oldest first."""
+        return tuple(self._asked)
+
+    # -- server --------------------------------------------------------------------------------
+
+    def serve(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float) -> Send:
+        """Answer a request with our piece and hold its merge until the requester's outcome; refuse when busy
+        (our own exchanges and held merges would take back more than the whole piece) or malformed."""
+        share = float(meta.get("a", 0.5))
+        committed = sum(x.share for x in self._asked.values()) + sum(h.share for h in self._held.values())
+        if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held:
+            self.stats.refused += 1
+            return Send(sender, XPNAK, xid)
+        try:
+            remote = self._checked(tensors)
+        except ProtocolError:
+            self.stats.refused += 1
+            return Send(sender, XPNAK, xid)
+        ours = self._base
+        delta = self._pending.difference(remote, ours)
+        self._held[xid] = _Held(sender, delta, share, now + 2 * self.timeout)
+        self.stats.served += 1
+        return Send(sender, XPREP, xid, dict(zip(self.names, ours)))
+
+    def settle(self, xid: int, outcome: Outcome) -> None:
+        """The requester's outcome, as the leader handed it to every rank: the held merge applied or dropped."""
+        held = self._held.pop(xid, None)
+        if held is None:
+            return
+        if outcome == Outcome.COMMIT:
+            self._pending.add(held.delta, held.share)
+            self.stats.applied += 1
+        else:
+            self.stats.dropped += 1
+
+    def expired(self, now: float) -> list[int]:
+        """Held merges past their deadline without an outcome (the leader's list is the one acted on)."""
+        return [xid for xid, h in self._held.items() if now >= h.deadline]
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        return tuple(self._held)
+
+    # -- the safe point ------------------------------------------------------------------------
+
+    def apply(self) -> None:
+        """At a safe point (between two optimizer steps), after the outcomes were handed out: add the merges
+        settled to the piece, and take the piece as it now is as what partners are answered with."""
+        self._pending.add_to(self.params)
+        self._pending.clear()
+        self._base = [p.detach().clone() for p in self.params]
+
+    def _checked(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
+        """The received piece in our order; ProtocolError unless it matches our layout entry exactly and is finite."""
+        if list(tensors) != self.names:
+            raise ProtocolError(f"a piece of {len(tensors)} tensors where this rank holds {len(self.names)}")
+        out = []
+        for e, t in zip(self.entries, tensors.values()):
+            if str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape:
+                raise ProtocolError(f"{e.name!r} is {t.dtype} {list(t.shape)}, this rank holds {e.dtype} {list(e.shape)}")
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ProtocolError(f"{e.name!r} has non-finite values")
+            out.append(t)
+        return out

@@ -1,0 +1,226 @@
+"""Rank-matched, all-or-none piece exchanges (``gossiptrain.protocol.piece_exchange``), with no network.
+
+Two peers of 2 ranks each hold a model split as FSDP2 splits it (every
+tensor cut in two along dimension 0). The driver's part (sending, the
+group's gather of statuses and broadcast of outcomes) is played here by
+plain calls. What must hold: averaging piece by piece is averaging of the
+whole, bit for bit against unsplit peers running today's pairwise
+averaging, with a refused and a timed-out exchange among the others, and
+an exchange is applied on every rank of both peers or on none.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossiptrain.config import GossipConfig
+from gossiptrain.net.kinds import XREP, XREQ
+from gossiptrain.protocol.averaging_events import AtSafePoint, Received
+from gossiptrain.protocol.pairwise import PairwiseAveraging
+from gossiptrain.protocol.piece_exchange import XPNAK, XPREP, XPREQ, Outcome, RankExchanges, Status, decide
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
+
+CONFIG = GossipConfig(compression="none", exchange_timeout_min=0.5, exchange_timeout_max=4.0)
+RANKS = 2
+TIMEOUT = 1.0
+
+
+def whole_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(6, 3, generator=g), "b": torch.randn(4, generator=g)}
+
+
+def split(model: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """FSDP2's cut: every tensor in RANKS equal shards along dimension 0, each rank's its own memory."""
+    return [{k: v.chunk(RANKS, 0)[r].clone() for k, v in model.items()} for r in range(RANKS)]
+
+
+def layout_of(pieces: list[dict[str, torch.Tensor]]) -> PieceLayout:
+    return PieceLayout("fsdp", tuple(
+        tuple(PieceEntry(k, "float32", tuple(t.shape), 0) for k, t in piece.items()) for piece in pieces
+    ))
+
+
+class SplitPeer:
+    """A peer of RANKS ranks: its pieces, one RankExchanges per rank, and the leader's bookkeeping."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.name = name
+        self.pieces = split(whole_model(seed))
+        self.layout = layout_of(self.pieces)
+        self.ranks = [RankExchanges(p, self.layout.pieces[r], timeout=TIMEOUT) for r, p in enumerate(self.pieces)]
+        self.outcomes: dict[int, Outcome] = {}  # leader: outcomes partners told us, handed out at our safe point
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        return gather(self.layout, self.pieces)
+
+    def local_step(self, step: dict[str, torch.Tensor]) -> None:
+        for r, piece in enumerate(self.pieces):
+            for k, t in piece.items():
+                t.add_(step[k].chunk(RANKS, 0)[r])
+
+    def safe_point(self, now: float, partner: SplitPeer | None = None) -> None:
+        """Decide our exchanges in flight over the ranks' statuses, hand out partners' outcomes, apply."""
+        for xid in self.ranks[0].in_flight:
+            outcome = decide([rank.status(xid, now) for rank in self.ranks])  # the group's gather
+            if outcome == Outcome.WAIT:
+                continue
+            for rank in self.ranks:
+                rank.commit(xid) if outcome == Outcome.COMMIT else rank.abort(xid)
+            assert partner is not None
+            partner.outcomes[xid] = outcome  # XPEND, leader to leader
+        for xid, outcome in self.outcomes.items():  # the group's broadcast
+            for rank in self.ranks:
+                rank.settle(xid, outcome)
+        self.outcomes.clear()
+        for rank in self.ranks:
+            rank.apply()
+
+
+def make_pairwise(model: dict[str, torch.Tensor], seed: int) -> PairwiseAveraging:
+    machine = PairwiseAveraging(model, CONFIG, random.Random(seed))
+    machine.handle(AtSafePoint(step=0, partners=[]), 0.0)
+    return machine
+
+
+def unsplit_exchange(a: PairwiseAveraging, b: PairwiseAveraging, step: int, now: float) -> None:
+    """Today's pairwise exchange, a asking b, both applying at their next safe point."""
+    (req,) = a.handle(AtSafePoint(step=step, partners=["B"]), now)
+    (rep,) = b.handle(Received("A", XREQ, req.xid, req.tensors, step=step), now)
+    assert rep.kind == XREP
+    a.handle(Received("B", XREP, rep.xid, rep.tensors, meta=dict(rep.meta), step=step), now)
+
+
+def split_exchange(
+    a: SplitPeer, b: SplitPeer, xid: int, now: float, *, refuse_rank: int | None = None, lose_reply_rank: int | None = None
+) -> None:
+    """The same exchange between split peers: every rank of a asks the same rank of b."""
+    for r in range(RANKS):
+        req = a.ranks[r].start(xid, b.name, 0.5, now)
+        assert req.kind == XPREQ
+        if r == refuse_rank:
+            a.ranks[r].refused(b.name, xid)  # b's rank r answered XPNAK (busy, say): it holds nothing
+            continue
+        rep = b.ranks[r].serve(a.name, xid, req.tensors, req.meta, now)
+        assert rep.kind == XPREP
+        if r != lose_reply_rank:
+            a.ranks[r].reply(b.name, xid, rep.tensors)
+
+
+def test_averaging_piece_by_piece_is_averaging_of_the_whole_bit_for_bit_with_a_refused_and_a_timed_out_exchange() -> None:
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    ua, ub = whole_model(1), whole_model(2)
+    pa, pb = make_pairwise(ua, 1), make_pairwise(ub, 2)
+    g = torch.Generator().manual_seed(9)
+    now = 0.0
+    for round_ in range(8):
+        now += 0.1
+        if round_ in (2, 5):  # refused by one rank of the server, then one rank's reply lost (it times out)
+            kwargs = {"refuse_rank": 1} if round_ == 2 else {"lose_reply_rank": 0}
+            split_exchange(sa, sb, 100 + round_, now, **kwargs)
+            sa.safe_point(now, sb)
+            if round_ == 5:
+                assert [r.status(105, now) for r in sa.ranks] == [Status.WAITING, Status.READY]
+                now += TIMEOUT  # rank 0's deadline passes: the group aborts
+                sa.safe_point(now, sb)
+            sb.safe_point(now)
+            assert not any(r.held for r in sb.ranks) and not any(r.in_flight for r in sa.ranks)
+        else:
+            requester_split, server_split = (sa, sb) if round_ % 2 == 0 else (sb, sa)
+            split_exchange(requester_split, server_split, 100 + round_, now)
+            requester_split.safe_point(now, server_split)
+            server_split.safe_point(now)
+            requester, server = (pa, pb) if round_ % 2 == 0 else (pb, pa)
+            unsplit_exchange(requester, server, round_ + 1, now)
+            for m in (pa, pb):
+                m.handle(AtSafePoint(step=round_ + 1, partners=[]), now)
+        step_a = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in ua.items()}
+        step_b = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in ub.items()}
+        sa.local_step(step_a), sb.local_step(step_b)
+        for k in ua:
+            ua[k].add_(step_a[k]), ub[k].add_(step_b[k])
+        sa.safe_point(now), sb.safe_point(now)
+        pa.handle(AtSafePoint(step=100 + round_, partners=[]), now)
+        pb.handle(AtSafePoint(step=100 + round_, partners=[]), now)
+    for split_peer, whole in ((sa, ua), (sb, ub)):
+        got = split_peer.gathered()
+        for k in whole:
+            assert torch.equal(got[k], whole[k]), k  # bit for bit
+    committed = sum(r.stats.committed for r in sa.ranks + sb.ranks)
+    aborted = sum(r.stats.aborted for r in sa.ranks)
+    dropped = sum(r.stats.dropped for r in sb.ranks)
+    assert committed == 6 * RANKS and aborted == 2 * RANKS and dropped == RANKS + 1  # round 2: rank 1 held nothing
+
+
+def test_the_sum_of_the_two_models_moves_only_by_local_steps_whatever_fails() -> None:
+    sa, sb = SplitPeer("A", 3), SplitPeer("B", 4)
+    total0 = {k: sa.gathered()[k] + sb.gathered()[k] for k in ("w", "b")}
+    now = 0.0
+    for xid, kwargs in enumerate([{}, {"refuse_rank": 0}, {"lose_reply_rank": 1}, {}, {"refuse_rank": 1}]):
+        now += TIMEOUT + 0.1
+        split_exchange(sa, sb, xid, now, **kwargs)  # type: ignore[arg-type]
+        sa.safe_point(now + TIMEOUT, sb)
+        sb.safe_point(now + TIMEOUT)
+        total = {k: sa.gathered()[k] + sb.gathered()[k] for k in ("w", "b")}
+        for k in total:
+            torch.testing.assert_close(total[k], total0[k])
+    assert sum(r.stats.committed for r in sa.ranks) == 2 * RANKS
+
+
+def test_an_outcome_that_never_comes_leaves_the_server_as_it_was() -> None:
+    sa, sb = SplitPeer("A", 5), SplitPeer("B", 6)
+    before = sb.gathered()
+    split_exchange(sa, sb, 1, 0.0)  # the requester dies before deciding: no XPEND ever
+    assert all(r.held == (1,) for r in sb.ranks)
+    assert all(r.expired(2 * TIMEOUT - 0.01) == [] for r in sb.ranks)
+    expired = sb.ranks[0].expired(2 * TIMEOUT)
+    assert expired == [1]
+    sb.outcomes.update({xid: Outcome.ABORT for xid in expired})  # the leader's list, handed to every rank
+    sb.safe_point(2 * TIMEOUT)
+    after = sb.gathered()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_piece_that_does_not_match_the_layout_or_is_not_finite_is_refused_and_nothing_is_held() -> None:
+    sa, sb = SplitPeer("A", 7), SplitPeer("B", 8)
+    req = sa.ranks[0].start(1, "B", 0.5, 0.0)
+    wrong = dict(req.tensors)
+    wrong["w"] = wrong["w"][:2]  # another shard shape: another layout
+    assert sb.ranks[0].serve("A", 1, wrong, req.meta, 0.0).kind == XPNAK
+    nan = {k: v.clone() for k, v in req.tensors.items()}
+    nan["b"][0] = float("nan")
+    assert sb.ranks[0].serve("A", 2, nan, req.meta, 0.0).kind == XPNAK
+    assert sb.ranks[0].held == () and sb.ranks[0].stats.refused == 2
+    rep = sb.ranks[0].serve("A", 1, req.tensors, req.meta, 0.0)
+    bad_reply = {k: v.clone() for k, v in rep.tensors.items()}
+    bad_reply["w"][0, 0] = float("inf")
+    sa.ranks[0].reply("B", 1, bad_reply)
+    assert sa.ranks[0].status(1, 0.0) == Status.FAILED
+
+
+def test_a_server_takes_back_at_most_its_whole_piece() -> None:
+    """Held merges and our own exchanges in flight together move at most the whole piece (the convex hull)."""
+    sa, sb, sc = SplitPeer("A", 1), SplitPeer("B", 2), SplitPeer("C", 3)
+    sb.ranks[0].start(9, "C", 0.5, 0.0)  # B's own exchange in flight takes 1/2
+    req = sa.ranks[0].start(1, "B", 0.5, 0.0)
+    assert sb.ranks[0].serve("A", 1, req.tensors, req.meta, 0.0).kind == XPREP
+    req2 = sc.ranks[0].start(2, "B", 0.5, 0.0)
+    assert sb.ranks[0].serve("C", 2, req2.tensors, req2.meta, 0.0).kind == XPNAK
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(list(Status)), min_size=1, max_size=16))
+def test_decide_commits_only_when_every_rank_is_ready_and_aborts_when_any_failed(statuses: list[Status]) -> None:
+    outcome = decide(statuses)
+    assert (outcome == Outcome.COMMIT) == all(s == Status.READY for s in statuses)
+    assert (outcome == Outcome.ABORT) == any(s == Status.FAILED for s in statuses)
+
+
+def test_decide_needs_a_status() -> None:
+    with pytest.raises(ValueError):
+        decide([])
