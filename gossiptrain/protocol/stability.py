@@ -32,12 +32,19 @@ before its next try, so a method that does not suit this run ends up off.
 
 With plain averaging alone and still a sign, there is nothing left to back
 off: the guard says so once (partners whose models blew up, or the
-optimizer's own rate), and keeps restoring a non-finite model. It is each
-peer's own: on real processes (experiments/user_loop.py, quasi-global
-momentum asked for on a 100 Mbit/s skewed link) peers restored their
-models hundreds of times and no non-finite model was ever evaluated, but
-merges with partners still blown up kept the swarm at chance accuracy; in
-the simulator the same swarm recovered and held 0.97.
+optimizer's own rate), and keeps restoring a non-finite model.
+
+**What the swarm does.** A peer's guard is its own, but a blow-up travels
+through merges. A model put back replaces the one partners were being
+served (``Averaging.model_put_back``: pairwise averaging forgets the
+merges and exchanges in flight computed from the old one); while the guard
+lets a sign settle (``settling``) the peer neither asks nor serves; and a
+server refuses a request whose model norm (the requester's guard's, in the
+request) is ``NORM_RATIO`` times from its own. On real processes
+(experiments/user_loop.py, quasi-global momentum asked for on a 100 Mbit/s
+skewed link) that took restores from hundreds a run to 0-1; the swarm
+still did not train there, as quasi-global momentum does harm on that
+workload without a blow-up a norm could show.
 
 Sans-IO: it reads and writes tensors only; the caller gives the step.
 """
