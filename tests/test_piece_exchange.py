@@ -22,7 +22,16 @@ from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XREP, XREQ
 from gossiptrain.protocol.averaging_events import AtSafePoint, Received
 from gossiptrain.protocol.pairwise import PairwiseAveraging
-from gossiptrain.protocol.piece_exchange import XPNAK, XPREP, XPREQ, Outcome, RankExchanges, Status, decide
+from gossiptrain.protocol.piece_exchange import (
+    HOLD_TIMEOUTS,
+    XPNAK,
+    XPREP,
+    XPREQ,
+    Outcome,
+    RankExchanges,
+    Status,
+    decide,
+)
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
 
 CONFIG = GossipConfig(compression="none", exchange_timeout_min=0.5, exchange_timeout_max=4.0)
@@ -54,7 +63,7 @@ class SplitPeer:
         self.pieces = split(whole_model(seed))
         self.layout = layout_of(self.pieces)
         self.ranks = [RankExchanges(p, self.layout.pieces[r], timeout=TIMEOUT) for r, p in enumerate(self.pieces)]
-        self.outcomes: dict[int, Outcome] = {}  # leader: outcomes partners told us, handed out at our safe point
+        self.outcomes: dict[int, tuple[str, Outcome]] = {}  # leader: partners' word, handed out at our safe point
 
     def gathered(self) -> dict[str, torch.Tensor]:
         return gather(self.layout, self.pieces)
@@ -73,10 +82,10 @@ class SplitPeer:
             for rank in self.ranks:
                 rank.commit(xid) if outcome == Outcome.COMMIT else rank.abort(xid)
             assert partner is not None
-            partner.outcomes[xid] = outcome  # XPEND, leader to leader
-        for xid, outcome in self.outcomes.items():  # the group's broadcast
+            partner.outcomes[xid] = (self.name, outcome)  # XPEND, leader to leader
+        for xid, (requester, outcome) in self.outcomes.items():  # the group's broadcast
             for rank in self.ranks:
-                rank.settle(xid, outcome)
+                rank.settle(xid, outcome, requester)
         self.outcomes.clear()
         for rank in self.ranks:
             rank.apply()
@@ -177,11 +186,12 @@ def test_an_outcome_that_never_comes_leaves_the_server_as_it_was() -> None:
     before = sb.gathered()
     split_exchange(sa, sb, 1, 0.0)  # the requester dies before deciding: no XPEND ever
     assert all(r.held == (1,) for r in sb.ranks)
-    assert all(r.expired(2 * TIMEOUT - 0.01) == [] for r in sb.ranks)
-    expired = sb.ranks[0].expired(2 * TIMEOUT)
-    assert expired == [1]
-    sb.outcomes.update({xid: Outcome.ABORT for xid in expired})  # the leader's list, handed to every rank
-    sb.safe_point(2 * TIMEOUT)
+    late = HOLD_TIMEOUTS * TIMEOUT
+    assert all(r.expired(late - 0.01) == [] for r in sb.ranks)
+    expired = {e for r in sb.ranks for e in r.expired(late)}  # the union over the group's ranks
+    assert expired == {(1, "A")}
+    sb.outcomes.update({xid: (requester, Outcome.ABORT) for xid, requester in expired})
+    sb.safe_point(late)
     after = sb.gathered()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -211,6 +221,25 @@ def test_a_server_takes_back_at_most_its_whole_piece() -> None:
     assert sb.ranks[0].serve("A", 1, req.tensors, req.meta, 0.0).kind == XPREP
     req2 = sc.ranks[0].start(2, "B", 0.5, 0.0)
     assert sb.ranks[0].serve("C", 2, req2.tensors, req2.meta, 0.0).kind == XPNAK
+
+
+def test_a_requester_is_served_again_only_once_its_word_on_the_last_exchange_came() -> None:
+    """Its next request carries what our answer to the last one did to it; our piece would not yet."""
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    split_exchange(sa, sb, 1, 0.0)
+    sa.safe_point(0.0, sb)  # A commits and tells B; B has not reached its safe point yet
+    req = sa.ranks[0].start(2, "B", 0.5, 0.0)
+    assert sb.ranks[0].serve("A", 2, req.tensors, req.meta, 0.0).kind == XPNAK
+    sb.safe_point(0.0)  # A's word settles exchange 1
+    assert sb.ranks[0].serve("A", 3, sa.ranks[0].start(3, "B", 0.5, 0.0).tensors, req.meta, 0.0).kind == XPREP
+
+
+def test_only_the_requester_settles_a_held_merge() -> None:
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    split_exchange(sa, sb, 1, 0.0)
+    for rank in sb.ranks:
+        rank.settle(1, Outcome.COMMIT, "C")  # another member's word about A's exchange
+    assert all(r.held == (1,) for r in sb.ranks) and sum(r.stats.applied for r in sb.ranks) == 0
 
 
 @settings(max_examples=200, deadline=None)

@@ -19,6 +19,9 @@ GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK = "gossip", "sync", "leave", "ping", "p
 XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
 XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
 XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)
+# Rank-matched piece exchanges of peers whose model is split across their ranks (gossiptrain.protocol.piece_exchange):
+# a rank's piece asking, answering, refused; and leader to leader, the exchange's outcome for every rank.
+XPREQ, XPREP, XPNAK, XPEND = "xpreq", "xprep", "xpnak", "xpend"
 # State transfer to newcomers (gossiptrain.protocol.state_transfer).
 SREQ, SREP, SNAK, SACK = "sreq", "srep", "snak", "sack"
 # A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
@@ -33,10 +36,11 @@ STATUS_ASK, STATUS = "status-ask", "status"
 JOINING = (JOIN, WELCOME, REFUSE, REACH)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
+PIECES = (XPREQ, XPREP, XPNAK, XPEND)
 STATE = (SREQ, SREP, SNAK, SACK)
 RENDEZVOUS = (READY,)
 LEASES = (LEASE,)
 FINISH = (QUERY, ROSTER, STOP, FIN)
 STATUS_KINDS = (STATUS_ASK, STATUS)
 
-ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + STATE + RENDEZVOUS + LEASES + FINISH + STATUS_KINDS)
+ALL: frozenset[str] = frozenset(JOINING + (REPORT,) + MEMBERSHIP + EXCHANGE + PIECES + STATE + RENDEZVOUS + LEASES + FINISH + STATUS_KINDS)

@@ -26,8 +26,8 @@ One exchange, requester P, server Q, id ``xid``, weight ``a``:
 4. Q's leader hands the outcome to its ranks at Q's next safe point (the
    driver's broadcast), and each ``settle``s the held merge: applied on
    commit, dropped on abort. A held merge with no outcome by its deadline
-   is dropped: the requester is most likely dead (``expire``, again decided
-   by the leader for all ranks).
+   is dropped: the requester is most likely dead (``expired``, the union
+   over the group's ranks, so that every rank drops it).
 
 Neither side applies anything before every rank of the requester has the
 reply, so a refusal, a timeout or a dead rank on either side leaves both
@@ -51,15 +51,17 @@ import torch
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import XPEND, XPNAK, XPREP, XPREQ
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.pieces import PieceEntry
 from gossiptrain.state.host_buffers import BufferPool
 
-#: Message kinds (on the wire, beside the pairwise ones).
-XPREQ = "xpreq"  # a rank's piece, asking the same rank of the partner to average
-XPREP = "xprep"  # the partner rank's piece, the merge held until the outcome
-XPNAK = "xpnak"  # refused: nothing held
-XPEND = "xpend"  # leader to leader: the exchange's outcome (commit or abort), for every rank
+#: A held merge is dropped this many exchange timeouts after it was served without an outcome. The requester
+#: decides at its first safe point past its own timeout and tells us at once; its word coming later than this
+#: after a commit is the one fault the protocol cannot absorb (module docstring), so the margin is wide.
+HOLD_TIMEOUTS = 4
+
+__all__ = ["XPEND", "XPNAK", "XPREP", "XPREQ", "Outcome", "PieceStats", "RankExchanges", "Send", "Status", "decide"]
 
 
 class Status(enum.IntEnum):
@@ -223,7 +225,11 @@ class RankExchanges:
         (our own exchanges and held merges would take back more than the whole piece) or malformed."""
         share = float(meta.get("a", 0.5))
         committed = sum(x.share for x in self._asked.values()) + sum(h.share for h in self._held.values())
-        if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held:
+        # One held exchange per requester: its next request already carries what our answer to the last one did
+        # to it, while our piece does not yet (a held merge is applied only on the requester's word), so the two
+        # would be averaged from views one exchange apart. The requester asks again once we settled.
+        again = any(h.requester == sender for h in self._held.values())
+        if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held or again:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
         try:
@@ -233,24 +239,27 @@ class RankExchanges:
             return Send(sender, XPNAK, xid)
         ours = self._base
         delta = self._pending.difference(remote, ours)
-        self._held[xid] = _Held(sender, delta, share, now + 2 * self.timeout)
+        self._held[xid] = _Held(sender, delta, share, now + HOLD_TIMEOUTS * self.timeout)
         self.stats.served += 1
         return Send(sender, XPREP, xid, dict(zip(self.names, ours)))
 
-    def settle(self, xid: int, outcome: Outcome) -> None:
-        """The requester's outcome, as the leader handed it to every rank: the held merge applied or dropped."""
-        held = self._held.pop(xid, None)
-        if held is None:
+    def settle(self, xid: int, outcome: Outcome, requester: str) -> None:
+        """``requester``'s outcome, as the leader handed it to every rank: the held merge applied or dropped. The
+        word of any other member about it changes nothing (an outcome is the requester's to give)."""
+        held = self._held.get(xid)
+        if held is None or held.requester != requester:
             return
+        del self._held[xid]
         if outcome == Outcome.COMMIT:
             self._pending.add(held.delta, held.share)
             self.stats.applied += 1
         else:
             self.stats.dropped += 1
 
-    def expired(self, now: float) -> list[int]:
-        """Held merges past their deadline without an outcome (the leader's list is the one acted on)."""
-        return [xid for xid, h in self._held.items() if now >= h.deadline]
+    def expired(self, now: float) -> list[tuple[int, str]]:
+        """(xid, requester) of held merges past their deadline without an outcome: the group drops them on every
+        rank (the union of its ranks' lists: a rank whose request was lost holds nothing to time out)."""
+        return [(xid, h.requester) for xid, h in self._held.items() if now >= h.deadline]
 
     @property
     def held(self) -> tuple[int, ...]:

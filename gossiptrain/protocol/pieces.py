@@ -63,6 +63,16 @@ class PieceLayout:
             raise ValueError("a piece layout holds one piece per rank that owns one (whole: exactly one, rank 0's): "
                              f"{len(self.pieces)} given")
 
+    @classmethod
+    def of_ranks(cls, pieces: tuple[tuple[PieceEntry, ...], ...]) -> PieceLayout:
+        """The layout of a group whose rank r holds ``pieces[r]``: ``fsdp`` where any tensor is sharded,
+        ``pipeline`` where the ranks hold different tensors, else ``whole`` (every rank the model: rank 0 owns it)."""
+        if any(e.shard_dim != WHOLE for piece in pieces for e in piece):
+            return cls("fsdp", pieces)
+        if any(piece != pieces[0] for piece in pieces):
+            return cls("pipeline", pieces)
+        return cls("whole", pieces[:1])
+
     @property
     def ranks(self) -> int:
         return len(self.pieces)

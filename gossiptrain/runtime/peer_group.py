@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gossiptrain.errors import GossipError
-from gossiptrain.protocol.pieces import WHOLE, PieceEntry, PieceLayout, piece_entries
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, piece_entries
 
 CONTROL_FIELDS = ("finish_requested", "members", "steps")  # what the leader tells the workers at each sync
 
@@ -78,20 +78,21 @@ class PeerGroup:
         """Every rank must hold the whole model (DDP): raise, on every rank alike, where FSDP2 sharded it or the
         ranks hold different parameters (pipeline stages). ``sync`` would otherwise copy rank 0's shard or stage
         over every other rank's. A peer whose ranks each gossip their own piece is issue 48's, not built yet."""
-        every = self._all_json([e.to_wire() for e in piece_entries(model)])
-        pieces = tuple(tuple(PieceEntry(e[0], e[1], tuple(e[2]), e[3]) for e in rank) for rank in every)
-        if any(e.shard_dim != WHOLE for piece in pieces for e in piece):
-            kind = "fsdp"
-        elif any(piece != pieces[0] for piece in pieces):
-            kind = "pipeline"
-        else:
+        layout = self.layout(model)
+        if layout.kind == "whole":
             return
         raise GossipError(
-            f"Peer(group=...): the model is split across this peer's ranks ({PieceLayout(kind, pieces).describe()}): "
+            f"Peer(group=...): the model is split across this peer's ranks ({layout.describe()}): "
             "a peer whose ranks each hold a piece of the model (FSDP2 shards, pipeline stages) cannot gossip yet; "
             "every rank must hold the whole model (DDP)")
 
-    def _all_json(self, value: Any) -> list[Any]:
+    def layout(self, model: torch.nn.Module) -> PieceLayout:
+        """What every rank of this group holds of ``model`` (collective): FSDP2 shards, pipeline stages (ranks
+        holding different parameters), or the whole model on every rank."""
+        every = self.all_json([e.to_wire() for e in piece_entries(model)])
+        return PieceLayout.of_ranks(tuple(tuple(PieceEntry(e[0], e[1], tuple(e[2]), e[3]) for e in rank) for rank in every))
+
+    def all_json(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order (JSON bytes in tensors: nothing is pickled)."""
         payload = json.dumps(value).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]

@@ -1,0 +1,131 @@
+"""One rank's own socket for its piece's exchanges (issue 48): no rank carries another's bytes.
+
+A peer whose model is split across its ranks averages rank by rank
+(``gossiptrain.protocol.piece_exchange``). Each rank listens at its own
+address and sends its piece to the same rank of the partner peer; what
+arrives is handed to the rank's ``RankExchanges`` on the network thread at
+once (a request is answered without waiting for the training loop, as
+pairwise averaging answers). The group's rank 0 also carries the leaders'
+word: the outcome of each exchange (``XPEND``), kept until its next safe
+point hands it to every rank (``take_outcomes``).
+
+Bodies are small and checked (``xid``, ``a``, ``outcome``); a malformed one
+is a ``ProtocolError``, which the endpoint counts and drops. The training
+side and this network side call the rank's machine under one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+from gossiptrain.config import Limits
+from gossiptrain.errors import ProtocolError
+from gossiptrain.net.kinds import XPEND, XPNAK, XPREP, XPREQ
+from gossiptrain.net.transport import Transport
+from gossiptrain.net.wire import Message
+from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send
+from gossiptrain.runtime.endpoint import Endpoint
+
+#: Outcomes a leader keeps between two safe points, at most (a flood of XPENDs cannot grow it without bound).
+MAX_OUTCOMES = 1024
+_XID_MAX = (1 << 63) - 1
+
+
+class PieceLink(Endpoint):
+    """Sends this rank's piece messages and answers the partners' (see the module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        limits: Limits,
+        exchanges: RankExchanges,
+        *,
+        sender: str,
+        fingerprint: str,
+        clock: Callable[[], float],
+        lock: threading.Lock | threading.RLock | None = None,
+    ) -> None:
+        super().__init__(transport, limits, sender=sender, fingerprint=fingerprint)
+        self.exchanges = exchanges
+        self.clock = clock
+        self.lock = lock if lock is not None else threading.RLock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the network thread's, once started
+        self._outcomes: dict[int, tuple[str, Outcome]] = {}  # leader: xid -> (requester, its word), until our safe point
+        self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome}
+
+    @property
+    def address(self) -> str:
+        """Where partners' ranks reach this one (the bound address once started)."""
+        return self.sender_address
+
+    async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.transport.start(timeout=10)  # ours alone: started and closed with the link
+        await super()._start()
+
+    async def _close(self) -> None:
+        await self.transport.close("piece link closed")
+
+    # -- the training side -----------------------------------------------------------------------
+
+    def ask(self, request: Send, addr: str) -> None:
+        """Send a request ``RankExchanges.start`` made to the partner rank at ``addr``, from any thread (it leaves
+        from the network thread). One that cannot leave gets no reply: its status turns failed at its deadline,
+        and the group aborts the exchange."""
+        self._post(addr, XPREQ, {"xid": request.xid, "a": float(request.meta["a"])}, request.tensors)
+
+    def tell(self, addr: str, xid: int, outcome: Outcome) -> None:
+        """Leader to leader, from any thread: exchange ``xid``'s outcome, for every rank of the partner (``XPEND``)."""
+        if outcome == Outcome.WAIT:
+            raise ValueError("only a decided exchange is told")
+        self._post(addr, XPEND, {"xid": xid, "outcome": int(outcome)})
+
+    def _post(self, addr: str, kind: str, body: dict[str, Any], tensors: Mapping[str, Any] | None = None) -> None:
+        if self._loop is None:
+            raise RuntimeError("the piece link is not started")
+        self._loop.call_soon_threadsafe(self.send, addr, kind, body, tensors)
+
+    def take_outcomes(self) -> dict[int, tuple[str, Outcome]]:
+        """xid -> (requester, outcome) that partners' leaders told us since the last call (the leader hands them
+        to every rank; a rank settles a held merge only on the word of the peer that asked for it)."""
+        with self.lock:
+            out, self._outcomes = self._outcomes, {}
+        return out
+
+    # -- the network side ------------------------------------------------------------------------
+
+    def _on_request(self, msg: Message, frames: Sequence[object]) -> None:
+        xid = _xid(msg.body)
+        a = msg.body.get("a")
+        if type(a) is not float:
+            raise ProtocolError("a piece request's weight 'a' is a float")
+        with self.lock:
+            answer = self.exchanges.serve(msg.sender, xid, msg.tensors, {"a": a}, self.clock())
+        self.send(msg.addr, answer.kind, {"xid": xid}, answer.tensors)
+
+    def _on_reply(self, msg: Message, frames: Sequence[object]) -> None:
+        xid = _xid(msg.body)
+        with self.lock:
+            self.exchanges.reply(msg.sender, xid, msg.tensors)
+
+    def _on_refusal(self, msg: Message, frames: Sequence[object]) -> None:
+        xid = _xid(msg.body)
+        with self.lock:
+            self.exchanges.refused(msg.sender, xid)
+
+    def _on_outcome(self, msg: Message, frames: Sequence[object]) -> None:
+        xid = _xid(msg.body)
+        raw = msg.body.get("outcome")
+        if type(raw) is not int or raw not in (Outcome.COMMIT, Outcome.ABORT):
+            raise ProtocolError("an exchange's outcome is 1 (commit) or 2 (abort)")
+        with self.lock:  # kept even where this rank holds nothing: another rank of ours may (its request came)
+            if len(self._outcomes) < MAX_OUTCOMES:
+                self._outcomes[xid] = (msg.sender, Outcome(raw))
+
+def _xid(body: Any) -> int:
+    xid = body.get("xid") if isinstance(body, dict) else None
+    if type(xid) is not int or not 0 <= xid <= _XID_MAX:
+        raise ProtocolError("a piece message names its exchange by an integer 'xid'")
+    return xid

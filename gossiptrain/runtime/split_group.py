@@ -1,0 +1,158 @@
+"""A peer whose model is split across its ranks, at its safe points: every rank averages its own piece (issue 48).
+
+Each rank holds a piece (``gossiptrain.protocol.pieces``: its FSDP2 shard
+of every parameter, or its pipeline stage) and a socket of its own
+(``PieceLink``); ``RankExchanges`` keeps its side of every exchange. What
+makes the ranks one peer is the safe point, which every rank of the group
+calls after the same local step (FSDP2 and pipelines step in lockstep):
+
+1. one gather over the group carries each rank's view of the exchanges it
+   asked for (``Status``), the held merges past their deadline, and from
+   the leader (rank 0) the outcomes partners' leaders told it and the
+   exchange to start, if any;
+2. from that, every rank computes the same decisions: an exchange of ours
+   every rank has the reply to is committed on all, one any rank failed is
+   aborted on all (the leader tells the partner's leader), a partner's
+   outcome is applied or dropped on all, and a held merge past its
+   deadline on any rank is dropped on all;
+3. the merges are added to the pieces, and every rank sends its piece to
+   the same rank of the partner for the new exchange.
+
+One gather per safe point, of a few hundred bytes: the bytes of the model
+go over the ranks' own sockets, never through rank 0. A rank that dies
+makes the group's next collective fail on the others (gloo: the connection
+closes): the error goes up to the peer, which leaves; partners' exchanges
+with it abort on their side (no reply, or no outcome by the deadline), so
+no half-applied exchange is left anywhere.
+
+Which partner, and where its ranks listen, is the leader's to say
+(``start``); the swarm's membership will say it once split peers join
+(not built yet: this driver is exercised by tests/test_split_group.py).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gossiptrain.config import Limits
+from gossiptrain.net.transport import listen
+from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide
+from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.peer_group import PeerGroup
+from gossiptrain.runtime.piece_link import PieceLink
+
+#: The weight of a piece exchange (one in flight at a time: pairwise averaging's 1/2).
+SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Partner:
+    """The peer to average with next, as the leader knows it: its id and the address of each of its ranks."""
+
+    id: str
+    addresses: tuple[str, ...]
+
+
+class SplitGroup:
+    """One rank's side of its split peer's exchanges (see the module docstring). Collective: construct it, call
+    ``safe_point`` and ``close`` on every rank of ``group`` alike."""
+
+    def __init__(
+        self,
+        group: Any,
+        model: torch.nn.Module,
+        *,
+        me: str,
+        host: str,
+        fingerprint: str,
+        loop: LoopThread,
+        timeout: float,
+        clock: Callable[[], float],
+        limits: Limits | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.group = PeerGroup(group)
+        self.rank = self.group.rank
+        self.me = me
+        self.clock = clock
+        self.loop = loop
+        self.layout: PieceLayout = self.group.layout(model)
+        if self.layout.kind == "whole":
+            raise ValueError("every rank holds the whole model: a DDP peer averages through its rank 0 (Peer(group=...))")
+        self.lock = threading.RLock()  # the training side's safe point and the link's network side
+        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout)
+        limits = limits or Limits()
+        self.link = PieceLink(listen(f"tcp://{host}:0", limits), limits, self.exchanges, sender=me,
+                              fingerprint=fingerprint, clock=clock, lock=self.lock)
+        loop.run(self.link.start(timeout=10), timeout=15)
+        self.addresses: tuple[str, ...] = tuple(self.group.all_json(self.link.address))
+        self._rng = random.Random(f"{me}/{seed}")
+        self._partners: dict[int, Partner] = {}  # leader: the partner of each exchange we asked for, to tell it
+
+    @property
+    def stats(self) -> PieceStats:
+        return self.exchanges.stats
+
+    @property
+    def busy(self) -> bool:
+        """Whether an exchange we asked for is still undecided (the leader starts one at a time)."""
+        return bool(self.exchanges.in_flight)
+
+    def safe_point(self, start: Partner | None = None) -> None:
+        """After a local step, on every rank: decide, settle and apply what can be, then start ``start`` (the
+        leader's word; other ranks pass None, and the leader's is ignored while an exchange is undecided)."""
+        now = self.clock()
+        with self.lock:
+            mine = {
+                "status": {str(xid): int(self.exchanges.status(xid, now)) for xid in self.exchanges.in_flight},
+                "expired": self.exchanges.expired(now),
+            }
+        if self.rank == 0:
+            told = self.link.take_outcomes()
+            mine["told"] = [[xid, requester, int(outcome)] for xid, (requester, outcome) in told.items()]
+            if start is not None and not self.busy:
+                mine["start"] = [self._rng.getrandbits(62), start.id, list(start.addresses)]
+        every = self.group.all_json(mine)  # the one collective: every rank now decides alike
+        leader = every[0]
+        with self.lock:
+            self._decide(every)
+            for xid, requester, outcome in leader.get("told", []):
+                self.exchanges.settle(int(xid), Outcome(outcome), str(requester))
+            for rank in every:
+                for xid, requester in rank["expired"]:
+                    self.exchanges.settle(int(xid), Outcome.ABORT, str(requester))
+            self.exchanges.apply()
+            if "start" in leader:
+                xid, partner, addresses = leader["start"]
+                if len(addresses) != len(self.addresses):
+                    raise ValueError(f"partner {partner} has {len(addresses)} ranks, this peer {len(self.addresses)}")
+                request = self.exchanges.start(int(xid), str(partner), SHARE, now)
+                if self.rank == 0:
+                    self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
+        if "start" in leader:
+            self.link.ask(request, addresses[self.rank])
+
+    def _decide(self, every: Sequence[dict[str, Any]]) -> None:
+        """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""
+        xids = sorted({int(x) for rank in every for x in rank["status"]})
+        for xid in xids:
+            outcome = decide([int(rank["status"].get(str(xid), Status.FAILED)) for rank in every])
+            if outcome == Outcome.WAIT:
+                continue
+            if outcome == Outcome.COMMIT:
+                self.exchanges.commit(xid)
+            else:
+                self.exchanges.abort(xid)
+            partner = self._partners.pop(xid, None)
+            if partner is not None:  # the leader tells the partner's leader, for every rank of it
+                self.link.tell(partner.addresses[0], xid, outcome)
+
+    def close(self) -> None:
+        """Close this rank's socket (not a collective)."""
+        self.loop.run(self.link.close("split group closed"), timeout=10)

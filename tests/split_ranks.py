@@ -1,0 +1,102 @@
+"""One rank of a split peer that averages its piece with the same rank of another peer (tests/test_split_group.py).
+
+``python -m tests.split_ranks PEER RANK PORT KIND DIR EXCHANGES [kill]``:
+PEER is A or B (A asks, B serves), each peer a gloo group of 2 ranks on its
+own PORT, the model split by FSDP2 or as 2 pipeline stages (KIND). Nothing
+trains: the pieces change only by the exchanges, so the test knows what
+they must hold. Each rank writes its piece before and after
+(``DIR/PEER-RANK.{before,after}.safetensors``) and its counts. With
+``kill``, B's rank 1 dies (``os._exit``) once it has served a request, and
+A stops after its first aborted exchange.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from gossiptrain.protocol.pieces import local_piece
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.split_group import Partner, SplitGroup
+
+HOSTS = {("A", 0): "127.0.0.61", ("A", 1): "127.0.0.62", ("B", 0): "127.0.0.63", ("B", 1): "127.0.0.64"}
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 17), nn.ReLU(), nn.Linear(17, 5))
+
+
+def split(net: nn.Module, kind: str, rank: int) -> nn.Module:
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(net, mesh=mesh)
+    return net[:2] if rank == 0 else net[2:]  # pipeline stages: layers 0-1, layer 2 (names kept)
+
+
+def save_piece(net: nn.Module, path: Path) -> None:
+    save_file({n: t.detach().clone().contiguous() for n, t in local_piece(net).items()}, str(path))
+
+
+def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, kill: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    net = split(model(1 if peer == "A" else 2), kind, rank)
+    loop = LoopThread(f"split-{peer}{rank}").start()
+    group = SplitGroup(dist.group.WORLD, net, me=peer, host=HOSTS[(peer, rank)], fingerprint="split-test",
+                       loop=loop, timeout=2.0, clock=time.monotonic)
+    save_piece(net, out / f"{peer}-{rank}.before.safetensors")
+    if rank == 0:
+        tmp = out / f".{peer}.json"
+        tmp.write_text(json.dumps(list(group.addresses)))
+        tmp.rename(out / f"{peer}.json")
+    partner = None
+    if peer == "A":
+        other = out / "B.json"
+        deadline = time.monotonic() + 60
+        while not other.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        partner = Partner("B", tuple(json.loads(other.read_text())))
+    done = out / "A.done"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if kill and (peer, rank) == ("B", 1) and group.stats.served:
+            os._exit(3)  # a rank dies: its group's next collective fails, and B's rank 0 with it
+        asked = partner is not None and group.stats.committed < exchanges
+        group.safe_point(partner if asked and rank == 0 else None)
+        if peer == "A" and kill:
+            finished = group.stats.aborted >= 1 and not group.busy
+        elif peer == "A":  # (B refuses a request while A's word on the last one has not come: A asks again)
+            finished = group.stats.committed >= exchanges and not group.busy
+        else:
+            finished = done.exists() and not group.exchanges.held
+        if all(group.group.all_json(finished)):  # stop together, or one rank waits forever in a collective
+            break
+        time.sleep(0.01)
+    if peer == "A" and rank == 0:
+        done.write_text("")
+    save_piece(net, out / f"{peer}-{rank}.after.safetensors")
+    (out / f"{peer}-{rank}.stats.json").write_text(json.dumps(group.stats.__dict__))
+    group.close()
+    loop.stop()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]), int(sys.argv[6]),
+         sys.argv[7:] == ["kill"])

@@ -1,0 +1,166 @@
+"""Piece exchanges over real sockets (``gossiptrain.runtime.piece_link``): each rank its own TCP endpoint.
+
+Two peers of 2 ranks each, every rank on its own 127.0.0.x address. The
+group's part (the gather of statuses, the broadcast of outcomes) is played
+by the test; the messages, requests answered on the network thread, and the
+leaders' word (``XPEND``) go over TCP on loopback. A rank whose socket is
+gone (a dead rank) leaves both models as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+from gossiptrain.config import Limits
+from gossiptrain.net.transport import listen
+from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Status, decide
+from gossiptrain.protocol.pieces import PieceEntry
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.piece_link import PieceLink
+
+TIMEOUT = 1.0
+_hosts = itertools.count(40)
+
+
+def poll(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+class LinkedPeer:
+    """A peer of 2 ranks, each with its piece, its RankExchanges and its own PieceLink."""
+
+    def __init__(self, name: str, seed: int, loop: LoopThread) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.name = name
+        self.pieces = [{"w": torch.randn(3, 4, generator=g), "b": torch.randn(2, generator=g)} for _ in range(2)]
+        self.locks = [threading.RLock() for _ in range(2)]
+        self.ranks = [
+            RankExchanges(p, tuple(PieceEntry(k, "float32", tuple(t.shape), 0) for k, t in p.items()), timeout=TIMEOUT)
+            for p in self.pieces
+        ]
+        self.links = [
+            PieceLink(listen(f"tcp://127.0.0.{next(_hosts)}:0", Limits()), Limits(), rank, sender=name,
+                      fingerprint="run", clock=time.monotonic, lock=lock)
+            for rank, lock in zip(self.ranks, self.locks)
+        ]
+        for link in self.links:
+            loop.run(link.start(timeout=10), timeout=15)
+        self.addresses = [link.transport.address for link in self.links]
+
+    def snapshot(self) -> list[dict[str, torch.Tensor]]:
+        return [{k: v.clone() for k, v in p.items()} for p in self.pieces]
+
+    def ask(self, partner: LinkedPeer, xid: int) -> None:
+        """Every rank asks the same rank of ``partner`` (the leader's decision, as broadcast to its ranks)."""
+        for rank, link, lock, addr in zip(self.ranks, self.links, self.locks, partner.addresses):
+            with lock:
+                request = rank.start(xid, partner.name, 0.5, time.monotonic())
+            link.ask(request, addr)
+
+    def decided(self, xid: int) -> Outcome:
+        statuses = []
+        for rank, lock in zip(self.ranks, self.locks):
+            with lock:
+                statuses.append(rank.status(xid, time.monotonic()))
+        return decide(statuses)
+
+    def conclude(self, xid: int, outcome: Outcome, partner: LinkedPeer) -> None:
+        """Commit or abort on every rank, apply, and tell the partner's leader."""
+        for rank, lock in zip(self.ranks, self.locks):
+            with lock:
+                rank.commit(xid) if outcome == Outcome.COMMIT else rank.abort(xid)
+                rank.apply()
+        self.links[0].tell(partner.addresses[0], xid, outcome)
+
+    def settle_told(self) -> int:
+        """The leader's word from partners, handed to every rank; returns how many outcomes."""
+        told = self.links[0].take_outcomes()
+        for rank, lock in zip(self.ranks, self.locks):
+            with lock:
+                for xid, (requester, outcome) in told.items():
+                    rank.settle(xid, outcome, requester)
+                rank.apply()
+        return len(told)
+
+    def close(self, loop: LoopThread) -> None:
+        for link in self.links:
+            loop.run(link.close("test over"), timeout=10)
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread("piece-link-test").start()
+    yield thread
+    thread.stop()
+
+
+def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopThread) -> None:
+    a, b = LinkedPeer("A", 1, loop), LinkedPeer("B", 2, loop)
+    try:
+        before_a, before_b = a.snapshot(), b.snapshot()
+        a.ask(b, 7)
+        poll(lambda: a.decided(7) != Outcome.WAIT, "both ranks' replies")
+        assert a.decided(7) == Outcome.COMMIT
+        assert all(rank.held == (7,) for rank in b.ranks)  # held, not applied, until A's word comes
+        a.conclude(7, Outcome.COMMIT, b)
+        told = 0
+
+        def settled() -> bool:
+            nonlocal told
+            told += b.settle_told()
+            return told == 1
+
+        poll(settled, "A's word at B's leader")
+        for r in range(2):
+            for k in ("w", "b"):
+                mean = (before_a[r][k] + before_b[r][k]) / 2
+                torch.testing.assert_close(a.pieces[r][k], mean)
+                torch.testing.assert_close(b.pieces[r][k], mean)
+        assert [r.stats.applied for r in b.ranks] == [1, 1] and [r.stats.committed for r in a.ranks] == [1, 1]
+    finally:
+        a.close(loop), b.close(loop)
+
+
+def test_a_dead_rank_of_the_server_leaves_both_models_as_they_were(loop: LoopThread) -> None:
+    a, b = LinkedPeer("A", 3, loop), LinkedPeer("B", 4, loop)
+    try:
+        loop.run(b.links[1].close("rank 1 died"), timeout=10)
+        before_a, before_b = a.snapshot(), b.snapshot()
+        a.ask(b, 9)
+        poll(lambda: a.ranks[0].status(9, time.monotonic()) == Status.READY, "rank 0's reply")
+        assert a.decided(9) == Outcome.WAIT  # rank 1 waits for a reply that will not come...
+        poll(lambda: a.decided(9) != Outcome.WAIT, "rank 1's deadline", seconds=TIMEOUT + 10)
+        assert a.decided(9) == Outcome.ABORT  # ...so every rank of both peers drops the exchange
+        assert b.ranks[0].held == (9,)
+        a.conclude(9, Outcome.ABORT, b)
+        poll(lambda: b.settle_told() == 1, "A's word at B's leader")
+        assert b.ranks[0].held == () and b.ranks[0].stats.dropped == 1
+        for now, then in ((a.pieces, before_a), (b.pieces, before_b)):
+            for r in range(2):
+                for k in ("w", "b"):
+                    assert torch.equal(now[r][k], then[r][k])
+    finally:
+        a.close(loop)
+        loop.run(b.links[0].close("test over"), timeout=10)
+
+
+def test_malformed_piece_messages_are_dropped_and_counted(loop: LoopThread) -> None:
+    a, b = LinkedPeer("A", 5, loop), LinkedPeer("B", 6, loop)
+    try:
+        send = a.links[0].send  # on the network thread, as every send
+        loop.call(send, b.addresses[0], "xpreq", {"xid": "seven", "a": 0.5}, a.pieces[0], timeout=5)
+        loop.call(send, b.addresses[0], "xpend", {"xid": 1, "outcome": 5}, timeout=5)
+        poll(lambda: b.links[0].stats.bad_messages == 2, "both dropped")
+        assert b.ranks[0].held == () and b.links[0].take_outcomes() == {}
+    finally:
+        a.close(loop), b.close(loop)

@@ -1,0 +1,80 @@
+"""Two peers whose models are split across 2 ranks each average rank by rank over real sockets (issue 48).
+
+Four processes: peers A and B, each a gloo group of 2 ranks holding the
+model split by FSDP2 or as 2 pipeline stages (``tests/split_ranks.py``).
+A asks B three times; nothing trains, so what the pieces must hold is
+known: every exchange is applied on both ranks of both peers, the sum of
+the two models is what it was, and both models are their mean. (Bit for
+bit against unsplit peers is tests/test_piece_exchange.py's; here B may
+refuse A's next request until A's word on the last one has come, and A
+asks again; the test fixes the values, not how many tries it took.)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .swarm import Procs
+
+EXCHANGES = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
+def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
+    procs: Procs, tmp_path: Path, kind: str
+) -> None:
+    ports = {"A": _free_port(), "B": _free_port()}
+    ranks = [
+        procs.start(peer, str(rank), str(ports[peer]), kind, str(tmp_path), str(EXCHANGES), name=f"{peer}{rank}",
+                    module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    ]
+    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    stats = {(peer, r): json.loads((tmp_path / f"{peer}-{r}.stats.json").read_text()) for peer in "AB" for r in (0, 1)}
+    assert all(stats[("A", r)]["committed"] == EXCHANGES and stats[("B", r)]["applied"] == EXCHANGES for r in (0, 1)), stats
+    assert stats[("A", 0)]["aborted"] == stats[("A", 1)]["aborted"]  # all or none: every rank saw the same outcomes
+    for r in (0, 1):
+        a = load_file(str(tmp_path / f"A-{r}.before.safetensors"))
+        b = load_file(str(tmp_path / f"B-{r}.before.safetensors"))
+        got_a = load_file(str(tmp_path / f"A-{r}.after.safetensors"))
+        got_b = load_file(str(tmp_path / f"B-{r}.after.safetensors"))
+        for k in a:
+            assert not torch.equal(a[k], b[k])  # two different models to start from
+            torch.testing.assert_close(got_a[k] + got_b[k], a[k] + b[k], rtol=0, atol=1e-6)  # nothing lost
+            torch.testing.assert_close(got_a[k], (a[k] + b[k]) / 2, rtol=0, atol=1e-6)  # averaged, on every rank
+            torch.testing.assert_close(got_b[k], (a[k] + b[k]) / 2, rtol=0, atol=1e-6)
+
+
+def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: Procs, tmp_path: Path) -> None:
+    """B's rank 1 dies after answering A's first request; B's rank 0 fails at its next collective. A's ranks apply
+    that first exchange together (both had their replies) and abort the next one together (rank 1's never comes)."""
+    ports = {"A": _free_port(), "B": _free_port()}
+    ranks = {
+        (peer, rank): procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "kill",
+                                  name=f"{peer}{rank}", module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    }
+    codes = {key: p.wait(120) for key, p in ranks.items()}
+    assert codes[("A", 0)] == codes[("A", 1)] == 0, [p.output()[-3000:] for p in ranks.values()]
+    assert codes[("B", 1)] == 3 and codes[("B", 0)] != 0  # the dead rank, and its group failing with it
+    stats = [json.loads((tmp_path / f"A-{r}.stats.json").read_text()) for r in (0, 1)]
+    assert stats[0] == stats[1] and stats[0]["aborted"] >= 1, stats  # every rank the same outcomes
+    for r in (0, 1):
+        a = load_file(str(tmp_path / f"A-{r}.before.safetensors"))
+        b = load_file(str(tmp_path / f"B-{r}.before.safetensors"))
+        got = load_file(str(tmp_path / f"A-{r}.after.safetensors"))
+        for k in a:  # the committed exchanges (0 or 1: B died before its word on any second could come)
+            want = a[k] if stats[0]["committed"] == 0 else (a[k] + b[k]) / 2
+            torch.testing.assert_close(got[k], want, rtol=0, atol=1e-6)
