@@ -2,7 +2,10 @@
 
 ``export`` writes the merged model (every live member's state averaged,
 weighted by samples seen; see ``gossiptrain.state.merged_model`` and
-``gossiptrain.runtime.swarm_client``) of a running swarm. ``stop`` asks the
+``gossiptrain.runtime.swarm_client``) of a running swarm; with
+``--checkpoint DIR`` instead, the model of a peer whose model is split
+across its ranks, its pieces put back together from the checkpoints each
+rank wrote (``gossiptrain.runtime.piece_checkpoints``). ``stop`` asks the
 swarm to finish: every peer runs its final phase and exits (see
 ``gossiptrain.protocol.finish``). Either takes ``--join`` as a peer does: the
 coordinator or any live peer.
@@ -28,7 +31,10 @@ def add_parsers(
     p = sub.add_parser(
         "export", help="write the merged model of a running swarm (live members' states averaged, weighted by samples seen)"
     )
-    p.add_argument("--join", required=True, metavar="HOST:PORT", help="the coordinator or any live peer")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--join", metavar="HOST:PORT", help="the coordinator or any live peer (this, or --checkpoint)")
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="instead: a split peer's checkpoint directory (rank-<r>/ for each rank): its pieces gathered")
     p.add_argument("--out", required=True, metavar="FILE",
                    help="the safetensors file to write (metadata goes to FILE.json); a path or a URL (s3://, gs://, ...)")
     p.add_argument("--advertise", metavar="HOST", help="host the members reach us at (default: our address on the route to --join)")
@@ -48,11 +54,31 @@ def add_parsers(
     p.set_defaults(func=lambda args: cmd_stop(args, security(args)))
 
 
+def _export_checkpoint(args: argparse.Namespace) -> int:
+    """The unsplit model of a split peer's checkpoints, written as a merged model of that one peer."""
+    from gossiptrain.runtime.piece_checkpoints import gather
+    from gossiptrain.state import storage
+    from gossiptrain.state.merged_model import MemberInfo, write_merged
+
+    setup_logging(args.verbose)
+    storage.check_location(args.out, "--out")
+    check_output_path(args.out, "--out")
+    tensors, ckpt = gather(args.checkpoint)
+    info = ckpt.info
+    written = write_merged(args.out, tensors, members=[MemberInfo(info.peer, info.samples_seen, info.step)],
+                           fingerprint=info.fingerprint, run=info.run, written_by="gossiptrain export --checkpoint")
+    _say(f"wrote {written.path} ({written.bytes / 1e6:.1f} MB, sha256 {written.sha256[:16]}) and {written.metadata}: "
+         f"{len(tensors)} tensors of step {info.step}, gathered from the pieces in {args.checkpoint}")
+    return 0
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
 
 def cmd_export(args: argparse.Namespace, security: Any) -> int:
+    if args.checkpoint is not None:
+        return _export_checkpoint(args)
     check_join(args.join)  # before anything heavy is imported
     from gossiptrain.runtime.swarm_client import export
     from gossiptrain.state import storage

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
+from gossiptrain.state.local_tensors import is_dtensor, local
 
 KINDS: tuple[str, ...] = ("whole", "fsdp", "pipeline")
 #: The shard dimension of a tensor a rank holds whole (not sharded).
@@ -125,8 +126,8 @@ def local_piece(model: torch.nn.Module) -> dict[str, Tensor]:
     tensor, or the parameter itself), in the model's order. Views: writing them writes the model."""
     out = {}
     for name, p in model.named_parameters():
-        local = p.to_local() if _is_dtensor(p) else p
-        out[name] = local.data if isinstance(local, torch.nn.Parameter) else local
+        mine = local(p)
+        out[name] = mine.data if isinstance(mine, torch.nn.Parameter) else mine
     return out
 
 
@@ -135,8 +136,8 @@ def piece_entries(model: torch.nn.Module, *, prefix: str = "") -> tuple[PieceEnt
     named as in the unsplit model), dtypes, local shapes and shard dimensions."""
     out = []
     for name, p in model.named_parameters():
-        local = p.to_local() if _is_dtensor(p) else p
-        out.append(PieceEntry(prefix + name, str(local.dtype).removeprefix("torch."), tuple(local.shape), _shard_dim(p)))
+        mine = local(p)
+        out.append(PieceEntry(prefix + name, str(mine.dtype).removeprefix("torch."), tuple(mine.shape), _shard_dim(p)))
     return tuple(out)
 
 
@@ -167,13 +168,9 @@ def gather(layout: PieceLayout, pieces: Sequence[Mapping[str, Tensor]]) -> dict[
     return out
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or hasattr(t, "to_local") and hasattr(t, "placements")
-
-
 def _shard_dim(p: Tensor) -> int:
     """The dimension a DTensor is sharded along on a 1-D mesh (WHOLE if replicated or not a DTensor)."""
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         return WHOLE
     placements = getattr(p, "placements", ())
     if len(placements) != 1:

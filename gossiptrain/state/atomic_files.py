@@ -18,16 +18,18 @@ import safetensors.torch
 from torch import Tensor
 
 from gossiptrain.errors import CheckpointError
+from gossiptrain.state.local_tensors import local
 
 
 def for_saving(state: Mapping[str, Any], what: str) -> dict[str, Tensor]:
-    """Contiguous CPU tensors, none sharing memory (safetensors refuses shared or strided ones)."""
+    """Contiguous CPU tensors, none sharing memory (safetensors refuses shared or strided ones); a DTensor's
+    local shard (a split model's checkpoint is one file per rank: ``Checkpointer.save``'s ``piece``)."""
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
     for name, value in state.items():
         if not isinstance(value, Tensor):
             raise CheckpointError(f"cannot checkpoint {what} entry {name!r}: a {type(value).__name__}, not a tensor")
-        t = value.detach().to("cpu").contiguous()
+        t = local(value).detach().to("cpu").contiguous()  # a DTensor (FSDP2): this rank's shard, never gathered
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen or t.numel() != t.untyped_storage().nbytes() // max(t.element_size(), 1):
             t = t.clone()  # tied weights, or a view of a larger tensor

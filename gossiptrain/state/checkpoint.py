@@ -51,6 +51,7 @@ from torch import Tensor
 from gossiptrain.errors import CheckpointError, ConfigError
 from gossiptrain.state import storage
 from gossiptrain.state.atomic_files import encode_metadata, for_saving, metadata_checksum, serialize_tensors
+from gossiptrain.state.local_tensors import like_param, local
 from gossiptrain.state.storage import TMP_SUFFIX, Location
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class CheckpointInfo:
     # Leased data (gossiptrain.protocol.leases): the chunk plan and the chunks held, with the samples of each trained
     # by this step, so that --resume neither skips nor repeats them; None: a fixed shard
     data: dict[str, Any] | None = None
+    # A rank of a peer whose model is split across its ranks (issue 48): {"rank": r, "layout": the group's
+    # PieceLayout wire form}; its tensors are that rank's piece. None: the whole model.
+    piece: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -166,8 +170,12 @@ class Checkpointer:
         run: Mapping[str, Any] | None = None,
         averaging: Mapping[str, float] | None = None,
         data: Mapping[str, Any] | None = None,
+        piece: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write one checkpoint atomically, then delete the ones beyond ``keep``; return its metadata.
+
+        ``piece`` (a rank of a split model: ``{"rank": r, "layout": ...}``) is
+        kept with it; the tensors are then that rank's (a DTensor's local shard).
 
         Call between optimizer steps (nothing may modify the tensors while
         they are serialized). Raises ``CheckpointError`` if it cannot be
@@ -179,7 +187,7 @@ class Checkpointer:
         if step < 0 or samples_seen < 0:
             raise CheckpointError(f"step and samples_seen must be >= 0, got {step} and {samples_seen}")
         try:
-            info = self._save(model, optimizer, step, samples_seen, fingerprint, peer, shard, run, averaging, data)
+            info = self._save(model, optimizer, step, samples_seen, fingerprint, peer, shard, run, averaging, data, piece)
         finally:  # done or failed, this was the save due: the next one is a period away
             self._last_time = self._clock()
             self._last_step = step
@@ -190,7 +198,7 @@ class Checkpointer:
     def _save(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int, samples_seen: int,
         fingerprint: str, peer: str, shard: int, run: Mapping[str, Any] | None, averaging: Mapping[str, float] | None,
-        data: Mapping[str, Any] | None = None,
+        data: Mapping[str, Any] | None = None, piece: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
         seq = _next_seq(self.directory)
         name = f"ckpt-{seq:06d}-step-{step}"
@@ -201,6 +209,7 @@ class Checkpointer:
             "optimizer": (_OPTIM, serialize_tensors(optim_tensors, "the optimizer state")),
         }
         run_json = _jsonable(dict(run), "run") if run is not None else None
+        piece_json = _jsonable(dict(piece), "piece") if piece is not None else None
         try:
             averaging_json = _averaging_state(averaging, "averaging") if averaging is not None else None
         except TypeError as e:
@@ -230,6 +239,7 @@ class Checkpointer:
                 "optimizer": optim_meta,
                 "averaging": averaging_json,
                 "data": data_json,
+                "piece": piece_json,
             }
             path = self.directory / (name + _META)
             storage.write_atomic(path, encode_metadata(meta))  # last: from now on it is a checkpoint
@@ -334,8 +344,13 @@ def restore(
     fingerprint: str | None = None,
     run: Mapping[str, Any] | None = None,
     allow_other_run: bool = False,
+    piece: Mapping[str, Any] | None = None,
 ) -> None:
     """Load a checkpoint into ``model`` (in place: parameter objects stay the same) and ``optimizer``.
+
+    ``piece``: this rank of a split model (``{"rank": r, "layout": ...}``); a
+    checkpoint of another rank or layout, or of the whole model, is refused,
+    naming both. Its tensors go into the rank's local ones (DTensor shards).
 
     Refuses, naming the first difference, a checkpoint whose tensor names,
     shapes or dtypes differ from the model's, and one of another run than
@@ -355,7 +370,10 @@ def restore(
                 "allow another run (--resume-any-run) to load it anyway"
             )
         log.warning("loading checkpoint %s of another run %s%s", info.path, info.fingerprint, detail)
-    problem = _state_mismatch(checkpoint.model, model.state_dict())
+    if (info.piece or None) != (dict(piece) if piece is not None else None):
+        raise CheckpointError(f"checkpoint {info.path} holds {_piece_words(info.piece)}; this is {_piece_words(piece)}")
+    state = {name: local(t) for name, t in model.state_dict().items()}
+    problem = _state_mismatch(checkpoint.model, state)
     if problem:
         raise CheckpointError(f"checkpoint {info.path} does not fit this model: {problem}")
     optim_state = None
@@ -363,7 +381,12 @@ def restore(
         if info.optimizer is None:
             raise CheckpointError(f"checkpoint {info.path} has no optimizer state")
         optim_state = _optimizer_state_dict(checkpoint, model, optimizer, keep_hyperparameters=other_run)
-    model.load_state_dict(checkpoint.model, strict=True)
+    if piece is None:
+        model.load_state_dict(checkpoint.model, strict=True)
+    else:  # into this rank's own tensors (FSDP2's load_state_dict would take whole tensors, not shards)
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(checkpoint.model[name])
     if optimizer is not None:
         optimizer.load_state_dict(optim_state)
 
@@ -518,6 +541,7 @@ def _info_from(path: Location, meta: Mapping[str, Any]) -> CheckpointInfo:
         optimizer=optimizer,
         averaging=_averaging_state(meta["averaging"], "averaging") if meta.get("averaging") is not None else None,
         data=data_position(meta["data"]) if meta.get("data") is not None else None,
+        piece=meta["piece"] if isinstance(meta.get("piece"), dict) else None,
     )
 
 
@@ -614,6 +638,7 @@ def _optimizer_state_dict(
     if saved.get("class") != type(optimizer).__name__:
         raise CheckpointError(f"{where} holds {saved.get('class')} state, but the optimizer is {type(optimizer).__name__}")
     names = {id(p): n for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     groups = saved["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(f"{where} has {len(groups)} optimizer parameter groups, the optimizer {len(optimizer.param_groups)}")
@@ -640,9 +665,25 @@ def _optimizer_state_dict(
         entry = {}
         for key, ref in values.items():
             # A copy: torch's load_state_dict keeps the tensors it is given as the live state.
-            entry[key] = checkpoint.optimizer[ref["tensor"]].clone() if "tensor" in ref else ref["value"]
+            # (a rank's shard of a DTensor parameter's state becomes a DTensor laid out as the parameter)
+            entry[key] = like_param(checkpoint.optimizer[ref["tensor"]].clone(), params[pname]) if "tensor" in ref else ref["value"]
         state[index[pname]] = entry
     return {"state": state, "param_groups": packed_groups}
+
+
+def _piece_words(piece: Mapping[str, Any] | None) -> str:
+    """What a checkpoint's ``piece`` says, in words: which rank of which layout (as ``PieceLayout.describe``
+    words it), or the whole model."""
+    if not piece:
+        return "the whole model"
+    try:
+        layout = piece["layout"]
+        held = ", ".join(
+            f"rank {r}: {len(p)} tensors, {sum(math.prod(e[2]) for e in p):,} values" for r, p in enumerate(layout["pieces"])
+        )
+        return f"rank {piece['rank']}'s piece of a {layout['kind']} layout over {len(layout['pieces'])} ranks ({held})"
+    except (TypeError, KeyError, IndexError):
+        return f"a piece of a split model ({str(piece)[:120]})"
 
 
 def _first_list_difference(theirs: list[Any], mine: list[Any]) -> str:
