@@ -6,7 +6,8 @@ rank by rank: rank r of each sends its piece to rank r of the other, over
 its own link, so no rank carries another's bytes. What makes the R
 transfers one exchange is that it is **applied on every rank of both peers
 or on none**: the pieces of a model always come from the same mix, and a
-gathered model is exactly what unsplit peers with the same exchanges hold.
+gathered model is what unsplit peers with the same exchanges hold (bit for
+bit: tests/test_piece_exchange.py).
 
 One exchange, requester P, server Q, id ``xid``, weight ``a``:
 
@@ -15,7 +16,8 @@ One exchange, requester P, server Q, id ``xid``, weight ``a``:
    snapshot of its piece and sends it to Q's rank r (``XPREQ``).
 2. Q's rank r ``serve``s: it answers with its own piece (``XPREP``) and keeps
    the merge it would make, ``a (s_P - s_Q)``, as *held*, not applied; or
-   refuses (``XPNAK``: busy, a malformed piece).
+   refuses (``XPNAK``: busy, a malformed piece, or P's word on the last
+   exchange it held for P has not come yet).
 3. Each of P's ranks learns its outcome (``reply``, ``refused``, or its
    deadline passes) and reports ``status(xid)``. At a safe point the driver
    gathers the R statuses and ``decide`` answers for all ranks at once:
@@ -37,8 +39,8 @@ requester committed (in practice the requester died, and its model left
 the swarm with it).
 
 Sans-IO: tensors in, actions out; the driver sends the messages and runs
-the group's collectives (which carry small integer tensors:
-``Status``, ``Outcome``).
+the group's collective (a few hundred bytes: ``Status``, ``Outcome``;
+``gossiptrain.runtime.split_group``).
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import torch
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XPEND, XPNAK, XPREP, XPREQ
+from gossiptrain.protocol.compression import first_non_finite
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.pieces import PieceEntry
 from gossiptrain.state.host_buffers import BufferPool
@@ -126,7 +128,7 @@ class _Held:
 
 @dataclass
 class PieceStats:
-    """One rank's counts (the group's are the leader's plus its ranks', summed by the driver)."""
+    """One rank's counts (a group's ranks decide alike, so any rank's ``committed`` and ``aborted`` are the group's)."""
 
     started: int = 0
     committed: int = 0  # exchanges we asked for and applied
@@ -177,7 +179,8 @@ class RankExchanges:
         return Send(partner, XPREQ, xid, dict(zip(self.names, snapshot)), {"a": share})
 
     def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor]) -> None:
-        """The partner rank answered; unknown, late or malformed replies make the exchange fail, never apply."""
+        """The partner rank answered: kept until the group decides (one to an exchange we do not know is ignored; a
+        malformed one makes the exchange fail, and nothing of it is ever applied)."""
         asked = self._asked.get(xid)
         if asked is None or asked.partner != sender or asked.remote is not None or asked.failed:
             return
@@ -278,11 +281,10 @@ class RankExchanges:
         """The received piece in our order; ProtocolError unless it matches our layout entry exactly and is finite."""
         if list(tensors) != self.names:
             raise ProtocolError(f"a piece of {len(tensors)} tensors where this rank holds {len(self.names)}")
-        out = []
         for e, t in zip(self.entries, tensors.values()):
             if str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape:
                 raise ProtocolError(f"{e.name!r} is {t.dtype} {list(t.shape)}, this rank holds {e.dtype} {list(e.shape)}")
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise ProtocolError(f"{e.name!r} has non-finite values")
-            out.append(t)
-        return out
+        bad = first_non_finite(tensors)  # (one pass for all, as the averaging's own check)
+        if bad is not None:
+            raise ProtocolError(f"{bad!r} has non-finite values")
+        return list(tensors.values())
