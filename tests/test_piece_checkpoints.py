@@ -11,7 +11,6 @@ newest save is missing, and what is refused.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,17 +26,12 @@ from gossiptrain.state.checkpoint import Checkpointer, latest_good, restore
 from gossiptrain.state.merged_model import read_merged
 
 from .split_ranks import model
-from .swarm import Procs
+from .swarm import Procs, free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(procs: Procs, kind: str, mode: str, out: Path) -> None:
-    port = _free_port()
+    port = free_port()
     ranks = [procs.start(str(r), str(port), kind, mode, str(out), name=f"{mode}{r}", module="tests.piece_checkpoint_ranks")
              for r in range(2)]
     assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]

@@ -9,10 +9,9 @@ gone (a dead rank) leaves both models as they were.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 import torch
@@ -24,17 +23,9 @@ from gossiptrain.protocol.pieces import PieceEntry
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.piece_link import PieceLink
 
+from .swarm import next_host, wait_for
+
 TIMEOUT = 1.0
-_hosts = itertools.count(40)
-
-
-def poll(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
 
 class LinkedPeer:
     """A peer of 2 ranks, each with its piece, its RankExchanges and its own PieceLink."""
@@ -49,7 +40,7 @@ class LinkedPeer:
             for p in self.pieces
         ]
         self.links = [
-            PieceLink(listen(f"tcp://127.0.0.{next(_hosts)}:0", Limits()), Limits(), rank, sender=name,
+            PieceLink(listen(f"tcp://{next_host()}:0", Limits()), Limits(), rank, sender=name,
                       fingerprint="run", clock=time.monotonic, lock=lock)
             for rank, lock in zip(self.ranks, self.locks)
         ]
@@ -109,7 +100,7 @@ def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopT
     try:
         before_a, before_b = a.snapshot(), b.snapshot()
         a.ask(b, 7)
-        poll(lambda: a.decided(7) != Outcome.WAIT, "both ranks' replies")
+        wait_for(lambda: a.decided(7) != Outcome.WAIT, 10, "both ranks' replies", interval=0.01)
         assert a.decided(7) == Outcome.COMMIT
         assert all(rank.held == (7,) for rank in b.ranks)  # held, not applied, until A's word comes
         a.conclude(7, Outcome.COMMIT, b)
@@ -120,7 +111,7 @@ def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopT
             told += b.settle_told()
             return told == 1
 
-        poll(settled, "A's word at B's leader")
+        wait_for(settled, 10, "A's word at B's leader", interval=0.01)
         for r in range(2):
             for k in ("w", "b"):
                 mean = (before_a[r][k] + before_b[r][k]) / 2
@@ -137,13 +128,13 @@ def test_a_dead_rank_of_the_server_leaves_both_models_as_they_were(loop: LoopThr
         loop.run(b.links[1].close("rank 1 died"), timeout=10)
         before_a, before_b = a.snapshot(), b.snapshot()
         a.ask(b, 9)
-        poll(lambda: a.ranks[0].status(9, time.monotonic()) == Status.READY, "rank 0's reply")
+        wait_for(lambda: a.ranks[0].status(9, time.monotonic()) == Status.READY, 10, "rank 0's reply", interval=0.01)
         assert a.decided(9) == Outcome.WAIT  # rank 1 waits for a reply that will not come...
-        poll(lambda: a.decided(9) != Outcome.WAIT, "rank 1's deadline", seconds=TIMEOUT + 10)
+        wait_for(lambda: a.decided(9) != Outcome.WAIT, TIMEOUT + 10, "rank 1's deadline", interval=0.01)
         assert a.decided(9) == Outcome.ABORT  # ...so every rank of both peers drops the exchange
         assert b.ranks[0].held == (9,)
         a.conclude(9, Outcome.ABORT, b)
-        poll(lambda: b.settle_told() == 1, "A's word at B's leader")
+        wait_for(lambda: b.settle_told() == 1, 10, "A's word at B's leader", interval=0.01)
         assert b.ranks[0].held == () and b.ranks[0].stats.dropped == 1
         for now, then in ((a.pieces, before_a), (b.pieces, before_b)):
             for r in range(2):
@@ -160,7 +151,7 @@ def test_malformed_piece_messages_are_dropped_and_counted(loop: LoopThread) -> N
         send = a.links[0].send  # on the network thread, as every send
         loop.call(send, b.addresses[0], "xpreq", {"xid": "seven", "a": 0.5}, a.pieces[0], timeout=5)
         loop.call(send, b.addresses[0], "xpend", {"xid": 1, "outcome": 5}, timeout=5)
-        poll(lambda: b.links[0].stats.bad_messages == 2, "both dropped")
+        wait_for(lambda: b.links[0].stats.bad_messages == 2, 10, "both dropped", interval=0.01)
         assert b.ranks[0].held == () and b.links[0].take_outcomes() == {}
     finally:
         a.close(loop), b.close(loop)

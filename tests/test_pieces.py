@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +14,13 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
 
 from .piece_ranks import model
-from .swarm import Procs
+from .swarm import Procs, free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
 def test_the_pieces_of_two_ranks_gather_into_the_unsplit_models_state_dict(procs: Procs, tmp_path: Path, kind: str) -> None:
-    port = _free_port()
+    port = free_port()
     outs = [str(tmp_path / f"rank{r}") for r in range(2)]
     ranks = [procs.start(str(r), str(port), kind, outs[r], name=f"{kind}{r}", module="tests.piece_ranks") for r in range(2)]
     assert [p.wait(90) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]

@@ -13,29 +13,23 @@ asks again; the test fixes the values, not how many tries it took.)
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .swarm import Procs
+from .swarm import Procs, free_port
 
 EXCHANGES = 3
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
 def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
     procs: Procs, tmp_path: Path, kind: str
 ) -> None:
-    ports = {"A": _free_port(), "B": _free_port()}
+    ports = {"A": free_port(), "B": free_port()}
     ranks = [
         procs.start(peer, str(rank), str(ports[peer]), kind, str(tmp_path), str(EXCHANGES), name=f"{peer}{rank}",
                     module="tests.split_ranks")
@@ -60,7 +54,7 @@ def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
 def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: Procs, tmp_path: Path) -> None:
     """B's rank 1 dies after answering A's first request; B's rank 0 fails at its next collective. A's ranks apply
     that first exchange together (both had their replies) and abort the next one together (rank 1's never comes)."""
-    ports = {"A": _free_port(), "B": _free_port()}
+    ports = {"A": free_port(), "B": free_port()}
     ranks = {
         (peer, rank): procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "kill",
                                   name=f"{peer}{rank}", module="tests.split_ranks")
