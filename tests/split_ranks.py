@@ -25,7 +25,7 @@ from torch import nn
 
 from gossiptrain.protocol.pieces import local_piece
 from gossiptrain.runtime.loop_thread import LoopThread
-from gossiptrain.runtime.split_group import Partner, SplitGroup
+from gossiptrain.runtime.split_group import SplitGroup
 
 HOSTS = {("A", 0): "127.0.0.61", ("A", 1): "127.0.0.62", ("B", 0): "127.0.0.63", ("B", 1): "127.0.0.64"}
 
@@ -66,19 +66,20 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
         tmp.write_text(json.dumps(list(group.addresses)))
         tmp.rename(out / f"{peer}.json")
     partner = None
-    if peer == "A":
+    if (peer, rank) == ("A", 0):  # the leader meets B's: layouts checked, B's ranks' addresses learnt
         other = out / "B.json"
         deadline = time.monotonic() + 60
         while not other.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        partner = Partner("B", tuple(json.loads(other.read_text())))
+        partner = group.meet(json.loads(other.read_text())[0])
+        assert partner.id == "B" and partner.addresses == tuple(json.loads(other.read_text()))
     done = out / "A.done"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if kill and (peer, rank) == ("B", 1) and group.stats.served:
             os._exit(3)  # a rank dies: its group's next collective fails, and B's rank 0 with it
-        asked = partner is not None and group.stats.committed < exchanges
-        group.safe_point(partner if asked and rank == 0 else None)
+        asked = partner is not None and group.stats.committed < exchanges  # (the leader's word; rank 1 passes None)
+        group.safe_point(partner if asked else None)
         if peer == "A" and kill:
             finished = group.stats.aborted >= 1 and not group.busy
         elif peer == "A":  # (B refuses a request while A's word on the last one has not come: A asks again)

@@ -18,8 +18,9 @@ import torch
 
 from gossiptrain.config import Limits
 from gossiptrain.net.transport import listen
-from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Status, decide
-from gossiptrain.protocol.pieces import PieceEntry
+from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Status, decide, welcome_addresses
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.piece_link import PieceLink
 
@@ -153,5 +154,26 @@ def test_malformed_piece_messages_are_dropped_and_counted(loop: LoopThread) -> N
         loop.call(send, b.addresses[0], "xpend", {"xid": 1, "outcome": 5}, timeout=5)
         wait_for(lambda: b.links[0].stats.bad_messages == 2, 10, "both dropped", interval=0.01)
         assert b.ranks[0].held == () and b.links[0].take_outcomes() == {}
+    finally:
+        a.close(loop), b.close(loop)
+
+
+def test_leaders_swap_layouts_and_addresses_and_another_layout_is_refused_naming_both(loop: LoopThread) -> None:
+    a, b = LinkedPeer("A", 7, loop), LinkedPeer("B", 8, loop)
+    try:
+        layout = PieceLayout("fsdp", tuple(r.entries for r in a.ranks))
+        b.links[0].introduction = (layout, tuple(b.addresses))
+        sender, body = a.links[0].greet(b.addresses[0], layout, tuple(a.addresses), timeout=10)
+        assert sender == "B" and welcome_addresses(layout, body) == tuple(b.addresses)
+        other = PieceLayout("fsdp", (layout.pieces[0], (PieceEntry("w", "float32", (2, 4), 0), layout.pieces[1][1])))
+        _, body = a.links[0].greet(b.addresses[0], other, tuple(a.addresses), timeout=10)
+        with pytest.raises(ProtocolError) as refused:
+            welcome_addresses(other, body)
+        words = str(refused.value)
+        assert words.startswith("this peer's model is split as fsdp over 2 ranks (rank 0: 2 tensors, 14 values, "
+                                "rank 1: 2 tensors, 10 values); the swarm's as fsdp over 2 ranks (rank 0: 2 tensors, "
+                                "14 values, rank 1: 2 tensors, 14 values)"), words
+        with pytest.raises(TimeoutError):  # a link that answers no hello (not a leader)
+            a.links[0].greet(b.addresses[1], layout, tuple(a.addresses), timeout=0.5)
     finally:
         a.close(loop), b.close(loop)

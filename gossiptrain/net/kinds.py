@@ -20,8 +20,10 @@ XREQ, XREP, XNAK = "xreq", "xrep", "xnak"
 XPUSH = "xpush"  # one-way: parameters (push-sum mass, a neighbour's model) that need no reply
 XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (gossiptrain.protocol.receipts)
 # Rank-matched piece exchanges of peers whose model is split across their ranks (gossiptrain.protocol.piece_exchange):
-# a rank's piece asking, answering, refused; and leader to leader, the exchange's outcome for every rank.
+# a rank's piece asking, answering, refused; and leader to leader, the exchange's outcome for every rank, and the
+# hello that swaps layouts and ranks' addresses before the first exchange (or refuses another layout).
 XPREQ, XPREP, XPNAK, XPEND = "xpreq", "xprep", "xpnak", "xpend"
+XPHELLO, XPWELCOME = "xphello", "xpwelcome"
 # State transfer to newcomers (gossiptrain.protocol.state_transfer).
 SREQ, SREP, SNAK, SACK = "sreq", "srep", "snak", "sack"
 # A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
@@ -36,7 +38,7 @@ STATUS_ASK, STATUS = "status-ask", "status"
 JOINING = (JOIN, WELCOME, REFUSE, REACH)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
-PIECES = (XPREQ, XPREP, XPNAK, XPEND)
+PIECES = (XPREQ, XPREP, XPNAK, XPEND, XPHELLO, XPWELCOME)
 STATE = (SREQ, SREP, SNAK, SACK)
 RENDEZVOUS = (READY,)
 LEASES = (LEASE,)

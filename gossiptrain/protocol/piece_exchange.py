@@ -52,10 +52,10 @@ from typing import Mapping, Sequence
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XPEND, XPNAK, XPREP, XPREQ
+from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
 from gossiptrain.protocol.compression import first_non_finite
 from gossiptrain.protocol.merges import PendingMerges
-from gossiptrain.protocol.pieces import PieceEntry
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
 from gossiptrain.state.host_buffers import BufferPool
 
 #: A held merge is dropped this many exchange timeouts after it was served without an outcome. The requester
@@ -63,7 +63,44 @@ from gossiptrain.state.host_buffers import BufferPool
 #: after a commit is the one fault the protocol cannot absorb (module docstring), so the margin is wide.
 HOLD_TIMEOUTS = 4
 
-__all__ = ["XPEND", "XPNAK", "XPREP", "XPREQ", "Outcome", "PieceStats", "RankExchanges", "Send", "Status", "decide"]
+__all__ = [
+    "XPEND", "XPHELLO", "XPNAK", "XPREP", "XPREQ", "XPWELCOME", "Outcome", "PieceStats", "RankExchanges", "Send", "Status",
+    "decide", "hello_answer", "welcome_addresses",
+]
+
+
+#: Longest address a hello may name for a rank (as membership's entries).
+MAX_ADDRESS = 256
+
+
+def hello_answer(mine: PieceLayout, addresses: Sequence[str], body: Mapping[str, object]) -> dict[str, object]:
+    """A split peer's leader's answer to a hello (``XPHELLO``: the asker's layout): our layout and every rank's
+    address where the asker's layout is ours, else a refusal that names both, as the asker will read it."""
+    try:
+        theirs = PieceLayout.from_wire(body.get("layout"))
+    except ProtocolError as e:
+        return {"refused": f"a hello without a readable layout: {e}"}
+    problem = theirs.mismatch(mine)  # the asker's words: "this peer's model is split as <theirs>; the swarm's as <ours>"
+    if problem is not None:
+        return {"refused": problem}
+    return {"layout": mine.to_wire(), "addresses": list(addresses)}
+
+
+def welcome_addresses(mine: PieceLayout, body: Mapping[str, object]) -> tuple[str, ...]:
+    """The partner's ranks' addresses from its answer to our hello (``XPWELCOME``); ProtocolError with its words
+    where it refused us (another layout), or where the answer is malformed or holds another layout after all."""
+    refused = body.get("refused")
+    if refused is not None:
+        raise ProtocolError(str(refused)[:1000])
+    theirs = PieceLayout.from_wire(body.get("layout"))
+    problem = mine.mismatch(theirs)
+    if problem is not None:
+        raise ProtocolError(problem)
+    addresses = body.get("addresses")
+    if not (isinstance(addresses, list) and len(addresses) == mine.ranks
+            and all(type(a) is str and 0 < len(a) <= MAX_ADDRESS for a in addresses)):
+        raise ProtocolError(f"a welcome names one address (a string) for each of the {mine.ranks} ranks")
+    return tuple(addresses)
 
 
 class Status(enum.IntEnum):

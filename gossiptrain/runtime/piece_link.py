@@ -17,16 +17,20 @@ side and this network side call the rank's machine under one lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XPEND, XPNAK, XPREP, XPREQ
+from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send
+from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send, hello_answer
+from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.runtime.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
 
 #: Outcomes a leader keeps between two safe points, at most (a flood of XPENDs cannot grow it without bound).
 MAX_OUTCOMES = 1024
@@ -53,7 +57,12 @@ class PieceLink(Endpoint):
         self.lock = lock if lock is not None else threading.RLock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the network thread's, once started
         self._outcomes: dict[int, tuple[str, Outcome]] = {}  # leader: xid -> (requester, its word), until our safe point
-        self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome}
+        # Leader: what a hello is answered with (our layout, every rank's address); None: hellos are not ours.
+        self.introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
+        self._welcomes: dict[str, tuple[str, dict[str, Any]]] = {}  # addr asked -> (its id, its answer)
+        self._welcomed = threading.Condition(self.lock)
+        self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome,
+                         XPHELLO: self._on_hello, XPWELCOME: self._on_welcome}
 
     @property
     def address(self) -> str:
@@ -86,6 +95,17 @@ class PieceLink(Endpoint):
         if self._loop is None:
             raise RuntimeError("the piece link is not started")
         self._loop.call_soon_threadsafe(self.send, addr, kind, body, tensors)
+
+    def greet(self, addr: str, layout: PieceLayout, addresses: tuple[str, ...], timeout: float) -> tuple[str, dict[str, Any]]:
+        """Leader to leader, from the training thread: our layout and ranks' addresses to the leader at ``addr``;
+        its id and answer (``hello_answer``'s). TimeoutError if none comes within ``timeout`` seconds."""
+        with self.lock:
+            self._welcomes.pop(addr, None)
+        self._post(addr, XPHELLO, {"layout": layout.to_wire(), "addresses": list(addresses)})
+        with self._welcomed:
+            if not self._welcomed.wait_for(lambda: addr in self._welcomes, timeout):
+                raise TimeoutError(f"no answer from the piece link at {addr} within {timeout} s")
+            return self._welcomes.pop(addr)
 
     def take_outcomes(self) -> dict[int, tuple[str, Outcome]]:
         """xid -> (requester, outcome) that partners' leaders told us since the last call (the leader hands them
@@ -123,6 +143,23 @@ class PieceLink(Endpoint):
         with self.lock:  # kept even where this rank holds nothing: another rank of ours may (its request came)
             if len(self._outcomes) < MAX_OUTCOMES:
                 self._outcomes[xid] = (msg.sender, Outcome(raw))
+
+    def _on_hello(self, msg: Message, frames: Sequence[object]) -> None:
+        intro = self.introduction
+        if intro is None:
+            self.stats.unexpected += 1
+            return
+        answer = hello_answer(intro[0], intro[1], msg.body)
+        if "refused" in answer:
+            log.warning("refused %s's hello: %s", msg.sender, answer["refused"])
+        self.send(msg.addr, XPWELCOME, answer)
+
+    def _on_welcome(self, msg: Message, frames: Sequence[object]) -> None:
+        with self._welcomed:
+            if len(self._welcomes) < MAX_OUTCOMES:
+                self._welcomes[msg.addr] = (msg.sender, dict(msg.body))
+                self._welcomed.notify_all()
+
 
 def _xid(body: Any) -> int:
     xid = body.get("xid") if isinstance(body, dict) else None

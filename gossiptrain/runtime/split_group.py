@@ -25,9 +25,12 @@ closes): the error goes up to the peer, which leaves; partners' exchanges
 with it abort on their side (no reply, or no outcome by the deadline), so
 no half-applied exchange is left anywhere.
 
-Which partner, and where its ranks listen, is the leader's to say
-(``start``); the swarm's membership will say it once split peers join
-(not built yet: this driver is exercised by tests/test_split_group.py).
+Which partner is the leader's to say (``start``); where its ranks listen,
+and whether its layout is ours, the leaders swap before their first
+exchange (``meet``: a hello to the partner's leader, answered with its
+layout and its ranks' addresses, or refused naming both layouts). The
+swarm's membership will name the partners once split peers join (not
+built yet: this driver is exercised by tests/test_split_group.py).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch
 
 from gossiptrain.config import Limits
 from gossiptrain.net.transport import listen
-from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide
+from gossiptrain.errors import GossipError, ProtocolError
+from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
@@ -92,8 +96,24 @@ class SplitGroup:
                               fingerprint=fingerprint, clock=clock, lock=self.lock)
         loop.run(self.link.start(timeout=10), timeout=15)
         self.addresses: tuple[str, ...] = tuple(self.group.all_json(self.link.address))
+        if self.rank == 0:  # the leader answers hellos: who we are, and where each of our ranks listens
+            self.link.introduction = (self.layout, self.addresses)
         self._rng = random.Random(f"{me}/{seed}")
         self._partners: dict[int, Partner] = {}  # leader: the partner of each exchange we asked for, to tell it
+
+    def meet(self, addr: str, timeout: float = 10.0) -> Partner:
+        """Leader only, before the first exchange with a peer: swap layouts and ranks' addresses with the leader
+        whose piece link is at ``addr``. GossipError naming both layouts where they differ (pieces of different
+        layouts cannot be averaged; resharding between them is not done), or where it does not answer."""
+        if self.rank != 0:
+            raise ValueError("only the leader (rank 0) meets partners")
+        try:
+            partner, body = self.link.greet(addr, self.layout, self.addresses, timeout)
+            return Partner(partner, welcome_addresses(self.layout, body))
+        except ProtocolError as e:
+            raise GossipError(f"cannot average with the peer at {addr}: {e}") from None
+        except TimeoutError as e:
+            raise GossipError(f"cannot average with the peer at {addr}: {e}") from None
 
     @property
     def stats(self) -> PieceStats:
