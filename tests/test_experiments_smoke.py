@@ -81,6 +81,14 @@ def test_hybrid_quick(tmp_path: Path) -> None:
     assert "| 2 peers x 2 workers |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow  # 4 gloo processes with a 4M-parameter transformer, ~15 s: `make test-slow`; tests/test_split_group.py covers the mechanism
+def test_model_parallel_quick(tmp_path: Path) -> None:
+    """experiments/model_parallel.py (issue 48): a rank of a 2-rank FSDP2 peer holds and sends about half."""
+    heads = run_script("model_parallel", tmp_path)
+    assert heads["exchanges"] == 1 and 0.45 <= heads["held_ratio_max"] <= 0.55 and 0.45 <= heads["sent_ratio_max"] <= 0.55
+    assert "| one worker, the whole model |" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.slow  # a coordinator, 4 Python-API peers twice and 4 DDP ranks, ~2 min on 2 cores: `make test-slow`; test_experiment_scripts.py checks it starts
 @pytest.mark.timeout(2 * SCRIPT_TIMEOUT + 30)
 def test_user_loop_quick(tmp_path: Path) -> None:

@@ -305,6 +305,11 @@ class RankExchanges:
     def held(self) -> tuple[int, ...]:
         return tuple(self._held)
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the frozen copy of the piece that partners are answered from (the memory this adds to a rank)."""
+        return sum(t.untyped_storage().nbytes() for t in self._base)
+
     # -- the safe point ------------------------------------------------------------------------
 
     def apply(self) -> None:
