@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.harness import Procs, fresh_dir, markdown_table, publish, python_m, results_dir  # noqa: E402
+from experiments import harness  # noqa: E402
 from gossiptrain.state.local_tensors import local  # noqa: E402
 
 WORKLOAD = "peers.charlm:transformer"
@@ -148,20 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default experiments/results/model_parallel)")
     parser.add_argument("--rank", nargs=3, metavar=("PEER", "RANK", "PORT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args(argv)
-    out = results_dir("model_parallel", args.out, args.quick)
+    out = harness.results_dir("model_parallel", args.out, args.quick)
     exchanges = 1 if args.quick else args.exchanges
     if args.rank:
         rank_main(args.rank[0], int(args.rank[1]), int(args.rank[2]), out, exchanges)
         return 0
-    work = fresh_dir(out / "runs")
+    work = harness.fresh_dir(out / "runs")
     for stale in list(work.glob("*.json")) + list(work.glob("*.addr")) + list(work.glob("*.done")):
         stale.unlink()
     started = time.monotonic()
-    with Procs(work) as procs:
+    with harness.Procs(work) as procs:
         ports = {"A": free_port(), "B": free_port()}
         for peer in "AB":
             for rank in (0, 1):
-                procs.start(f"{peer}{rank}", python_m("experiments.model_parallel", "--out", work, "--rank", peer, rank,
+                procs.start(f"{peer}{rank}", harness.python_m("experiments.model_parallel", "--out", work, "--rank", peer, rank,
                                                      ports[peer]) + (["--quick"] if args.quick else ["--exchanges", str(exchanges)]))
         while not procs.all_exited():
             failed = procs.failed()
@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         "for a moment in forward and backward, which is not counted. Copy: the frozen copy of the piece that "
         "partners are answered from (a single-worker pairwise peer keeps one of its model too).",
         "",
-        *markdown_table(["peer", "rank", "params (MB)", "optimizer state (MB)", "held / one worker's", "copy (MB)",
+        *harness.markdown_table(["peer", "rank", "params (MB)", "optimizer state (MB)", "held / one worker's", "copy (MB)",
                          "exchanges", "sent per exchange (MB)", "sent / model bytes"], rows),
     ]
-    return publish(out, lines, {"held_ratio_max": round(worst_held, 3), "sent_ratio_max": round(worst_sent, 3),
+    return harness.publish(out, lines, {"held_ratio_max": round(worst_held, 3), "sent_ratio_max": round(worst_sent, 3),
                                 "exchanges": exchanges})
 
 

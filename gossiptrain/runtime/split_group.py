@@ -110,9 +110,7 @@ class SplitGroup:
         try:
             partner, body = self.link.greet(addr, self.layout, self.addresses, timeout)
             return Partner(partner, welcome_addresses(self.layout, body))
-        except ProtocolError as e:
-            raise GossipError(f"cannot average with the peer at {addr}: {e}") from None
-        except TimeoutError as e:
+        except (ProtocolError, TimeoutError) as e:  # another layout (its words name both), or no answer
             raise GossipError(f"cannot average with the peer at {addr}: {e}") from None
 
     @property
