@@ -1,13 +1,16 @@
 """One rank of a split peer that averages its piece with the same rank of another peer (tests/test_split_group.py).
 
-``python -m tests.split_ranks PEER RANK PORT KIND DIR EXCHANGES [kill]``:
+``python -m tests.split_ranks PEER RANK PORT KIND DIR EXCHANGES [kill|train]``:
 PEER is A or B (A asks, B serves), each peer a gloo group of 2 ranks on its
 own PORT, the model split by FSDP2 or as 2 pipeline stages (KIND). Nothing
 trains: the pieces change only by the exchanges, so the test knows what
 they must hold. Each rank writes its piece before and after
 (``DIR/PEER-RANK.{before,after}.safetensors``) and its counts. With
 ``kill``, B's rank 1 dies (``os._exit``) once it has served a request, and
-A stops after its first aborted exchange.
+A stops after its first aborted exchange. With ``train`` (FSDP2), every
+rank takes an SGD step before each safe point, and at the end both ranks
+run the model on one probe batch (``DIR/PEER-probe.safetensors``): what
+FSDP2 computes from the shards the exchanges wrote.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def save_piece(net: nn.Module, path: Path) -> None:
     save_file({n: t.detach().clone().contiguous() for n, t in local_piece(net).items()}, str(path))
 
 
-def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, kill: bool) -> None:
+def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -73,9 +76,16 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             time.sleep(0.02)
         partner = group.meet(json.loads(other.read_text())[0])
         assert partner.id == "B" and partner.addresses == tuple(json.loads(other.read_text()))
+    kill, train = mode == "kill", mode == "train"
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * (peer == "B") + rank))  # each rank its batch
     done = out / "A.done"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        if train:  # a local step between safe points, as a training loop takes
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
         if kill and (peer, rank) == ("B", 1) and group.stats.served:
             os._exit(3)  # a rank dies: its group's next collective fails, and B's rank 0 with it
         asked = partner is not None and group.stats.committed < exchanges  # (the leader's word; rank 1 passes None)
@@ -92,6 +102,12 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     if peer == "A" and rank == 0:
         done.write_text("")
     save_piece(net, out / f"{peer}-{rank}.after.safetensors")
+    if train:
+        probe = torch.randn(3, 8, generator=torch.Generator().manual_seed(99))  # the same on both ranks
+        with torch.no_grad():
+            y = net(probe)
+        if rank == 0:
+            save_file({"probe": probe, "out": y.detach().clone()}, str(out / f"{peer}-probe.safetensors"))
     (out / f"{peer}-{rank}.stats.json").write_text(json.dumps(group.stats.__dict__))
     group.close()
     loop.stop()
@@ -100,4 +116,4 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]), int(sys.argv[6]),
-         sys.argv[7:] == ["kill"])
+         sys.argv[7] if len(sys.argv) > 7 else "")

@@ -19,6 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
+
+from .split_ranks import model
 from .swarm import Procs, free_port
 
 EXCHANGES = 3
@@ -72,3 +75,27 @@ def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: P
         for k in a:  # the committed exchanges (0 or 1: B died before its word on any second could come)
             want = a[k] if stats[0]["committed"] == 0 else (a[k] + b[k]) / 2
             torch.testing.assert_close(got[k], want, rtol=0, atol=1e-6)
+
+
+def test_fsdp2_computes_with_the_shards_the_exchanges_wrote_while_both_peers_train(procs: Procs, tmp_path: Path) -> None:
+    """Local steps between safe points, as a training loop takes them: the exchanges write each rank's shard, and
+    FSDP2's next forward gathers those; the pieces, put together, are the model FSDP2 runs."""
+    ports = {"A": free_port(), "B": free_port()}
+    ranks = [
+        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "train", name=f"{peer}{rank}",
+                    module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    ]
+    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    stats = [json.loads((tmp_path / f"A-{r}.stats.json").read_text()) for r in (0, 1)]
+    assert stats[0]["committed"] == stats[1]["committed"] == EXCHANGES, stats
+    for peer in "AB":
+        layout = PieceLayout("fsdp", tuple(
+            tuple(PieceEntry(k, "float32", tuple(t.shape), 0) for k, t in load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")).items())
+            for r in (0, 1)))
+        pieces = [load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")) for r in (0, 1)]
+        unsplit = model(1)
+        unsplit.load_state_dict(gather(layout, pieces))
+        probe = load_file(str(tmp_path / f"{peer}-probe.safetensors"))
+        with torch.no_grad():
+            torch.testing.assert_close(unsplit(probe["probe"]), probe["out"], rtol=1e-5, atol=1e-6)
