@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments import harness  # noqa: E402
+from gossiptrain.net.addressing import free_loopback_port  # noqa: E402
 from gossiptrain.state.local_tensors import local  # noqa: E402
 
 WORKLOAD = "peers.charlm:transformer"
@@ -133,14 +134,6 @@ def whole_peer() -> dict[str, int]:
     return {"param_bytes": params, "optimizer_bytes": state, "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one exchange (a smoke test)")
@@ -158,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink()
     started = time.monotonic()
     with harness.Procs(work) as procs:
-        ports = {"A": free_port(), "B": free_port()}
+        ports = {"A": free_loopback_port(), "B": free_loopback_port()}
         for peer in "AB":
             for rank in (0, 1):
                 procs.start(f"{peer}{rank}", harness.python_m("experiments.model_parallel", "--out", work, "--rank", peer, rank,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import time
 
 from gossiptrain.config import Limits
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.net.transport.tcp import TcpTransport
 from gossiptrain.testing.transport_checks import receive, started, tcp_backend
 
@@ -47,9 +47,7 @@ def open_descriptors() -> int:
 
 
 async def main() -> int:
-    with socket.socket() as s:  # a port nothing listens on, at 5,000 loopback addresses
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()  # a port nothing listens on, at 5,000 loopback addresses
     fake = [f"tcp://127.3.{i // 250}.{i % 250 + 1}:{port}" for i in range(ADDRESSES)]
     async with started(TcpTransport("tcp://127.0.0.2:0", Limits(max_connections=LIMIT)), tcp_backend().make()) as (a, b):
         assert a.send(b.address, [b"first"]) and await receive(b) == [b"first"]  # connected

@@ -8,7 +8,6 @@ waited for with a fixed sleep.
 from __future__ import annotations
 
 import itertools
-import socket
 import os
 import signal
 import subprocess
@@ -30,13 +29,6 @@ def next_host() -> str:
     """A fresh loopback address per peer (127.0.0.10, .11, ...), to catch addressing bugs."""
     n = next(_hosts)
     return f"127.0.{n // 250}.{n % 250 + 2}"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a gloo group's rendezvous (torch.distributed takes no port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(

@@ -16,6 +16,7 @@ import torch
 
 import gossiptrain
 from gossiptrain.errors import MismatchError
+from gossiptrain.net.addressing import free_loopback_port
 from peers.digits import DigitsWorkload
 
 from .conftest import fast_config
@@ -188,9 +189,6 @@ def test_config_command_lists_every_field() -> None:
 )
 def test_bad_local_peer_flags_name_the_flag_before_joining(flag: str, value: str, message: str) -> None:
     # Nothing listens at the join address (a port 0 socket, closed): the flag must be refused before any join.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = run_cli("peer", "--join", f"127.0.0.1:{port}", flag, value, "--quiet", timeout=60)
+    result = run_cli("peer", "--join", f"127.0.0.1:{free_loopback_port()}", flag, value, "--quiet", timeout=60)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from gossiptrain.errors import GossipError
+from gossiptrain.net.addressing import free_loopback_port
 
 from .conftest import fast_config
 from .swarm import Procs, next_host
@@ -247,15 +248,12 @@ def test_a_two_process_trainer_is_one_member_whose_ranks_end_with_the_same_model
     procs: Procs, coordinator_factory: Any, tmp_path: Path
 ) -> None:
     """As under torchrun: rank 0 joins, rank 1 follows it; beside a single-process Trainer they gossip."""
-    import socket
-
+    
     from gossiptrain.integrations import GossipCallback
 
     coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 120}))
     join = coord.address.removeprefix("tcp://")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     ranks = [procs.start(str(r), str(port), join, str(outs[r]), "20", name=f"rank{r}", module="tests.hf_ranks")
              for r in range(2)]

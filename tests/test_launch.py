@@ -27,6 +27,7 @@ from typing import Iterator
 import pytest
 
 from gossiptrain.cli.main import build_parser, main
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.runtime.launch_plan import AgentRequest, control_line, parse_report
 from gossiptrain.train.metrics import read_metrics
 
@@ -325,9 +326,7 @@ def sshd(tmp_path: Path) -> Iterator[str]:
     for name in ("host", "user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True, timeout=30)
     (keys / "authorized_keys").write_text((keys / "user.pub").read_text())
-    with socket.socket() as s:  # a free port, released for sshd (sshd cannot listen on port 0 and say which it got)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()  # released for sshd (sshd cannot listen on port 0 and say which it got)
     (keys / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\nAuthorizedKeysFile {keys / 'authorized_keys'}\n"
         f"PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\nPidFile {keys / 'pid'}\n"

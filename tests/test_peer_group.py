@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.train.peer_workers import Workers
 
 from .conftest import fast_config
-from .swarm import Procs, free_port
+from .swarm import Procs
 
 
 
@@ -25,7 +26,7 @@ def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
     coord = coordinator_factory(config)
     join = coord.address.removeprefix("tcp://")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"tcp://127.0.0.1:{free_loopback_port()}"
     # Forked from the test worker's process that imported torch already (tests/zygote.py), as CLI peers are.
     ranks = [procs.start("train", str(r), join, init, outs[r], "80", name=f"rank{r}", module="tests.group_ranks")
              for r in range(2)]
@@ -46,7 +47,7 @@ def test_a_peer_whose_ranks_each_hold_a_piece_of_the_model_is_refused_on_every_r
     coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60}))
     join = coord.address.removeprefix("tcp://")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"tcp://127.0.0.1:{free_loopback_port()}"
     ranks = [procs.start("split", kind, str(r), join, init, outs[r], name=f"{kind}{r}", module="tests.group_ranks")
              for r in range(2)]
     assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-2000:] for p in ranks]

@@ -20,18 +20,19 @@ from torch import nn
 
 from gossiptrain.cli.main import main as cli
 from gossiptrain.errors import CheckpointError
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, piece_entries
 from gossiptrain.runtime import piece_checkpoints
 from gossiptrain.state.checkpoint import Checkpointer, latest_good, restore
 from gossiptrain.state.merged_model import read_merged
 
 from .split_ranks import model
-from .swarm import Procs, free_port
+from .swarm import Procs
 
 
 
 def _run(procs: Procs, kind: str, mode: str, out: Path) -> None:
-    port = free_port()
+    port = free_loopback_port()
     ranks = [procs.start(str(r), str(port), kind, mode, str(out), name=f"{mode}{r}", module="tests.piece_checkpoint_ranks")
              for r in range(2)]
     assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]

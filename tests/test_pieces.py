@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from gossiptrain.errors import ProtocolError
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
 
 from .piece_ranks import model
-from .swarm import Procs, free_port
+from .swarm import Procs
 
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
 def test_the_pieces_of_two_ranks_gather_into_the_unsplit_models_state_dict(procs: Procs, tmp_path: Path, kind: str) -> None:
-    port = free_port()
+    port = free_loopback_port()
     outs = [str(tmp_path / f"rank{r}") for r in range(2)]
     ranks = [procs.start(str(r), str(port), kind, outs[r], name=f"{kind}{r}", module="tests.piece_ranks") for r in range(2)]
     assert [p.wait(90) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]

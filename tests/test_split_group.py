@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
 
 from .split_ranks import model
-from .swarm import Procs, free_port
+from .swarm import Procs
 
 EXCHANGES = 3
 
@@ -32,7 +33,7 @@ EXCHANGES = 3
 def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
     procs: Procs, tmp_path: Path, kind: str
 ) -> None:
-    ports = {"A": free_port(), "B": free_port()}
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
     ranks = [
         procs.start(peer, str(rank), str(ports[peer]), kind, str(tmp_path), str(EXCHANGES), name=f"{peer}{rank}",
                     module="tests.split_ranks")
@@ -57,7 +58,7 @@ def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
 def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: Procs, tmp_path: Path) -> None:
     """B's rank 1 dies after answering A's first request; B's rank 0 fails at its next collective. A's ranks apply
     that first exchange together (both had their replies) and abort the next one together (rank 1's never comes)."""
-    ports = {"A": free_port(), "B": free_port()}
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
     ranks = {
         (peer, rank): procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "kill",
                                   name=f"{peer}{rank}", module="tests.split_ranks")
@@ -80,7 +81,7 @@ def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: P
 def test_fsdp2_computes_with_the_shards_the_exchanges_wrote_while_both_peers_train(procs: Procs, tmp_path: Path) -> None:
     """Local steps between safe points, as a training loop takes them: the exchanges write each rank's shard, and
     FSDP2's next forward gathers those; the pieces, put together, are the model FSDP2 runs."""
-    ports = {"A": free_port(), "B": free_port()}
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
     ranks = [
         procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "train", name=f"{peer}{rank}",
                     module="tests.split_ranks")

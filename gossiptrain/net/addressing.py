@@ -107,6 +107,14 @@ def parse_host(text: str, what: str = "host") -> str:
     return host
 
 
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now, released at once: for what cannot bind port 0 and say which it got (a
+    gloo rendezvous, sshd, a join address nothing listens at). Another process may take it meanwhile: local use only."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def tcp_url(host: str, port: int) -> str:
     """tcp://host:port, with an IPv6 host in brackets."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from gossiptrain.net.addressing import free_loopback_port
+
 #: The programs the cluster needs, and the Debian package each comes from.
 TOOLS = {
     "munged": "munge", "mungekey": "munge", "slurmctld": "slurm-wlm (slurmctld)", "slurmd": "slurm-wlm (slurmd)",
@@ -75,12 +77,6 @@ def why_not() -> str | None:
 
 class SlurmError(RuntimeError):
     """The cluster did not come up, or a Slurm command failed; the message has the tool's words or the logs' tail."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -222,7 +218,7 @@ def slurm_cluster(cpus: int = 8, node: str | None = None, timeout: float = 60) -
         for sub in ("state", "spool"):
             (d / sub).mkdir()
         (d / "plugstack.conf").write_text("")
-        (d / "slurm.conf").write_text(_config(d, node, cpus, _free_port(), _free_port()))
+        (d / "slurm.conf").write_text(_config(d, node, cpus, free_loopback_port(), free_loopback_port()))
         subprocess.run(["mungekey", "--create", "--keyfile", str(d / "munge.key")], check=True, capture_output=True,
                        timeout=30)
         commands = {

@@ -15,7 +15,6 @@ decides for the group, and they follow.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 from gossiptrain.errors import ConfigError, GossipError
+from gossiptrain.net.addressing import free_loopback_port
 
 RANK_ENV, SIZE_ENV, INIT_ENV = "GOSSIPTRAIN_WORKER_RANK", "GOSSIPTRAIN_WORKER_SIZE", "GOSSIPTRAIN_WORKER_INIT"
 # Longest rank 0 may keep the others waiting in a collective (an evaluation, a checkpoint, the final phase)
@@ -72,10 +72,7 @@ class Workers:
 
 def start_other_workers(argv: Sequence[str], size: int) -> tuple[Workers, list[subprocess.Popen[bytes]]]:
     """Rank 0's side of ``--nproc-per-peer``: ranks 1..size-1 run ``argv`` (this command line) in children."""
-    with socket.socket() as s:  # a free port for the group's rendezvous, on this machine only
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    me = Workers(0, size, f"tcp://127.0.0.1:{port}")
+    me = Workers(0, size, f"tcp://127.0.0.1:{free_loopback_port()}")  # the group's rendezvous, on this machine only
     children = []
     for rank in range(1, size):
         env = {**os.environ, RANK_ENV: str(rank), SIZE_ENV: str(size), INIT_ENV: me.init}
