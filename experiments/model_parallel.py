@@ -94,7 +94,10 @@ def rank_main(peer: str, rank: int, port: int, out: Path, exchanges: int) -> Non
         (out / f".{peer}.addr").rename(out / f"{peer}.addr")
     partner = None
     if (peer, rank) == ("A", 0):
+        waited = time.monotonic() + 120
         while not (out / "B.addr").exists():
+            if time.monotonic() > waited:
+                raise SystemExit("peer B's leader never wrote its address (see B0.log)")
             time.sleep(0.05)
         partner = group.meet((out / "B.addr").read_text())
     sent_before = group.link.transport.stats.bytes_sent

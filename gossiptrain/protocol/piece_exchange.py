@@ -198,7 +198,7 @@ class RankExchanges:
         self._pending = PendingMerges(self.params, self._pool)
         # The piece as of the last safe point, never written: what requests are answered with, from the network
         # side, while the training side steps the live tensors (merges land only at safe points: see apply).
-        self._base = [p.detach().clone() for p in self.params]
+        self._base = self._pool.copies(self.params)
         self._asked: dict[int, _Asked] = {}
         self._held: dict[int, _Held] = {}
 
@@ -317,7 +317,7 @@ class RankExchanges:
         settled to the piece, and take the piece as it now is as what partners are answered with."""
         self._pending.add_to(self.params)
         self._pending.clear()
-        self._base = [p.detach().clone() for p in self.params]
+        self._base = self._pool.copies(self.params)  # a free pooled buffer (one no reply or snapshot still holds)
 
     def _checked(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
         """The received piece in our order; ProtocolError unless it matches our layout entry exactly and is finite."""
