@@ -59,29 +59,99 @@ def train(rank: int, join: str, init: str, out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def split(kind: str, rank: int, join: str, init: str, out: str) -> None:
-    """A peer of two ranks whose model is FSDP2-sharded or cut into pipeline stages: refused, on both ranks."""
-    from gossiptrain.errors import ConfigError, GossipError
+#: The run of split peers' tests: a dead partner's exchanges abort within 2 s, not the default 10.
+SPLIT_RUN: dict[str, object] = {"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60,
+                                "gossip.exchange_timeout_max": 2.0}
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    torch.manual_seed(0)
+
+def split_model(kind: str, rank: int, seed: int) -> torch.nn.Module:
+    """A small MLP, FSDP2-sharded over the group or cut into 2 pipeline stages (parameter names as unsplit)."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    else:  # pipeline stages: rank 0 the first layers, rank 1 the last
-        model = model[:2] if rank == 0 else model[2:]
-    config = fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60})
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return model[:2] if rank == 0 else model[2:]  # pipeline stages: rank 0 the first layers, rank 1 the last
+
+
+def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps: int, die_at: int = 0) -> None:
+    """One rank of a peer of two ranks whose model FSDP2 sharded or cut into pipeline stages: it joins, trains
+    ``steps`` steps on its own batches (a pipeline: GPipe over the two stages) and finishes; it writes its piece at
+    the start and the end, what ``Peer`` made of it, and its counts. A join refused is written as the error.
+    ``die_at``: rank 1 dies (``os._exit``) at that step, and rank 0 writes the error its next collective raised."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from gossiptrain.errors import GossipError
+    from gossiptrain.protocol.pieces import local_piece
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    model = split_model(kind, rank, seed)
+    config = fast_config(**SPLIT_RUN)
+
+    def save(tag: str) -> None:
+        save_file({n: t.detach().clone().contiguous() for n, t in local_piece(model).items()}, f"{out}.{tag}.safetensors")
+
+    save("start")
+    result: dict[str, object] = {}
     try:
-        with Peer(model, join=join, bind="127.0.0.1:0", config=config, group=dist.group.WORLD):
+        with Peer(model, join=join, bind="127.0.0.1:0", config=config, group=dist.group.WORLD) as peer:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(100 * seed + rank)
+            schedule = None
+            if kind == "pipeline":
+                from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+                stage = PipelineStage(model, rank, 2, torch.device("cpu"))
+                schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=torch.nn.functional.cross_entropy)
+            peer.wait_for_peers(2, timeout=60)
+            while peer.agree(peer.steps < steps):
+                x = torch.randn(16, 8, generator=gen)  # (B, 8)
+                y = (x.sum(1) > 0).long()  # (B,)
+                opt.zero_grad()
+                if schedule is None:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                elif rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+                opt.step()
+                if die_at and rank == 1 and peer.steps + 1 == die_at:
+                    os._exit(3)
+                peer.step()
+            peer.finish("budget")
+            result = {"kind": type(peer).__name__, "id": peer.id, "stats": peer.stats()}
+    except GossipError as e:
+        result = {"error": str(e)}
+    except RuntimeError as e:  # gloo's, at the collective after a rank died
+        if not die_at:
+            raise
+        Path(out).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        os._exit(0)  # the group is broken: destroying it would wait for the dead rank
+    save("end")
+    Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def whole(join: str, out: str) -> None:
+    """``split``'s model whole on one worker, joining a swarm of split peers: the refusal it got, written."""
+    from gossiptrain.errors import GossipError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    config = fast_config(**SPLIT_RUN)
+    try:
+        with Peer(model, join=join, bind="127.0.0.1:0", config=config, join_attempts=1):
             said = ""
-    except (GossipError, ConfigError) as e:
+    except GossipError as e:
         said = str(e)
     Path(out).write_text(json.dumps({"error": said}))
-    dist.destroy_process_group()
 
 
 def solo(join: str, steps: int) -> None:
@@ -104,13 +174,15 @@ def solo(join: str, steps: int) -> None:
         peer.finish("budget")
 
 
-if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT | solo JOIN STEPS
+if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT SEED STEPS [DIE_AT] | whole JOIN OUT | solo JOIN STEPS
     import sys
 
     what, *rest = sys.argv[1:]
     if what == "train":
         train(int(rest[0]), rest[1], rest[2], rest[3], int(rest[4]))
+    elif what == "whole":
+        whole(rest[0], rest[1])
     elif what == "split":
-        split(rest[0], int(rest[1]), rest[2], rest[3], rest[4])
+        split(rest[0], int(rest[1]), rest[2], rest[3], rest[4], int(rest[5]), int(rest[6]), *map(int, rest[7:8]))
     else:
         solo(rest[0], int(rest[1]))

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.train.peer_workers import Workers
 
 from .conftest import fast_config
+from .group_ranks import SPLIT_RUN
 from .swarm import Procs
 
 
@@ -39,24 +42,72 @@ def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
-def test_a_peer_whose_ranks_each_hold_a_piece_of_the_model_is_refused_on_every_rank(
+def test_two_split_peers_average_piece_by_piece_and_a_whole_model_is_refused_naming_both_layouts(
     procs: Procs, coordinator_factory: Any, tmp_path: Path, kind: str
 ) -> None:
-    """Syncing rank 0's parameters over the others would overwrite their shards or stages: refused, saying how the
-    model is split, on both ranks (neither waits for the other in a collective), and the leader leaves."""
-    coord = coordinator_factory(fast_config(**{"train.shards": 2, "train.max_steps": 0, "train.max_seconds": 60}))
+    """Two peers of two ranks each, the model FSDP2-sharded or cut into pipeline stages, through ``Peer`` as a user
+    writes it: both train, their ranks exchange their pieces (every rank counts the same exchanges: the group
+    decides alike), and the final phase brings the two models together. A whole model joining that swarm is
+    refused with one line naming both layouts."""
+    coord = coordinator_factory(fast_config(**SPLIT_RUN))
     join = coord.address.removeprefix("tcp://")
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    init = f"tcp://127.0.0.1:{free_loopback_port()}"
-    ranks = [procs.start("split", kind, str(r), join, init, outs[r], name=f"{kind}{r}", module="tests.group_ranks")
-             for r in range(2)]
-    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-2000:] for p in ranks]
-    said = [json.loads(Path(o).read_text())["error"] for o in outs]
-    assert said[0] == said[1], said
-    if kind == "fsdp":  # the parameters are DTensors: refused before anything is contacted
-        assert "is a DTensor" in said[0] and "not built yet" in said[0]
-    else:  # each rank's own parameters: found at the first collective, after the leader joined
-        assert "pipeline over 2 ranks" in said[0] and "every rank must hold the whole model" in said[0]
+    outs = {(p, r): tmp_path / f"{p}{r}.json" for p in "ab" for r in range(2)}
+    ranks = []
+    for peer, seed in (("a", 1), ("b", 2)):
+        init = f"tcp://127.0.0.1:{free_loopback_port()}"
+        ranks += [procs.start("split", kind, str(r), join, init, str(outs[(peer, r)]), str(seed), "60",
+                              name=f"{kind}-{peer}{r}", module="tests.group_ranks") for r in range(2)]
+    procs.wait_for(lambda: (spec := coord.coordinator.spec) is not None and spec.layout, 60, "a split peer to join")
+    refused = tmp_path / "whole.json"
+    ranks.append(procs.start("whole", join, str(refused), name="whole", module="tests.group_ranks"))
+    assert [p.wait(120) for p in ranks] == [0] * 5, [p.output()[-2000:] for p in ranks]
+
+    said = json.loads(refused.read_text())["error"]
+    assert "whole on one rank" in said and f"split as {kind} over 2 ranks" in said, said
+    got = {k: json.loads(v.read_text()) for k, v in outs.items()}
+    for peer in "ab":
+        leader, worker = got[(peer, 0)], got[(peer, 1)]
+        assert (leader.get("kind"), worker.get("kind")) == ("SplitPeer", "SplitWorker"), (leader, worker)
+        assert leader["id"] == worker["id"]
+        counts = [{k: v for k, v in r["stats"].items() if k in ("completed", "served")} for r in (leader, worker)]
+        assert counts[0] == counts[1] and sum(counts[0].values()) > 0, counts  # every rank applied the same ones
+
+    def model(peer: str, tag: str) -> dict[str, torch.Tensor]:
+        pieces = [load_file(f"{outs[(peer, r)]}.{tag}.safetensors") for r in range(2)]
+        return {n: torch.cat([p[n] for p in pieces]) if kind == "fsdp" else p[n] for p in pieces for n in p}
+
+    def apart(tag: str) -> float:
+        a, b = model("a", tag), model("b", tag)
+        return sum(float((a[n] - b[n]).norm()) for n in a)
+
+    assert apart("end") < 0.5 * apart("start"), (apart("start"), apart("end"))  # averaged: from two models, nearly one
+
+
+def test_a_dead_rank_ends_its_split_peer_and_the_other_peer_trains_on_with_every_rank_agreeing(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path
+) -> None:
+    """Rank 1 of peer a dies mid-run: a's leader gets the error at its next step (the group's collective) and
+    leaves; b trains to the end, and its two ranks applied the same exchanges (none half-applied: a's requests
+    b held were dropped on both ranks, b's own with a aborted on both)."""
+    coord = coordinator_factory(fast_config(**SPLIT_RUN))
+    join = coord.address.removeprefix("tcp://")
+    outs = {(p, r): tmp_path / f"{p}{r}.json" for p in "ab" for r in range(2)}
+    ranks = {}
+    for peer, seed, die in (("a", 1, "20"), ("b", 2, "0")):
+        init = f"tcp://127.0.0.1:{free_loopback_port()}"
+        for r in range(2):
+            ranks[(peer, r)] = procs.start("split", "fsdp", str(r), join, init, str(outs[(peer, r)]), str(seed), "80",
+                                           die, name=f"{peer}{r}", module="tests.group_ranks")
+    assert ranks[("a", 1)].wait(120) == 3
+    assert [ranks[k].wait(120) for k in (("a", 0), ("b", 0), ("b", 1))] == [0, 0, 0], \
+        [p.output()[-2000:] for p in ranks.values()]
+    assert "RuntimeError" in json.loads(outs[("a", 0)].read_text())["error"]
+    leader, worker = (json.loads(outs[("b", r)].read_text()) for r in range(2))
+    assert leader["stats"]["steps"] == worker["stats"]["steps"] == 80
+    # What a rank served and held may differ (one rank's request came, the other's did not); what was applied not.
+    agreed = ("piece_started", "piece_committed", "piece_aborted", "piece_applied")
+    counts = [{k: r["stats"][k] for k in agreed} for r in (leader, worker)]
+    assert counts[0] == counts[1] and counts[0]["piece_started"] > 0, counts
 
 
 def test_workers_environment() -> None:

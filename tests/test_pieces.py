@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.addressing import free_loopback_port
-from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
+from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries, split_spec
 
 from .piece_ranks import model
 from .swarm import Procs
@@ -73,3 +74,26 @@ def test_gathering_refuses_a_piece_that_is_not_its_layouts() -> None:
         gather(layout, [piece])
     with pytest.raises(ValueError, match="2 pieces for a layout of 1 ranks"):
         gather(layout, [piece, piece])
+
+
+def test_a_split_peers_spec_is_the_unsplit_models_and_its_layout_and_the_swarm_refuses_another_layout() -> None:
+    """What a split peer joins with (``split_spec``): the unsplit model's parameters (shards put back together), and
+    a line for its layout that survives the spec's wire form; a spec of another layout, or of the whole model, is
+    refused naming both."""
+    fsdp = PieceLayout("fsdp", (
+        (PieceEntry("0.weight", "float32", (9, 8), 0), PieceEntry("0.bias", "float32", (9,), 0)),
+        (PieceEntry("0.weight", "float32", (8, 8), 0), PieceEntry("0.bias", "float32", (8,), 0)),
+    ))
+    pipeline = PieceLayout("pipeline", ((PieceEntry("0.weight", "float32", (17, 8)),),
+                                        (PieceEntry("0.bias", "float32", (17,)),)))
+    spec = split_spec(fsdp)
+    assert spec.entries == (("0.weight", "float32", (17, 8)), ("0.bias", "float32", (17,)))
+    assert ParamSpec.from_wire(json.loads(json.dumps(spec.to_wire()))) == spec
+    whole = ParamSpec.of({"0.weight": torch.zeros(17, 8), "0.bias": torch.zeros(17)})
+    assert whole.mismatch(ParamSpec.from_wire(whole.to_wire())) is None and split_spec(fsdp).mismatch(spec) is None
+    said = whole.mismatch(spec)
+    assert said is not None and "whole on one rank" in said and "split as fsdp over 2 ranks" in said
+    said = split_spec(pipeline).mismatch(spec)  # the same parameters, split otherwise
+    assert said is not None and "split as pipeline over 2 ranks" in said and "split as fsdp over 2 ranks" in said
+    uneven = PieceLayout("fsdp", (fsdp.pieces[1], fsdp.pieces[0]))  # the same model, its shards cut otherwise
+    assert split_spec(uneven).entries == spec.entries and split_spec(uneven).mismatch(spec) is not None

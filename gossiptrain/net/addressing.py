@@ -135,6 +135,17 @@ def route_address(remote_host: str) -> str:
             return "127.0.0.1" if family == socket.AF_INET else "::1"
 
 
+def advertised_host(join_host: str, bind_host: str | None, advertise: str | None) -> str:
+    """The host a peer tells others to dial: ``advertise`` if given (checked: a wildcard or a HOST:PORT is refused,
+    named), else the host it binds to, else (bound to every interface, or not at all) the local address of the
+    interface that routes to the join host, so that a peer joining a remote host never advertises 127.0.0.1."""
+    if advertise is not None:
+        return parse_host(advertise, "advertise address")
+    if bind_host is not None and not is_wildcard(bind_host):
+        return bind_host
+    return route_address(join_host)
+
+
 def curve_address(url: str, public_key: bytes) -> str:
     """``url`` with a CURVE public key (Z85, as in key files) attached: how a secure member is addressed."""
     return f"{url}{CURVE_QUERY}{z85.decode(public_key).hex()}"

@@ -5,6 +5,14 @@ A joiner checks its model against the swarm's before it takes a state
 (``to_wire``), and every averaging algorithm takes its own (``Averaging.spec``).
 It lives apart from the averaging machinery because those are its users too,
 and need none of it.
+
+A peer whose model is split across its ranks (issue 48) averages piece by
+piece, so the swarm must also agree on how the model is split: its spec
+carries the layout as one line (``layout``: ``PieceLayout.describe`` and a
+digest of the whole layout, see ``gossiptrain.protocol.pieces.split_spec``),
+compared before any parameter. On the wire the line is one more entry, named
+``""`` (no parameter has an empty name), so the spec's wire form is unchanged
+and a member that predates split peers refuses a split joiner all the same.
 """
 
 from __future__ import annotations
@@ -16,25 +24,33 @@ import torch
 
 from gossiptrain.errors import ProtocolError
 
+#: The wire name of the layout line (see the module docstring).
+LAYOUT_ENTRY = ""
+
 
 @dataclass(frozen=True)
 class ParamSpec:
     """Names, dtypes and shapes of the parameters a swarm averages; all peers must agree."""
 
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+    layout: str | None = None  # how the model is split across each peer's ranks; None: whole on one rank
 
     @classmethod
     def of(cls, params: Mapping[str, torch.Tensor]) -> "ParamSpec":
         return cls(tuple((n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in params.items()))
 
     def to_wire(self) -> list[list[object]]:
-        return [[n, d, list(s)] for n, d, s in self.entries]
+        out: list[list[object]] = [[n, d, list(s)] for n, d, s in self.entries]
+        if self.layout is not None:
+            out.append([LAYOUT_ENTRY, self.layout, []])
+        return out
 
     @classmethod
     def from_wire(cls, raw: object) -> "ParamSpec":
         if not isinstance(raw, list):
             raise ProtocolError("parameter spec must be a list")
         out = []
+        layout = None
         for e in raw:
             if (
                 not isinstance(e, list)
@@ -45,11 +61,16 @@ class ParamSpec:
                 or not all(type(d) is int and d >= 0 for d in e[2])
             ):
                 raise ProtocolError("malformed parameter spec entry")
-            out.append((e[0], e[1], tuple(e[2])))
-        return cls(tuple(out))
+            if e[0] == LAYOUT_ENTRY:
+                layout = e[1]
+            else:
+                out.append((e[0], e[1], tuple(e[2])))
+        return cls(tuple(out), layout)
 
     def mismatch(self, other: "ParamSpec") -> str | None:
-        """A sentence naming the first difference, or None if the specs agree."""
+        """A sentence naming the first difference, or None if the specs agree: the layouts first, naming both."""
+        if self.layout != other.layout:
+            return f"this peer's model is {_layout_words(self.layout)}; the swarm's is {_layout_words(other.layout)}"
         mine = {n: (d, s) for n, d, s in self.entries}
         theirs = {n: (d, s) for n, d, s in other.entries}
         for name in mine:  # in model order, so the same models always give the same sentence
@@ -65,3 +86,7 @@ class ParamSpec:
             if d != td:
                 return f"parameter {name!r} has dtype {d} here but {td} in the swarm"
         return None
+
+
+def _layout_words(layout: str | None) -> str:
+    return "whole on one rank (a single worker, or DDP)" if layout is None else f"split as {layout}"

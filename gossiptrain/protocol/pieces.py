@@ -22,6 +22,8 @@ model (``gossiptrain export``, the merged model).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
+from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.state.local_tensors import is_dtensor, local
 
 KINDS: tuple[str, ...] = ("whole", "fsdp", "pipeline")
@@ -119,6 +122,23 @@ class PieceLayout:
                 entries.append(PieceEntry(e[0], e[1], tuple(e[2]), e[3]))
             out.append(tuple(entries))
         return cls(raw["kind"], tuple(out))
+
+
+def split_spec(layout: PieceLayout) -> ParamSpec:
+    """What a split peer joins with: the unsplit model's parameters (names, dtypes, shapes: FSDP shards put back
+    together, every pipeline stage's), and the layout's line (its ``describe()`` and a digest of all of it, so that
+    layouts equal in words but not in shapes still differ). A swarm's members must agree on both."""
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
+    if layout.kind == "fsdp":
+        for k, e in enumerate(layout.pieces[0]):
+            shape = list(e.shape)
+            if e.shard_dim != WHOLE:
+                shape[e.shard_dim] = sum(layout.pieces[r][k].shape[e.shard_dim] for r in range(layout.ranks))
+            entries.append((e.name, e.dtype, tuple(shape)))
+    else:
+        entries = [(e.name, e.dtype, e.shape) for piece in layout.pieces for e in piece]
+    digest = hashlib.sha256(json.dumps(layout.to_wire(), sort_keys=True).encode()).hexdigest()[:12]
+    return ParamSpec(tuple(entries), None if layout.kind == "whole" else f"{layout.describe()} [layout {digest}]")
 
 
 def local_piece(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -31,6 +31,8 @@ from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
 class WorkerRank:
     """A worker of a peer made of several (rank > 0): the leader's model after every safe point, no network."""
 
+    _split_model = False  # every rank holds the whole model (``SplitWorkerRank``: a piece of it)
+
     def __init__(
         self,
         model: torch.nn.Module | ModelFactory,
@@ -38,12 +40,12 @@ class WorkerRank:
         *,
         group: Any = None,
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
-        **_member_only: Any,  # bind, advertise, security, ...: the leader's business
+        **member_only: Any,  # bind, advertise, security, ...: the leader's business
     ) -> None:
         self._closed = False
         self._node = None
         if isinstance(model, torch.nn.Module):  # as the leader does, before the first collective: all ranks refuse alike
-            refuse_unusable_model(inner_model(model))
+            refuse_unusable_model(inner_model(model), pieces=self._split_model)
         self._group = PeerGroup(group)
         info = self._group.share(None)  # the leader's welcome, or its failure raised here
         self.config = RunConfig.from_dict(info["config"])
@@ -56,6 +58,11 @@ class WorkerRank:
         self._step = 0
         self._samples: int | None = None
         self._control: dict[str, float] = {}
+        self._start_worker(join, member_only)
+
+    def _start_worker(self, join: str, member_only: dict[str, Any]) -> None:
+        """Welcomed: take the leader's model (every rank holds it whole)."""
+        assert self._group is not None
         self._group.check_whole(self.model)
         self._follow()
 

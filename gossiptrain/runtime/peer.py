@@ -33,13 +33,11 @@ from gossiptrain.config import RunConfig, SecurityConfig
 from gossiptrain.errors import ConfigError, GossipError, MismatchError
 from gossiptrain.net import sealed
 from gossiptrain.net.addressing import (
+    advertised_host,
     client_address,
     curve_address,
-    is_wildcard,
-    parse_host,
     parse_hostport,
     plain_address,
-    route_address,
     tcp_url,
     with_host_if_wildcard,
 )
@@ -55,6 +53,7 @@ from gossiptrain.protocol.lr_scaling import SwarmLrScaling
 from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
 from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.protocol.reachability import AUTO, NO, REACHABLE_ENV, ReachCheck, Verdict
 from gossiptrain.protocol.state_transfer import TransferResult
 from gossiptrain.protocol.status import DONE, FINAL, JOINING, TRAINING
@@ -70,6 +69,7 @@ from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, 
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.preflight import ThreadCheck, refuse_unusable_model
+from gossiptrain.runtime.split_peer import SplitLeaderRank, SplitWorkerRank
 from gossiptrain.runtime.state_endpoint import catch_up
 from gossiptrain.runtime.swarm_client import merge_members
 from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
@@ -145,14 +145,29 @@ class Peer:
 
     #: Whether the others can dial us at our address, and how that is known; None until joined.
     reachability: Verdict | None = None
+    #: Whether this peer's model is split across its group's ranks (``SplitPeer``: each rank averages its piece).
+    _split_model = False
+    #: What each rank of the group holds, found in ``__new__`` (a collective); None: no group, or a model factory.
+    _layout: PieceLayout | None = None
 
-    def __new__(cls, *args: Any, group: Any = None, **kwargs: Any) -> "Peer":
-        if group is not None and cls is Peer:
-            import torch.distributed as dist
+    def __new__(cls, model: Any = None, *args: Any, group: Any = None, **kwargs: Any) -> "Peer":
+        """On a group's ranks, the peer each rank is: ``Peer`` (rank 0) or ``GroupWorker`` where every rank holds
+        the whole model (DDP), ``SplitPeer`` and ``SplitWorker`` where it is split across them (FSDP2, pipeline
+        stages: ``gossiptrain.runtime.split_peer``). The layout is found here, on every rank alike (a collective)."""
+        if group is None or cls is not Peer:
+            return super().__new__(cls)
+        import torch.distributed as dist
 
-            if dist.is_initialized() and dist.get_rank(group) != 0:
-                return super().__new__(GroupWorker)
-        return super().__new__(cls)
+        if not dist.is_initialized():  # __init__ says so (PeerGroup)
+            return super().__new__(cls)
+        layout = PeerGroup(group).layout(inner_model(model)) if isinstance(model, torch.nn.Module) else None
+        leader = dist.get_rank(group) == 0
+        if layout is not None and layout.kind != "whole":
+            obj: Peer = super().__new__(SplitPeer if leader else SplitWorker)
+        else:
+            obj = super().__new__(cls if leader else GroupWorker)
+        obj._layout = layout
+        return obj
 
     def __init__(
         self,
@@ -175,7 +190,7 @@ class Peer:
     ) -> None:
         self._closed = False
         if isinstance(model, torch.nn.Module):  # before anything is started or contacted (a factory's: once built)
-            refuse_unusable_model(inner_model(model))
+            refuse_unusable_model(inner_model(model), pieces=self._split_model)
         self._relay = relay  # asked for: we relay only if reachable (``_attach``)
         self._group = PeerGroup(group) if group is not None else None  # the leader of several workers
         self.transfer: TransferResult | None = None  # how the state download went; None: there was none
@@ -192,12 +207,7 @@ class Peer:
         self._threads = ThreadCheck()  # several peers on this machine at torch's default threads: one warning
         join_host, join_port = parse_hostport(join, "join address")
         bind_host, bind_port = parse_hostport(bind, "bind address") if bind else (None, 0)
-        if advertise is not None:  # IPv6 with or without brackets; a wildcard or a HOST:PORT is refused, named
-            advertise = parse_host(advertise, "advertise address")
-        elif bind_host is not None and not is_wildcard(bind_host):
-            advertise = bind_host
-        else:  # bound to every interface (0.0.0.0, [::]) or not at all: the one that routes to the join host
-            advertise = route_address(join_host)
+        advertise = advertised_host(join_host, bind_host, advertise)
         local = config or RunConfig()
         reach = ReachCheck((os.environ.get(REACHABLE_ENV) or AUTO) if reachable is None else reachable, random.SystemRandom())
         join_target = tcp_url(join_host, join_port)
@@ -225,7 +235,7 @@ class Peer:
             if security is None:
                 warn_open("peer", self.address)
             module = inner_model(model) if isinstance(model, torch.nn.Module) else None  # DDP's: what it wraps
-            spec = ParamSpec.of(dict(module.named_parameters())) if module is not None else None
+            spec = self._spec_of(module) if module is not None else None
             if reach.mode == NO:  # the caller knows nobody can dial us: a client from the start
                 self._become_client()
 
@@ -297,15 +307,24 @@ class Peer:
             raise
         if self._group is not None:
             try:
-                self._group.share({
+                self._start_group({
                     "id": self.id, "shard": self.shard, "fingerprint": self.fingerprint, "config": self.config.to_dict(),
                     "address": self.address, "joined_via": self.joined_via, "taken_from_swarm": self.taken_from_swarm,
                 })
-                self._group.check_whole(self.model)
-                self._sync_group()
             except BaseException:  # a worker is gone already: leave the swarm we just joined
                 self.close()
                 raise
+
+    def _spec_of(self, model: torch.nn.Module) -> ParamSpec:
+        """What the swarm checks our model against at join: its parameters (a split peer's: and its layout)."""
+        return ParamSpec.of(dict(model.named_parameters()))
+
+    def _start_group(self, welcome: dict[str, Any]) -> None:
+        """Joined: the welcome to the group's other workers, and our model to them (every rank holds it whole)."""
+        assert self._group is not None
+        self._group.share(welcome)
+        self._group.check_whole(self.model)
+        self._sync_group()
 
     def _sync_group(self) -> None:
         """Our parameters and buffers, and the swarm's news, to the other workers of this peer (``PeerGroup.sync``)."""
@@ -317,8 +336,7 @@ class Peer:
         return self._group.agree(flag) if self._group is not None else flag
 
     def _attach(self, welcome: Welcome) -> None:
-        params = dict(self.model.named_parameters())
-        spec = ParamSpec.of(params)
+        spec = self._spec_of(self.model)
         if welcome.spec is not None and (problem := spec.mismatch(welcome.spec)):
             self._withdraw(welcome)
             raise MismatchError(model_differs(problem, welcome.config))
@@ -356,6 +374,12 @@ class Peer:
             return node
 
         node = self._loop.run(build(), timeout=10)
+        self._attach_training(node)
+        node.training_status = self._training_status
+        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
+
+    def _attach_training(self, node: PeerNode) -> None:
+        """The training side over our model: averaging at safe points, and our snapshots offered to newcomers."""
         # Donor side: a session waiting for a snapshot gets a copy at our next safe point, hashed off this thread.
         node.state.offload = True
         side = training_side(
@@ -365,8 +389,6 @@ class Peer:
         )
         self._averaging, self._safepoint, self._snapshots = side.averaging, side.safepoint, side.snapshots
         self._side = side
-        node.training_status = self._training_status
-        log.info("joined via %s as %s (shard %d of %d)", self.joined_via, self.id, self.shard, self.num_shards)
 
     def _become_client(self) -> None:
         """Nobody can dial us (behind NAT): from now on we are the client-mode member at our address + /client.
@@ -771,3 +793,11 @@ class Peer:
 
 class GroupWorker(WorkerRank, Peer):
     """What ``Peer(..., group=g)`` is on a rank other than 0: a ``Peer`` whose loop-facing methods are ``WorkerRank``'s."""
+
+
+class SplitPeer(SplitLeaderRank, Peer):
+    """What ``Peer(..., group=g)`` is on rank 0 when the model is split across the ranks (``gossiptrain.runtime.split_peer``)."""
+
+
+class SplitWorker(SplitWorkerRank, Peer):
+    """What ``Peer(..., group=g)`` is on the other ranks when the model is split across them."""

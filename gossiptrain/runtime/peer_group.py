@@ -75,16 +75,17 @@ class PeerGroup:
         return got
 
     def check_whole(self, model: torch.nn.Module) -> None:
-        """Every rank must hold the whole model (DDP): raise, on every rank alike, where FSDP2 sharded it or the
-        ranks hold different parameters (pipeline stages). ``sync`` would otherwise copy rank 0's shard or stage
-        over every other rank's. A peer whose ranks each gossip their own piece is issue 48's, not built yet."""
+        """Every rank holds the whole model (DDP): raise, on every rank alike, where FSDP2 sharded it or the ranks
+        hold different parameters (pipeline stages). ``sync`` would otherwise copy rank 0's shard or stage over
+        every other rank's. A model split before ``Peer(...)`` is a split peer's (``gossiptrain.runtime.split_peer``,
+        chosen before joining); one a model factory splits is found only here, after the join, too late."""
         layout = self.layout(model)
         if layout.kind == "whole":
             return
         raise GossipError(
-            f"Peer(group=...): the model is split across this peer's ranks ({layout.describe()}): "
-            "a peer whose ranks each hold a piece of the model (FSDP2 shards, pipeline stages) cannot gossip yet; "
-            "every rank must hold the whole model (DDP)")
+            f"Peer(group=...): the model factory's model is split across this peer's ranks ({layout.describe()}): "
+            "a split model's layout is part of what the swarm checks at join, so split it (fully_shard, a pipeline "
+            "stage) before Peer(...) and pass the module")
 
     def layout(self, model: torch.nn.Module) -> PieceLayout:
         """What every rank of this group holds of ``model`` (collective): FSDP2 shards, pipeline stages (ranks

@@ -47,6 +47,8 @@ from gossiptrain.protocol.leases import SendLeases
 from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, REPORTED_DEATHS, SUSPECT, Member, members_from_wire
 from gossiptrain.protocol.membership import Membership
 from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.piece_exchange import hello_answer
+from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.protocol.reachability import nonce_of
 from gossiptrain.protocol.rendezvous import Rendezvous, SendReady, ready_from_wire
 from gossiptrain.protocol.status import JOINING, StatusAnswerer
@@ -166,6 +168,8 @@ class PeerNode(JoinAnsweringEndpoint):
         self.status_answerer = StatusAnswerer(config.limits, clock.now())
         self.training_status: Callable[[], dict[str, Any]] = lambda: {"phase": JOINING, "step": self.step}
         self.ready_count = 0  # live members known ready, for the trainer thread to read
+        # A split peer's leader (issue 48): our layout and every rank's piece-link address, for a partner's hello.
+        self.piece_introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
         self._clients_looked_at: tuple[tuple[str, ...] | None, bool] = (None, False)  # (view, it holds a client)
         self._relays_wanted = False  # a client that reaches other clients through a relay (``use_relays``)
         self._relay_looked_at = -math.inf  # when _pick_relay last ran
@@ -179,6 +183,7 @@ class PeerNode(JoinAnsweringEndpoint):
             **dict.fromkeys(kinds.FINISH, self._on_finish_message),
             kinds.STATUS_ASK: self._on_status_ask,
             kinds.REACH: self._on_reach,
+            kinds.XPHELLO: self._on_piece_hello,
         }
         self.open_kinds = frozenset({kinds.JOIN, kinds.QUERY})  # a query comes from tools that do not know the run yet
         self._started = me.incarnation  # members of a lower one were there before us: they did not join just now
@@ -460,6 +465,17 @@ class PeerNode(JoinAnsweringEndpoint):
 
     def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
         self.state.on_message(msg)
+
+    def _on_piece_hello(self, msg: Message, frames: Sequence[object]) -> None:
+        """A split partner's leader asks where our ranks listen (``gossiptrain.runtime.split_partners``): answered at
+        its piece link, with our layout and addresses, or refused naming both layouts. Not answered before our ranks
+        listen (a split peer joins first, then opens its ranks' links) nor by a whole model's peer (which no split
+        swarm admits): the asker asks again later."""
+        intro = self.piece_introduction
+        if intro is None:
+            self.stats.unexpected += 1
+            return
+        self.send(msg.addr, kinds.XPWELCOME, hello_answer(intro[0], intro[1], msg.body))
 
     def _on_reach(self, msg: Message, frames: Sequence[object]) -> None:
         nonce_of(msg.body)  # our join's dial-back, come after its verdict (join_client.reach_verdict): checked, nothing more

@@ -96,12 +96,21 @@ class PieceLink(Endpoint):
             raise RuntimeError("the piece link is not started")
         self._loop.call_soon_threadsafe(self.send, addr, kind, body, tensors)
 
-    def greet(self, addr: str, layout: PieceLayout, addresses: tuple[str, ...], timeout: float) -> tuple[str, dict[str, Any]]:
-        """Leader to leader, from the training thread: our layout and ranks' addresses to the leader at ``addr``;
-        its id and answer (``hello_answer``'s). TimeoutError if none comes within ``timeout`` seconds."""
+    def hello(self, addr: str, layout: PieceLayout, addresses: tuple[str, ...]) -> None:
+        """Leader to leader, from any thread: our layout and ranks' addresses to the leader at ``addr`` (its piece
+        link, or its member address: ``PeerNode`` answers there); the answer waits for ``welcome_from(addr)``."""
         with self.lock:
             self._welcomes.pop(addr, None)
         self._post(addr, XPHELLO, {"layout": layout.to_wire(), "addresses": list(addresses)})
+
+    def welcome_from(self, addr: str) -> tuple[str, dict[str, Any]] | None:
+        """The answer to our hello to ``addr`` (its sender's id, and ``hello_answer``'s words), once; None before."""
+        with self.lock:
+            return self._welcomes.pop(addr, None)
+
+    def greet(self, addr: str, layout: PieceLayout, addresses: tuple[str, ...], timeout: float) -> tuple[str, dict[str, Any]]:
+        """``hello``, then wait for the answer (``welcome_from``). TimeoutError if none comes within ``timeout`` s."""
+        self.hello(addr, layout, addresses)
         with self._welcomed:
             if not self._welcomed.wait_for(lambda: addr in self._welcomes, timeout):
                 raise TimeoutError(f"no answer from the piece link at {addr} within {timeout} s")

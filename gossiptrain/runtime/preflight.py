@@ -25,9 +25,9 @@ from gossiptrain.net.addressing import CLIENT_PATH, parse_hostport, plain_addres
 log = logging.getLogger(__name__)
 
 
-def refuse_unusable_model(model: torch.nn.Module) -> None:
-    """``ConfigError`` (a ValueError) for a model no swarm can average: no parameters, DTensor parameters, or tensors
-    on the meta device."""
+def refuse_unusable_model(model: torch.nn.Module, *, pieces: bool = False) -> None:
+    """``ConfigError`` (a ValueError) for a model no swarm can average: no parameters, DTensor parameters (unless
+    ``pieces``: a split peer's, whose ranks each average their shard), or tensors on the meta device."""
     params = dict(model.named_parameters())
     if not params:
         buffers = [name for name, _ in model.named_buffers()]
@@ -37,11 +37,11 @@ def refuse_unusable_model(model: torch.nn.Module) -> None:
             "torch.nn.Parameter"
         )
     for name, p in params.items():
-        if hasattr(p, "to_local") and hasattr(p, "placements"):  # a DTensor: FSDP2, tensor parallelism
+        if not pieces and hasattr(p, "to_local") and hasattr(p, "placements"):  # a DTensor: FSDP2, tensor parallelism
             raise ConfigError(
                 f"the model's parameter {name!r} is a DTensor (sharded or placed across ranks, as FSDP2 does): a peer "
-                "gossips whole local tensors, and a peer whose ranks each gossip their own shard is not built yet; "
-                "give Peer a model every rank holds whole (DDP, Peer(..., group=...))"
+                "of one worker gossips whole local tensors; pass the process group of the ranks it is sharded over "
+                "(Peer(..., group=...)), and each rank averages its own shard"
             )
     for kind, named in (("parameter", params.items()), ("buffer", model.named_buffers())):
         for name, tensor in named:

@@ -122,9 +122,10 @@ class SplitGroup:
         """Whether an exchange we asked for is still undecided (the leader starts one at a time)."""
         return bool(self.exchanges.in_flight)
 
-    def safe_point(self, start: Partner | None = None) -> None:
+    def safe_point(self, start: Partner | None = None, news: dict[str, Any] | None = None) -> dict[str, Any]:
         """After a local step, on every rank: decide, settle and apply what can be, then start ``start`` (the
-        leader's word; other ranks pass None, and the leader's is ignored while an exchange is undecided)."""
+        leader's word; other ranks pass None, and the leader's is ignored while an exchange is undecided).
+        Returns the leader's ``news`` (small JSON: the swarm's word for the other ranks), on every rank."""
         now = self.clock()
         with self.lock:
             mine = {
@@ -136,6 +137,8 @@ class SplitGroup:
             mine["told"] = [[xid, requester, int(outcome)] for xid, (requester, outcome) in told.items()]
             if start is not None and not self.busy:
                 mine["start"] = [self._rng.getrandbits(62), start.id, list(start.addresses)]
+            if news is not None:
+                mine["news"] = news
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
         with self.lock:
@@ -155,6 +158,7 @@ class SplitGroup:
                     self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
         if "start" in leader:
             self.link.ask(request, addresses[self.rank])
+        return dict(leader.get("news", {}))
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""

@@ -1,0 +1,326 @@
+"""``Peer`` for a model split across the ranks of its group: each rank averages its own piece (issue 48).
+
+``Peer(model, join=..., group=g)`` on every rank of a ``torch.distributed``
+group whose model FSDP2 sharded (``fully_shard``) or cut into pipeline
+stages: ``Peer.__new__`` finds the layout (one collective) and makes rank 0
+a ``SplitPeer`` (``SplitLeaderRank``'s methods), the other ranks
+``SplitWorker``s (``SplitWorkerRank``'s). Nothing else changes in
+the user's loop: ``step()`` after each optimizer step, ``agree()`` to stop
+together, ``finish()`` and ``close()`` at the end.
+
+- **Joining.** Only the leader (rank 0) is a swarm member. It joins with the
+  unsplit model's parameters and the layout (``pieces.split_spec``): a
+  swarm whose models are split otherwise, or whole, refuses it with one line
+  naming both layouts. Then every rank opens its own piece link
+  (``PieceLink``, at the host the leader would advertise) and the leader's
+  node answers partners' hellos with every rank's address.
+- **Averaging.** At each ``step()`` the leader picks a partner among the
+  live members it has met (``split_partners.PartnerBook``) and every rank
+  runs the group's safe point (``SplitGroup.safe_point``, one small gather):
+  exchanges decided on every rank alike, every rank's piece sent to the same
+  rank of the partner. The leader's news (stop asked, members, steps) rides
+  on that gather, so the workers need no other collective.
+- **A dead rank** makes the group's next collective raise on the others;
+  ``close()`` (a ``with`` block's exit) then leaves the swarm, and partners
+  abort whatever was in flight with it (``piece_exchange``).
+- **The end.** ``finish()`` runs the final phase as a whole-model peer does
+  (waiting for the others, safe points without local steps, so the pieces
+  meet); every rank takes part, following the leader's word.
+
+Not built yet, and said where it matters: downloading a running swarm's
+state piece by piece (a split newcomer starts from its own model and the
+exchanges bring it to the swarm's), the merged model at the end
+(``finish(final_model=...)``: checkpoint the pieces and ``gossiptrain
+export`` them), quasi-global momentum, drift correction, rate scaling and the
+stability guard per piece (a split peer runs plain averaging of its pieces),
+compression, a secure swarm (the ranks' links are not CURVE-secured) and
+peers behind NAT.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+
+from gossiptrain.errors import ConfigError, GossipError
+from gossiptrain.net.addressing import advertised_host, parse_hostport, plain_address
+from gossiptrain.protocol.finish import Announce
+from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.pieces import split_spec
+from gossiptrain.protocol.status import DONE, FINAL, TRAINING
+from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
+from gossiptrain.runtime.group_worker import WorkerRank
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.peer_group import CONTROL_FIELDS
+from gossiptrain.runtime.peer_network import PeerNode
+from gossiptrain.runtime.split_group import SplitGroup
+from gossiptrain.runtime.split_partners import PartnerBook
+
+log = logging.getLogger(__name__)
+
+
+def exchange_timeout(peer_config: Any) -> float:
+    """Seconds a piece exchange may take before it is aborted on every rank: the gossip's adaptive ceiling (a piece
+    of a large model over a slow link takes seconds, and one in flight at a time holds no step back)."""
+    return float(peer_config.gossip.exchange_timeout_max)
+
+
+class SplitLeaderRank:
+    """Rank 0 of a split peer: the swarm member, and one rank of the group's piece exchanges (module docstring).
+
+    Its methods only: ``gossiptrain.runtime.peer`` makes it a ``Peer`` (``SplitPeer(SplitLeaderRank, Peer)``,
+    whose joining, membership and lifecycle it keeps), as ``WorkerRank`` and ``GroupWorker``, so the two modules
+    import in one direction only."""
+
+    _split_model = True
+
+    def __init__(self, model: torch.nn.Module, join: str, **kwargs: Any) -> None:
+        if kwargs.get("security") is not None:
+            problem = ("a split peer in a secure swarm is not built yet: its ranks' own links are not CURVE-secured; "
+                       "run it in an open swarm on a trusted network, or as DDP inside the peer")
+            self._tell_workers(kwargs.get("group"), problem)
+            raise ConfigError(problem)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError("a split peer's model is the split module itself (fully_shard's, or a pipeline stage)")
+        self._pieces: SplitGroup | None = None
+        self._partners: PartnerBook | None = None
+        self._candidates: tuple[tuple[str, ...], list[tuple[str, str]]] = ((), [])  # (view, its (id, address) pairs)
+        super().__init__(model, join, **kwargs)
+
+    @staticmethod
+    def _tell_workers(group: Any, problem: str) -> None:
+        from gossiptrain.runtime.peer_group import PeerGroup
+
+        PeerGroup(group).share(None, error=problem)  # the workers wait for our welcome: tell them why there is none
+
+    # -- joining ---------------------------------------------------------------------------------
+
+    def _spec_of(self, model: torch.nn.Module) -> ParamSpec:
+        assert self._layout is not None
+        return split_spec(self._layout)
+
+    def _attach_training(self, node: PeerNode) -> None:
+        """No whole-model averaging: the ranks' piece links do it (``_start_group``)."""
+        self._side = None
+
+    def _catch_up(self, enabled: bool) -> None:
+        node = self._node
+        assert node is not None
+        self._loop.run(node.seeds_verified(), timeout=10)
+        if enabled and self.config.state.enabled and len(node.view()) > 1:
+            log.warning("a split peer does not download the swarm's state yet (piece by piece is not built): it starts "
+                        "from its own model, and its exchanges bring it to the swarm's")
+
+        async def ready() -> None:
+            node.mark_ready()
+
+        self._loop.run(ready(), timeout=10)
+
+    def _start_group(self, welcome: dict[str, Any]) -> None:
+        """Joined: the welcome to the workers, every rank's piece link opened, our node answering partners' hellos."""
+        assert self._group is not None and self._node is not None and self._transport is not None
+        if self._transport.client_as is not None:
+            problem = ("a split peer behind NAT (a client-mode member) is not built yet: its ranks must be reachable "
+                       "at their own addresses")
+            self._group.share(None, error=problem)
+            raise GossipError(problem)
+        self._group.share(welcome)
+        host = parse_hostport(plain_address(self.address))[0]
+        self._pieces = pieces = SplitGroup(
+            self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
+            timeout=exchange_timeout(self.config), clock=self._clock.now, limits=self.config.limits,
+            seed=self._rng.getrandbits(32),
+        )
+        self._partners = PartnerBook(pieces.link, pieces.layout, pieces.addresses, clock=self._clock.now, rng=self._rng)
+        node = self._node
+        self._loop.call(lambda: setattr(node, "piece_introduction", (pieces.layout, pieces.addresses)), timeout=5)
+        log.info("split peer: %s; each rank averages its piece", pieces.layout.describe())
+
+    def _found(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        self._optimizer_mode = "found"
+        log.info("found the optimizer that steps this model: %s (a split peer averages its pieces plainly: no "
+                 "momentum or rate scaling of the swarm's)", type(optimizer).__name__)
+
+    # -- the training loop's side ------------------------------------------------------------
+
+    def step(self, samples_seen: int | None = None) -> None:
+        """Call after each optimizer step, on every rank: the group's safe point (pieces exchanged with a partner)."""
+        node = self._check_open()
+        self._step += 1
+        if samples_seen is not None:
+            self._samples = samples_seen
+        now = self._clock.now()
+        if self._last_step_at is not None:
+            self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
+        self._last_step_at = now
+        self._phase = TRAINING if self._phase != FINAL else self._phase
+        if not self._threads.warned:
+            self._check_threads(node)
+        self._safe_point(node, self._step)
+
+    def _safe_point(self, node: PeerNode, step: int) -> None:
+        pieces, partners = self._pieces, self._partners
+        assert pieces is not None and partners is not None
+        node.step = step
+        partner = partners.pick(self._live(node))
+        news = dict(zip(CONTROL_FIELDS, (float(self.finish_requested), float(self.members), float(self._step))))
+        pieces.safe_point(partner, news)
+
+    def _live(self, node: PeerNode) -> list[tuple[str, str]]:
+        """(id, address) of the live members but us; asked of the network thread only when the view changed."""
+        view = node.view()
+        if view != self._candidates[0]:
+            pairs = self._loop.call(lambda: [(m.id, m.addr) for m in node.membership.alive() if m.id != self.id], timeout=5)
+            self._candidates = (view, pairs)
+        return self._candidates[1]
+
+    def serve_before_training(self) -> None:
+        """Nothing to do: each rank's link answers partners from its piece as it is, from the start."""
+        self._check_open()
+
+    def averaging_state(self) -> dict[str, float]:
+        return {}
+
+    def restore_averaging(self, state: Mapping[str, float] | None) -> None:
+        pass
+
+    def _training_status(self) -> dict[str, Any]:
+        last = self._last_step_at
+        stats = self._pieces.stats if self._pieces is not None else None
+        reported = self._reported
+        return {
+            "phase": self._phase, "step": self._step, "samples": self.samples_seen,
+            "exchanges": stats.committed + stats.applied if stats else 0, "staleness_mean": 0.0, "rtt_ms": 0.0,
+            "idle_s": 0.0 if last is None else round(max(0.0, self._clock.now() - last), 3),
+            **{k: v for k, v in reported.items() if v == v and abs(v) != float("inf")},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this peer: its rank's piece exchanges (the group decides alike), membership, bytes."""
+        out: dict[str, Any] = {"steps": self._step, "members": self.members, "optimizer": self._optimizer_mode}
+        if self._pieces is not None:
+            out.update(piece_counts(self._pieces))
+        if self._node is not None:
+            out.update(self._node.stats.to_dict())
+            out["suspicions"] = self._node.membership.stats.suspicions
+        if self._transport is not None:
+            out.update(self._transport.stats.to_dict())
+        return out
+
+    # -- the end of the run ------------------------------------------------------------------
+
+    def finish(
+        self, reason: str = "budget", final_model: Any = None, abort: Callable[[], bool] = lambda: False
+    ) -> FinalReport:
+        """The final phase, as a whole-model peer's (``Peer.finish``), every rank taking part; no merged model yet."""
+        node = self._check_open()
+        if final_model is not None:
+            self._group_done()
+            raise GossipError("the merged model of split peers is not built yet: save each rank's piece "
+                              "(Checkpointer.save(piece=...)) and gather them with `gossiptrain export`")
+        phase = FinalPhase(
+            self.config.final, me=self.id, endpoint=node.finish, view=node.view, idle=self._idle,
+            notify=lambda phase, writer, everyone: self._loop.call_soon(node.on_finish, Announce(phase, writer, everyone)),
+            abort=abort, renotify_every=self.config.membership.heartbeat_interval, clock=self._clock.now,
+        )
+        self._phase = FINAL
+        try:
+            report = phase.run(reason, None, None)
+        finally:
+            self._group_done()
+        self._phase = DONE
+        log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
+        return report
+
+    def _idle(self) -> None:
+        """A safe point of every rank without a local step (the workers follow: ``SplitWorkerRank.finish``)."""
+        node = self._check_open()
+        assert self._group is not None
+        self._group.agree(True)
+        self._rounds += 1
+        self._last_step_at = self._clock.now()
+        self._safe_point(node, self._step + self._rounds)
+        time.sleep(self._pace)
+
+    def _group_done(self) -> None:
+        assert self._group is not None
+        self._group.agree(False)  # the workers' final phase ends
+
+    def _teardown(self) -> None:
+        pieces, self._pieces = self._pieces, None
+        if pieces is not None:
+            try:
+                pieces.close()
+            except Exception as e:  # closing is best effort: partners abort what was in flight at their deadlines
+                log.warning("could not close this rank's piece link: %r", e)
+        super()._teardown()
+
+
+class SplitWorkerRank(WorkerRank):
+    """A rank other than 0 of a split peer: its piece link, and the group's safe points (no membership)."""
+
+    _split_model = True
+
+    def _start_worker(self, join: str, member_only: dict[str, Any]) -> None:
+        assert self._group is not None
+        bind, advertise = member_only.get("bind"), member_only.get("advertise")
+        host = advertised_host(parse_hostport(join, "join address")[0],
+                               parse_hostport(bind, "bind address")[0] if bind else None, advertise)
+        self._loop = LoopThread(f"gossiptrain-piece-rank{self._group.rank}").start()
+        try:
+            self._pieces = SplitGroup(
+                self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
+                timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
+                seed=random.getrandbits(32),
+            )
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def _follow(self) -> None:
+        """The group's safe point, the leader's news with it."""
+        news = self._pieces.safe_point(None)
+        self._control = {k: float(news[k]) for k in CONTROL_FIELDS if k in news} or self._control
+        self._step = int(self._control.get("steps", self._step))
+
+    def finish(
+        self, reason: str = "budget", final_model: Any = None, abort: Callable[[], bool] = lambda: False
+    ) -> FinalReport:
+        """The leader's final phase: a safe point for each of its rounds, until its word that it is over."""
+        self._check_worker()
+        assert self._group is not None
+        rounds = 0
+        while self._group.agree(False):
+            self._pieces.safe_point(None)
+            rounds += 1
+        if final_model is not None:
+            raise GossipError("the merged model of split peers is not built yet: save each rank's piece "
+                              "(Checkpointer.save(piece=...)) and gather them with `gossiptrain export`")
+        return FinalReport(reason, rounds=rounds)
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self._step, "members": self.members, **piece_counts(self._pieces)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pieces.close()
+        except Exception as e:
+            log.warning("could not close this rank's piece link: %r", e)
+        finally:
+            self._loop.stop()
+
+
+def piece_counts(pieces: SplitGroup) -> dict[str, int]:
+    """A rank's piece exchanges in ``Peer.stats()``'s words (``completed``: ours applied, ``served``: theirs), and
+    every count as ``piece_*``."""
+    s = pieces.stats
+    return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}}
