@@ -1,20 +1,22 @@
-"""Issue 48, first measurements: what a rank of a split peer holds and sends, against a single-worker peer.
+"""Issue 48: what a rank of a split peer holds and sends, and how split peers learn against DDP peers and single workers.
 
-Two peers of 2 ranks each hold the charlm transformer (``peers.charlm:transformer``,
-4,115,008 parameters in 114 tensors) split by FSDP2 (``fully_shard`` on every
-layer and the root; gloo on CPU), train a few AdamW steps on their own
-text and average their pieces rank by rank over each rank's own socket
-(``gossiptrain.runtime.split_group``). Each rank measures, from the
-tensors it holds (storage bytes, not shapes): its parameters plus its
-optimizer's state, and the bytes its socket sent per exchange. The
-single-worker peer is measured the same way in this process: the unsplit
-model after the same AdamW steps, and an exchange's model bytes.
+Part ``memory`` (the first measurements): two peers of 2 ranks each hold the
+charlm transformer (``peers.charlm:transformer``, 4,115,008 parameters in 114
+tensors) split by FSDP2 (``fully_shard`` on every layer and the root; gloo on
+CPU), train a few AdamW steps on their own text and average their pieces
+rank by rank over each rank's own socket (``gossiptrain.runtime.split_group``).
+Each rank measures, from the tensors it holds (storage bytes, not shapes):
+its parameters plus its optimizer's state, and the bytes its socket sent per
+exchange. The single-worker peer is measured the same way in this process.
 
-Not yet here (issue 48's experiment asks for them): the pipeline and DDP
-peers, 4 peers of 1 rank, and validation loss at equal samples and time;
-they need a split peer that joins a swarm (``Peer``), which is not built.
+Part ``loss``: the same model trained by four swarms of 4 processes through
+``Peer`` (``experiments/model_parallel_ranks.py``: 2 peers x 2 FSDP2 ranks,
+2 peers x 2 pipeline stages, 2 peers x 2 DDP ranks, 4 peers x 1 rank), the
+same samples per round, AdamW, a coordinator each; at equal samples (a fixed
+number of steps) and at equal time (a fixed number of seconds), each peer's
+model gathered from its pieces and evaluated on the validation text here.
 
-    python experiments/model_parallel.py [--quick] [--exchanges N] [--out DIR]
+    python experiments/model_parallel.py [--part memory|loss|both] [--quick] [--seeds N] [--steps N] [--seconds S] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -137,18 +140,9 @@ def whole_peer() -> dict[str, int]:
     return {"param_bytes": params, "optimizer_bytes": state, "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one exchange (a smoke test)")
-    parser.add_argument("--exchanges", type=int, default=5, help="exchanges A asks B for (default 5)")
-    parser.add_argument("--out", type=Path, help="output folder (default experiments/results/model_parallel)")
-    parser.add_argument("--rank", nargs=3, metavar=("PEER", "RANK", "PORT"), help=argparse.SUPPRESS)  # a child
-    args = parser.parse_args(argv)
-    out = harness.results_dir("model_parallel", args.out, args.quick)
+def memory_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, Any]]:
+    """Part ``memory``: the table of what each rank holds and sends; its lines and headline numbers."""
     exchanges = 1 if args.quick else args.exchanges
-    if args.rank:
-        rank_main(args.rank[0], int(args.rank[1]), int(args.rank[2]), out, exchanges)
-        return 0
     work = harness.fresh_dir(out / "runs")
     for stale in list(work.glob("*.json")) + list(work.glob("*.addr")) + list(work.glob("*.done")):
         stale.unlink()
@@ -182,11 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["one worker, the whole model", "-", f"{whole['param_bytes'] / 1e6:.2f}",
                  f"{whole['optimizer_bytes'] / 1e6:.2f}", "1.000", f"{whole['model_bytes'] / 1e6:.2f}", "-",
                  f"{whole['model_bytes'] / 1e6:.2f}", "1.000"])
-    command = "python experiments/model_parallel.py" + (" --quick" if args.quick else f" --exchanges {exchanges}")
     lines = [
-        "# Issue 48: what a rank of a split peer holds and sends, against a single-worker peer",
+        "## What a rank of a split peer holds and sends, against a single-worker peer",
         "",
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d')}, {time.monotonic() - started:.0f} s).",
+        f"Part `memory` ({time.monotonic() - started:.0f} s, {exchanges} exchanges).",
         "",
         f"charlm transformer ({WORKLOAD}, {whole['model_bytes'] // 4:,} parameters, float32), AdamW after {STEPS} steps of "
         f"batch {BATCH}; 2 peers of 2 ranks, FSDP2 on gloo, averaging their pieces rank by rank (A asks, B serves). "
@@ -199,8 +192,150 @@ def main(argv: list[str] | None = None) -> int:
         *harness.markdown_table(["peer", "rank", "params (MB)", "optimizer state (MB)", "held / one worker's", "copy (MB)",
                          "exchanges", "sent per exchange (MB)", "sent / model bytes"], rows),
     ]
-    return harness.publish(out, lines, {"held_ratio_max": round(worst_held, 3), "sent_ratio_max": round(worst_sent, 3),
-                                "exchanges": exchanges})
+    return lines, {"held_ratio_max": round(worst_held, 3), "sent_ratio_max": round(worst_sent, 3), "exchanges": exchanges}
+
+
+ARMS = ("fsdp", "pipeline", "ddp", "single")
+ARM_WORDS = {"fsdp": "2 peers x 2 FSDP2 ranks", "pipeline": "2 peers x 2 pipeline stages",
+             "ddp": "2 peers x 2 DDP ranks", "single": "4 peers x 1 rank"}
+
+
+def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One swarm of ``arm`` (``experiments/model_parallel_ranks.py``) to a number of steps or of seconds; each peer's
+    model gathered from its pieces and evaluated here. Returns the run's row."""
+    from experiments.model_parallel_ranks import PEERS, RUN
+    from gossiptrain.protocol.pieces import WHOLE, PieceEntry, PieceLayout, gather
+    from gossiptrain.train.workload import load_workload
+    from safetensors.torch import load_file
+
+    steps, seconds = (args.steps, 0.0) if mode == "samples" else (0, args.seconds)
+    ranks = 1 if arm == "single" else 2
+    with harness.Procs(work) as procs:
+        join = harness.start_coordinator(procs, {**RUN, "train.shards": PEERS[arm]})
+        for peer in range(PEERS[arm]):
+            init = f"tcp://127.0.0.1:{free_loopback_port()}"
+            for rank in range(ranks):
+                procs.start(f"p{peer}r{rank}", harness.python_m(
+                    "experiments.model_parallel_ranks", arm, peer, rank, join, init, work / f"p{peer}r{rank}.json", seed,
+                    steps, seconds, args.batch, args.lr))
+        deadline = time.monotonic() + 600
+        names = [f"p{p}r{r}" for p in range(PEERS[arm]) for r in range(ranks)]
+        while not all((work / f"{n}.json").exists() for n in names):
+            if (problem := procs.failed()) is not None:
+                raise SystemExit(problem)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{arm} seed {seed}: not done within 600 s (logs in {work})")
+            time.sleep(0.2)
+    workload = load_workload(WORKLOAD)
+    losses, records = [], [json.loads((work / f"{n}.json").read_text()) for n in names]
+    for peer in range(PEERS[arm]):
+        files = [load_file(str(work / f"p{peer}r{r}.json.safetensors")) for r in range(ranks if arm in ("fsdp", "pipeline") else 1)]
+        kind = arm if arm in ("fsdp", "pipeline") else "whole"
+        layout = PieceLayout(kind, tuple(tuple(PieceEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                                          0 if kind == "fsdp" else WHOLE) for n, t in f.items()) for f in files))
+        model = workload.build_model(seed)
+        model.load_state_dict(gather(layout, files))
+        losses.append(workload.evaluate(model).loss)
+    leaders = [r for r in records if r["rank"] == 0]
+    return {"arm": arm, "mode": mode, "seed": seed, "val_loss": sum(losses) / len(losses), "peer_losses": losses,
+            "samples": sum(r["samples"] for r in leaders), "seconds": max(r["seconds"] for r in leaders),
+            "exchanges": sum(r["completed"] for r in leaders) / len(leaders)}
+
+
+def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, Any]]:
+    """Part ``loss``: every arm at equal samples and at equal time, over seeds; the table's lines and headline."""
+    arms = harness_list(args.arms, ARMS)
+    seeds = 1 if args.quick else args.seeds
+    if args.quick:
+        args.steps, args.seconds = min(args.steps, 4), min(args.seconds, 3.0)
+    started = time.monotonic()
+    runs = []
+    for mode in ("samples", "time"):
+        for arm in arms:
+            for seed in range(seeds):
+                work = out / "runs" / "loss" / f"{arm}-{mode}-seed{seed}"
+                work.mkdir(parents=True, exist_ok=True)
+                for stale in work.iterdir():
+                    stale.unlink()
+                runs.append(loss_run(arm, mode, seed, args, work))
+                r = runs[-1]
+                print(f"model_parallel: {arm} {mode} seed {seed}: val loss {r['val_loss']:.4f}, {r['samples']} samples, "
+                      f"{r['seconds']:.1f} s, {r['exchanges']:.0f} exchanges per peer", flush=True)
+    harness.write_csv(out / "loss_runs.csv", [{k: v for k, v in r.items() if k != "peer_losses"} for r in runs])
+    rows, medians = [], {}
+    for mode in ("samples", "time"):
+        for arm in arms:
+            mine = [r for r in runs if r["arm"] == arm and r["mode"] == mode]
+            med = statistics.median(r["val_loss"] for r in mine)
+            medians[(arm, mode)] = med
+            rows.append([ARM_WORDS[arm], "equal samples" if mode == "samples" else "equal time", f"{med:.4f}",
+                         ", ".join(f"{r['val_loss']:.4f}" for r in mine),
+                         f"{statistics.median(r['samples'] for r in mine):,.0f}",
+                         f"{statistics.median(r['seconds'] for r in mine):.1f}",
+                         f"{statistics.median(r['exchanges'] for r in mine):.0f}"])
+    ratios = {f"{arm}_vs_ddp_{mode}": round(medians[(arm, mode)] / medians[("ddp", mode)], 4)
+              for arm in ("fsdp", "pipeline") for mode in ("samples", "time")
+              if (arm, mode) in medians and ("ddp", mode) in medians}
+    lines = [
+        "## Validation loss: split peers against DDP peers and single workers",
+        "",
+        f"Part `loss` ({time.monotonic() - started:.0f} s). charlm transformer ({WORKLOAD}), AdamW lr {args.lr:g} "
+        f"(weight decay 0.01), every swarm 4 processes on this 2-core machine and {4 * args.batch} windows of 64 bytes "
+        f"per round of steps (a rank of FSDP2 or DDP: {args.batch}; a pipeline peer: {2 * args.batch} in 2 "
+        f"micro-batches; a single worker: {args.batch}). Equal samples: {args.steps} steps per peer; equal time: "
+        f"{args.seconds:g} s of training. Every arm runs plain averaging (`gossip.lr_scaling=none`, "
+        "`gossip.drift_gain=0`, `gossip.compression=none`, `gossip.momentum_mode=local`, `gossip.guard=false`): a split "
+        "peer runs none of those methods yet, so only the layout differs. Validation loss (nats per byte) of each "
+        "peer's model after the final phase, gathered from its pieces, averaged over the peers; medians over "
+        f"{seeds} seed(s). Exchanges: per peer, asked and applied.",
+        "",
+        *harness.markdown_table(["swarm", "at", "val loss", "each seed", "samples", "training s", "exchanges"], rows),
+        "",
+        "Ratios to DDP (target: FSDP2 and pipeline within 2% at equal samples): "
+        + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()) + ".",
+    ]
+    return lines, {"val_loss": {f"{a}_{m}": round(v, 4) for (a, m), v in medians.items()}, **ratios}
+
+
+def harness_list(text: str, known: tuple[str, ...]) -> list[str]:
+    chosen = [x for x in text.split(",") if x]
+    unknown = [x for x in chosen if x not in known]
+    if unknown or not chosen:
+        raise SystemExit(f"model_parallel: unknown arm(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=("memory", "loss", "both"), default="both", help="what to measure (default both)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: one exchange; loss: one seed, few steps")
+    parser.add_argument("--exchanges", type=int, default=5, help="memory: exchanges A asks B for (default 5)")
+    parser.add_argument("--seeds", type=int, default=3, help="loss: seeds per arm (default 3)")
+    parser.add_argument("--steps", type=int, default=150, help="loss: steps per peer at equal samples (default 150)")
+    parser.add_argument("--seconds", type=float, default=45.0, help="loss: seconds of training at equal time (default 45)")
+    parser.add_argument("--batch", type=int, default=8, help="loss: windows per rank and step (default 8)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="loss: AdamW's rate (default 0.001)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"loss: comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--out", type=Path, help="output folder (default experiments/results/model_parallel)")
+    parser.add_argument("--rank", nargs=3, metavar=("PEER", "RANK", "PORT"), help=argparse.SUPPRESS)  # a child
+    args = parser.parse_args(argv)
+    out = harness.results_dir("model_parallel", args.out, args.quick)
+    if args.rank:
+        rank_main(args.rank[0], int(args.rank[1]), int(args.rank[2]), out, 1 if args.quick else args.exchanges)
+        return 0
+    given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a)
+    lines = ["# Issue 48: split peers (FSDP2, pipeline) against DDP peers and single workers",
+             "", f"Command: `python experiments/model_parallel.py {given}`".rstrip() + f" ({time.strftime('%Y-%m-%d')}).", ""]
+    headline: dict[str, Any] = {}
+    if args.part in ("memory", "both"):
+        more, numbers = memory_part(args, out)
+        lines += more + [""]
+        headline.update(numbers)
+    if args.part in ("loss", "both"):
+        more, numbers = loss_part(args, out)
+        lines += more
+        headline.update(numbers)
+    return harness.publish(out, lines, headline)
 
 
 if __name__ == "__main__":

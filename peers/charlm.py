@@ -76,12 +76,39 @@ class CharTransformer(nn.Module):
         self.head = nn.Linear(width, VOCAB)
 
     def forward(self, x: Tensor) -> Tensor:
+        """(B, T) bytes -> (B, T, VOCAB) logits; a pipeline stage (``stage``) takes or gives (B, T, width) instead."""
         t = x.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)  # (T, T): no peeking ahead
-        h = self.embed(x) + self.position[:t]  # (B, T, width)
+        h = x if self.embed is None else self.embed(x) + self.position[:t]  # (B, T, width)
         for layer in self.layers:
             h = layer(h, src_mask=mask, is_causal=True)  # (B, T, width)
-        return self.head(self.norm(h))  # (B, T, VOCAB)
+        return h if self.head is None else self.head(self.norm(h))  # (B, T, VOCAB), or (B, T, width) mid-pipeline
+
+    def stage(self, index: int, stages: int) -> "CharTransformer":
+        """Cut this model, in place, to pipeline stage ``index`` of ``stages``: its share of the layers (the first
+        stage also the embeddings, the last the final norm and head); the others' parameters are dropped, and the
+        names of those kept are the unsplit model's (``layers.5.linear1.weight``), so the stages' pieces gather
+        back into the unsplit state_dict. For ``torch.distributed.pipelining.PipelineStage``."""
+        if not 0 <= index < stages <= len(self.layers):
+            raise ValueError(f"stage {index} of {stages}: a model of {len(self.layers)} layers has 1..{len(self.layers)} stages")
+        mine = range(*[len(self.layers) * k // stages for k in (index, index + 1)])
+        for i in range(len(self.layers)):
+            if i not in mine:
+                self.layers[i] = _Skip()
+        if index > 0:
+            self.embed = None
+            self.position = None
+        if index < stages - 1:
+            self.norm = None
+            self.head = None
+        return self
+
+
+class _Skip(nn.Module):
+    """A layer another pipeline stage holds: passes its input on (no parameters, so the names of the rest stay)."""
+
+    def forward(self, h: Tensor, **_: object) -> Tensor:
+        return h
 
 
 def read_text(limit: int = TEXT_BYTES) -> bytes:

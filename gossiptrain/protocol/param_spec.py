@@ -13,11 +13,14 @@ digest of the whole layout, see ``gossiptrain.protocol.pieces.split_spec``),
 compared before any parameter. On the wire the line is one more entry, named
 ``""`` (no parameter has an empty name), so the spec's wire form is unchanged
 and a member that predates split peers refuses a split joiner all the same.
+A coordinator that knows the swarm's model from its workload does not know
+how its peers split it: its spec's layout is open (``LAYOUT_OPEN``), checked
+against no one, and taken from the first member to join (``with_layout_of``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
@@ -26,6 +29,8 @@ from gossiptrain.errors import ProtocolError
 
 #: The wire name of the layout line (see the module docstring).
 LAYOUT_ENTRY = ""
+#: The layout of a spec that knows the model but not how its peers split it (a coordinator's, from its workload).
+LAYOUT_OPEN = "*"
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,17 @@ class ParamSpec:
                 out.append((e[0], e[1], tuple(e[2])))
         return cls(tuple(out), layout)
 
+    def open_layout(self) -> "ParamSpec":
+        """This model, however its peers split it (see the module docstring)."""
+        return replace(self, layout=LAYOUT_OPEN)
+
+    def with_layout_of(self, other: "ParamSpec") -> "ParamSpec":
+        """This spec, an open layout taken from ``other`` (a member admitted with it); a known one kept."""
+        return replace(self, layout=other.layout) if self.layout == LAYOUT_OPEN else self
+
     def mismatch(self, other: "ParamSpec") -> str | None:
         """A sentence naming the first difference, or None if the specs agree: the layouts first, naming both."""
-        if self.layout != other.layout:
+        if self.layout != other.layout and LAYOUT_OPEN not in (self.layout, other.layout):
             return f"this peer's model is {_layout_words(self.layout)}; the swarm's is {_layout_words(other.layout)}"
         mine = {n: (d, s) for n, d, s in self.entries}
         theirs = {n: (d, s) for n, d, s in other.entries}

@@ -36,7 +36,7 @@ from gossiptrain.protocol.admission import JoinLimiter, join_source
 from gossiptrain.protocol.finish import FinishEndpoint
 from gossiptrain.protocol.joining import JoinRequest
 from gossiptrain.protocol.member import ALIVE, REPORTED_DEATHS, Member, least_loaded_shard
-from gossiptrain.protocol.param_spec import ParamSpec
+from gossiptrain.protocol.param_spec import LAYOUT_OPEN, ParamSpec
 from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.endpoint import EndpointStats
 from gossiptrain.runtime.final_phase import finish_event
@@ -176,7 +176,7 @@ class Coordinator(JoinAnsweringEndpoint):
         # The swarm's model: given when the workload is known (the CLI builds it), else learnt from the first peer
         # (train.workload external) and forgotten once no member is left, so that an empty swarm takes a new one.
         self.spec: ParamSpec | None = spec
-        self._spec_given = spec is not None
+        self._spec_given = spec  # the workload's model (its layout open): what an emptied swarm goes back to
         m = config.membership
         self.registry = Registry(3 * m.report_interval + m.suspicion_timeout_max(1), config.limits.registry_members)
         self.report_limiter = JoinLimiter.for_reports(config.limits)
@@ -215,9 +215,10 @@ class Coordinator(JoinAnsweringEndpoint):
         if count != self._last_count:
             log.info("%d members alive (from joins and reports)", count)
             self._last_count = count
-        if count == 0 and self.spec is not None and not self._spec_given:
-            self.spec = None
-            log.info("no member left: the swarm's model is forgotten; the next member to join sets it")
+        if count == 0 and self.spec != self._spec_given:
+            self.spec = self._spec_given
+            log.info("no member left: the swarm's %s is forgotten; the next member to join sets it",
+                     "model" if self._spec_given is None else "layout")
         self._end_stop_if_empty(count)
 
     def _on_report(self, msg: Message, frames: Sequence[object]) -> None:
@@ -301,8 +302,9 @@ class Coordinator(JoinAnsweringEndpoint):
         self.send(reporter.addr, GOSSIP, {"members": [m.to_wire() for m in sample]})
 
     def _learn_spec(self, raw: object) -> None:
-        if raw is not None and self.spec is None:
-            self.spec = ParamSpec.from_wire(raw)
+        if raw is not None and (self.spec is None or self.spec.layout == LAYOUT_OPEN):
+            theirs = ParamSpec.from_wire(raw)
+            self.spec = theirs if self.spec is None else self.spec.with_layout_of(theirs)
 
     # -- joins (JoinAnsweringEndpoint) --------------------------------------------------------
 
@@ -324,7 +326,7 @@ class Coordinator(JoinAnsweringEndpoint):
 
     def _welcomed(self, newcomer: Member, request: JoinRequest) -> None:
         if request.spec is not None:
-            self.spec = self.spec or request.spec
+            self.spec = request.spec if self.spec is None else self.spec.with_layout_of(request.spec)
         if not self.registry.update(newcomer, self.clock.now()):
             self.stats.registry_full += 1  # welcomed all the same: it is recorded once it reports with room
         self._note_count()

@@ -15,9 +15,10 @@ from gossiptrain.train.workload import EXTERNAL, load_workload
 
 
 def workload_spec(config: RunConfig) -> ParamSpec | None:
-    """The parameters ``config.train.workload`` builds (names, dtypes, shapes); None for ``external``."""
+    """The parameters ``config.train.workload`` builds (names, dtypes, shapes), however its peers split it (an open
+    layout, learnt from the first to join: ``ParamSpec.with_layout_of``); None for ``external``."""
     if config.train.workload == EXTERNAL:
         return None
     with torch.random.fork_rng():  # building a model draws from the global generator: leave it as it was
         model = load_workload(config.train.workload).build_model(config.train.seed)
-    return ParamSpec.of(dict(model.named_parameters()))
+    return ParamSpec.of(dict(model.named_parameters())).open_layout()
