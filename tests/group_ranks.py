@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -140,6 +141,45 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
     dist.destroy_process_group()
 
 
+def newcomer(role: str, rank: int, join: str, init: str, out: str, marker: str) -> None:
+    """A split peer's state download: the ``donor`` (FSDP2, seed 1) trains 30 steps, writes its pieces, then takes
+    safe points without local steps until the ``newcomer`` (seed 2) has joined, downloaded (the ``Peer`` call) and
+    written its pieces and ``marker``. Both then finish; each writes its transfer summary."""
+    from safetensors.torch import save_file
+
+    from gossiptrain.protocol.pieces import local_piece
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    model = split_model("fsdp", rank, 1 if role == "donor" else 2)
+
+    def save(tag: str) -> None:
+        save_file({n: t.detach().clone().contiguous() for n, t in local_piece(model).items()}, f"{out}.{tag}.safetensors")
+
+    with Peer(model, join=join, bind="127.0.0.1:0", config=fast_config(**SPLIT_RUN), group=dist.group.WORLD) as peer:
+        if role == "donor":
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(rank)
+            while peer.agree(peer.steps < 30):
+                x = torch.randn(16, 8, generator=gen)  # (B, 8)
+                torch.nn.functional.cross_entropy(model(x), (x.sum(1) > 0).long()).backward()
+                opt.step()
+                opt.zero_grad()
+                peer.step()
+            save("trained")
+            while peer.agree(not Path(marker).exists()):  # safe points without local steps: the model stays as saved
+                peer.step()
+                time.sleep(0.01)
+        else:
+            save("joined")
+            if rank == 0:
+                Path(marker).write_text("")
+        peer.finish("budget")
+        summary = peer.transfer_summary()
+    Path(out).write_text(json.dumps(summary))
+    dist.destroy_process_group()
+
+
 def whole(join: str, out: str) -> None:
     """``split``'s model whole on one worker, joining a swarm of split peers: the refusal it got, written."""
     from gossiptrain.errors import GossipError
@@ -174,12 +214,14 @@ def solo(join: str, steps: int) -> None:
         peer.finish("budget")
 
 
-if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT SEED STEPS [DIE_AT] | whole JOIN OUT | solo JOIN STEPS
+if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT SEED STEPS [DIE_AT] | newcomer ROLE RANK JOIN INIT OUT MARKER | whole JOIN OUT | solo JOIN STEPS
     import sys
 
     what, *rest = sys.argv[1:]
     if what == "train":
         train(int(rest[0]), rest[1], rest[2], rest[3], int(rest[4]))
+    elif what == "newcomer":
+        newcomer(rest[0], int(rest[1]), rest[2], rest[3], rest[4], rest[5])
     elif what == "whole":
         whole(rest[0], rest[1])
     elif what == "split":

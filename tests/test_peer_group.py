@@ -110,6 +110,32 @@ def test_a_dead_rank_ends_its_split_peer_and_the_other_peer_trains_on_with_every
     assert counts[0] == counts[1] and counts[0]["piece_started"] > 0, counts
 
 
+def test_a_split_newcomer_downloads_every_ranks_piece_from_a_split_donor(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path
+) -> None:
+    """A 2-rank FSDP2 peer that trained; a 2-rank newcomer with another initial model joins it: each of its ranks
+    holds, bit for bit, the piece of the donor's rank of its index (the donor takes no local step meanwhile)."""
+    coord = coordinator_factory(fast_config(**SPLIT_RUN))
+    join = coord.address.removeprefix("tcp://")
+    marker = tmp_path / "joined"
+    out = {(role, r): tmp_path / f"{role}{r}" for role in ("donor", "newcomer") for r in range(2)}
+    init = f"tcp://127.0.0.1:{free_loopback_port()}"
+    procs_ = [procs.start("newcomer", "donor", str(r), join, init, str(out[("donor", r)]), str(marker),
+                          name=f"donor{r}", module="tests.group_ranks") for r in range(2)]
+    procs.wait_for(lambda: all(Path(f"{out[('donor', r)]}.trained.safetensors").exists() for r in range(2)), 60,
+                   "the donor to train")
+    init = f"tcp://127.0.0.1:{free_loopback_port()}"
+    procs_ += [procs.start("newcomer", "newcomer", str(r), join, init, str(out[("newcomer", r)]), str(marker),
+                           name=f"newcomer{r}", module="tests.group_ranks") for r in range(2)]
+    assert [p.wait(120) for p in procs_] == [0] * 4, [p.output()[-2000:] for p in procs_]
+    summary = json.loads(out[("newcomer", 0)].read_text())
+    assert summary["state_transfer"] == "complete" and len(summary["state_donors"]) == 1, summary
+    for r in range(2):
+        trained = load_file(f"{out[('donor', r)]}.trained.safetensors")
+        joined = load_file(f"{out[('newcomer', r)]}.joined.safetensors")
+        assert list(trained) == list(joined) and all(torch.equal(trained[n], joined[n]) for n in trained), r
+
+
 def test_workers_environment() -> None:
     assert Workers.from_environment({}) is None
     assert Workers.from_environment({"GOSSIPTRAIN_WORKER_RANK": "1", "GOSSIPTRAIN_WORKER_SIZE": "2",

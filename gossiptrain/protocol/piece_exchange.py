@@ -49,6 +49,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
@@ -318,6 +319,28 @@ class RankExchanges:
         self._pending.add_to(self.params)
         self._pending.clear()
         self._base = self._pool.copies(self.params)  # a free pooled buffer (one no reply or snapshot still holds)
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """The piece as of the last safe point (never written): what a newcomer downloads, as partners get it."""
+        return dict(zip(self.names, self._base))
+
+    def fits(self, tensors: Mapping[str, Tensor]) -> bool:
+        """Whether a donor's piece can go in: it matches this rank's layout entry and is finite (ProtocolError, saying
+        why, if not), and no exchange is under way (ValueError)."""
+        if self._asked or self._held:
+            raise ValueError("a downloaded piece goes in before any exchange")
+        self._checked(tensors)
+        return True
+
+    def install(self, tensors: Mapping[str, Tensor]) -> None:
+        """A donor's piece (a state download, before any exchange): into the live tensors and the base; ProtocolError
+        (nothing written) unless it matches this rank's layout entry and is finite."""
+        if self._asked or self._held:
+            raise ValueError("a downloaded piece goes in before any exchange")
+        checked = self._checked(tensors)
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, checked)
+        self.apply()
 
     def _checked(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
         """The received piece in our order; ProtocolError unless it matches our layout entry exactly and is finite."""

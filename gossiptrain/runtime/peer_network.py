@@ -475,7 +475,9 @@ class PeerNode(JoinAnsweringEndpoint):
         if intro is None:
             self.stats.unexpected += 1
             return
-        self.send(msg.addr, kinds.XPWELCOME, hello_answer(intro[0], intro[1], msg.body))
+        answer = hello_answer(intro[0], intro[1], msg.body)
+        answer["steps"] = self.step  # 0: not trained yet, nothing for a newcomer to download (a fresh swarm)
+        self.send(msg.addr, kinds.XPWELCOME, answer)
 
     def _on_reach(self, msg: Message, frames: Sequence[object]) -> None:
         nonce_of(msg.body)  # our join's dial-back, come after its verdict (join_client.reach_verdict): checked, nothing more

@@ -7,7 +7,9 @@ arrives is handed to the rank's ``RankExchanges`` on the network thread at
 once (a request is answered without waiting for the training loop, as
 pairwise averaging answers). The group's rank 0 also carries the leaders'
 word: the outcome of each exchange (``XPEND``), kept until its next safe
-point hands it to every rank (``take_outcomes``).
+point hands it to every rank (``take_outcomes``), and newcomers' asks for
+the pieces (``XPSTATE``, ``take_wanted``). A newcomer's rank takes only the
+piece it awaits (``await_piece``: ``XPPIECE`` of that tag, from the donor).
 
 Bodies are small and checked (``xid``, ``a``, ``outcome``); a malformed one
 is a ``ProtocolError``, which the endpoint counts and drops. The training
@@ -21,9 +23,11 @@ import logging
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+from torch import Tensor
+
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
+from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPPIECE, XPREP, XPREQ, XPSTATE, XPWELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send, hello_answer
@@ -61,8 +65,11 @@ class PieceLink(Endpoint):
         self.introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
         self._welcomes: dict[str, tuple[str, dict[str, Any]]] = {}  # addr asked -> (its id, its answer)
         self._welcomed = threading.Condition(self.lock)
+        self._wanted: dict[int, tuple[str, list[str]]] = {}  # leader: tag -> (newcomer, its ranks' addresses)
+        self._awaited: dict[int, tuple[str, dict[str, Tensor] | None]] = {}  # tag -> (the donor, its piece once here)
         self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome,
-                         XPHELLO: self._on_hello, XPWELCOME: self._on_welcome}
+                         XPHELLO: self._on_hello, XPWELCOME: self._on_welcome, XPSTATE: self._on_want,
+                         XPPIECE: self._on_piece}
 
     @property
     def address(self) -> str:
@@ -116,6 +123,31 @@ class PieceLink(Endpoint):
                 raise TimeoutError(f"no answer from the piece link at {addr} within {timeout} s")
             return self._welcomes.pop(addr)
 
+    def want(self, addr: str, tag: int, addresses: Sequence[str]) -> None:
+        """Newcomer's leader to the donor's leader at ``addr``: send each of our ranks (at ``addresses``) its piece."""
+        self._post(addr, XPSTATE, {"tag": tag, "addresses": list(addresses)})
+
+    def take_wanted(self, most: int) -> list[tuple[int, str, list[str]]]:
+        """(tag, newcomer, its ranks' addresses) asked of us since the last call, at most ``most`` (the rest wait)."""
+        with self.lock:
+            tags = list(self._wanted)[:most]
+            return [(tag, *self._wanted.pop(tag)) for tag in tags]
+
+    def give(self, addr: str, tag: int, piece: Mapping[str, Tensor]) -> None:
+        """Donor's rank to the newcomer's rank at ``addr``: our piece as of this safe point, from any thread."""
+        self._post(addr, XPPIECE, {"tag": tag}, piece)
+
+    def await_piece(self, tag: int, donor: str) -> None:
+        """From now on, keep ``donor``'s piece of ``tag`` (``XPPIECE``) for ``wait_piece``; any other is dropped."""
+        with self.lock:
+            self._awaited = {tag: (donor, None)}
+
+    def wait_piece(self, tag: int, timeout: float) -> dict[str, Tensor] | None:
+        """The piece awaited (``await_piece``), or None if it has not come within ``timeout`` seconds."""
+        with self._welcomed:
+            self._welcomed.wait_for(lambda: self._awaited.get(tag, ("", None))[1] is not None, timeout)
+            return self._awaited.pop(tag, ("", None))[1]
+
     def take_outcomes(self) -> dict[int, tuple[str, Outcome]]:
         """xid -> (requester, outcome) that partners' leaders told us since the last call (the leader hands them
         to every rank; a rank settles a held merge only on the word of the peer that asked for it)."""
@@ -163,6 +195,28 @@ class PieceLink(Endpoint):
             log.warning("refused %s's hello: %s", msg.sender, answer["refused"])
         self.send(msg.addr, XPWELCOME, answer)
 
+    def _on_want(self, msg: Message, frames: Sequence[object]) -> None:
+        tag, addresses = _tag(msg.body), msg.body.get("addresses")
+        if self.introduction is None:
+            self.stats.unexpected += 1  # only a leader gives its peer's pieces
+            return
+        if not (isinstance(addresses, list) and len(addresses) == len(self.introduction[1])
+                and all(type(a) is str and 0 < len(a) <= 1024 for a in addresses)):
+            raise ProtocolError("a state ask names one address (a string) for each of our ranks")
+        with self.lock:
+            if len(self._wanted) < MAX_OUTCOMES:
+                self._wanted[tag] = (msg.sender, addresses)
+
+    def _on_piece(self, msg: Message, frames: Sequence[object]) -> None:
+        tag = _tag(msg.body)
+        with self._welcomed:
+            awaited = self._awaited.get(tag)
+            if awaited is None or awaited[0] != msg.sender or awaited[1] is not None:
+                self.stats.unexpected += 1
+                return
+            self._awaited[tag] = (msg.sender, dict(msg.tensors))
+            self._welcomed.notify_all()
+
     def _on_welcome(self, msg: Message, frames: Sequence[object]) -> None:
         with self._welcomed:
             if len(self._welcomes) < MAX_OUTCOMES:
@@ -175,3 +229,10 @@ def _xid(body: Any) -> int:
     if type(xid) is not int or not 0 <= xid <= _XID_MAX:
         raise ProtocolError("a piece message names its exchange by an integer 'xid'")
     return xid
+
+
+def _tag(body: Any) -> int:
+    tag = body.get("tag") if isinstance(body, dict) else None
+    if type(tag) is not int or not 0 <= tag <= _XID_MAX:
+        raise ProtocolError("a piece download names itself by an integer 'tag'")
+    return tag

@@ -35,6 +35,7 @@ built yet: this driver is exercised by tests/test_split_group.py).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from dataclasses import dataclass
@@ -51,16 +52,22 @@ from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 
+log = logging.getLogger(__name__)
+
 #: The weight of a piece exchange (one in flight at a time: pairwise averaging's 1/2).
 SHARE = 0.5
+#: Newcomers given their pieces at one safe point, at most (each costs a copy of the piece on the wire).
+MAX_GIVEN = 2
 
 
 @dataclass(frozen=True)
 class Partner:
-    """The peer to average with next, as the leader knows it: its id and the address of each of its ranks."""
+    """The peer to average with next, as the leader knows it: its id, the address of each of its ranks, and the
+    steps it had taken when it answered our hello (0: a peer that has not trained, with nothing to download)."""
 
     id: str
     addresses: tuple[str, ...]
+    steps: int = 0
 
 
 class SplitGroup:
@@ -109,7 +116,8 @@ class SplitGroup:
             raise ValueError("only the leader (rank 0) meets partners")
         try:
             partner, body = self.link.greet(addr, self.layout, self.addresses, timeout)
-            return Partner(partner, welcome_addresses(self.layout, body))
+            steps = body.get("steps", 0)
+            return Partner(partner, welcome_addresses(self.layout, body), steps if type(steps) is int and steps > 0 else 0)
         except (ProtocolError, TimeoutError) as e:  # another layout (its words name both), or no answer
             raise GossipError(f"cannot average with the peer at {addr}: {e}") from None
 
@@ -139,6 +147,9 @@ class SplitGroup:
                 mine["start"] = [self._rng.getrandbits(62), start.id, list(start.addresses)]
             if news is not None:
                 mine["news"] = news
+            wanted = self.link.take_wanted(MAX_GIVEN)
+            if wanted:
+                mine["give"] = wanted
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
         with self.lock:
@@ -149,6 +160,7 @@ class SplitGroup:
                 for xid, requester in rank["expired"]:
                     self.exchanges.settle(int(xid), Outcome.ABORT, str(requester))
             self.exchanges.apply()
+            given = self.exchanges.snapshot() if "give" in leader else {}
             if "start" in leader:
                 xid, partner, addresses = leader["start"]
                 if len(addresses) != len(self.addresses):
@@ -158,7 +170,36 @@ class SplitGroup:
                     self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
         if "start" in leader:
             self.link.ask(request, addresses[self.rank])
+        for tag, _newcomer, where in leader.get("give", []):  # every rank its piece as of this safe point: one model
+            self.link.give(where[self.rank], int(tag), given)
         return dict(leader.get("news", {}))
+
+    def download(self, donor: Partner | None, timeout: float) -> bool:
+        """A newcomer's state download, on every rank (a collective; only the leader's ``donor`` counts): each rank
+        asks for, and installs, the piece of the donor's rank of its index, all of them as of one safe point of the
+        donor; installed on every rank or on none (a piece that did not come, or does not fit, on any rank: each
+        keeps its own). Before the first exchange. True if installed."""
+        plan = [self._rng.getrandbits(62), donor.id, list(donor.addresses)] if self.rank == 0 and donor else None
+        plan = self.group.all_json(plan)[0]
+        if plan is None:
+            return False
+        tag, donor_id, addresses = int(plan[0]), str(plan[1]), plan[2]
+        self.link.await_piece(tag, donor_id)
+        if self.rank == 0:
+            self.link.want(addresses[0], tag, self.addresses)
+        piece = self.link.wait_piece(tag, timeout)
+        with self.lock:
+            try:
+                fits = piece is not None and self.exchanges.fits(piece)
+            except (ProtocolError, ValueError) as e:
+                log.warning("state download: rank %d's piece from %s does not go in: %s", self.rank, donor_id, e)
+                fits = False
+        if not all(self.group.all_json(fits)):
+            return False
+        with self.lock:
+            assert piece is not None
+            self.exchanges.install(piece)
+        return True
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""

@@ -27,9 +27,15 @@ together, ``finish()`` and ``close()`` at the end.
   (waiting for the others, safe points without local steps, so the pieces
   meet); every rank takes part, following the leader's word.
 
-Not built yet, and said where it matters: downloading a running swarm's
-state piece by piece (a split newcomer starts from its own model and the
-exchanges bring it to the swarm's), the merged model at the end
+- **A newcomer** downloads a live member's pieces before its first step:
+  its leader meets one (at random, so newcomers spread over the swarm), and
+  every rank gets the piece of the donor's rank of its index, all of them
+  as of one safe point of the donor (``SplitGroup.download``); installed
+  on every rank or on none.
+
+Not built yet, and said where it matters: the optimizer's state and the
+step count in that download, resuming a download cut short (it is
+started over, by a peer started again), the merged model at the end
 (``finish(final_model=...)``: checkpoint the pieces and ``gossiptrain
 export`` them), quasi-global momentum, drift correction, rate scaling and the
 stability guard per piece (a split peer runs plain averaging of its pieces),
@@ -57,10 +63,13 @@ from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import CONTROL_FIELDS
 from gossiptrain.runtime.peer_network import PeerNode
-from gossiptrain.runtime.split_group import SplitGroup
+from gossiptrain.runtime.split_group import Partner, SplitGroup
 from gossiptrain.runtime.split_partners import PartnerBook
 
 log = logging.getLogger(__name__)
+
+#: Members a split newcomer tries to download from, at most, and how long it waits for each one's hello.
+DONORS_TRIED, HELLO_WAIT = 3, 10.0
 
 
 def exchange_timeout(peer_config: Any) -> float:
@@ -88,6 +97,8 @@ class SplitLeaderRank:
             raise ConfigError("a split peer's model is the split module itself (fully_shard's, or a pipeline stage)")
         self._pieces: SplitGroup | None = None
         self._partners: PartnerBook | None = None
+        self._download_wanted = False
+        self._piece_transfer: tuple[str, list[str]] = ("none", [])  # how the state download went, and from whom
         self._candidates: tuple[tuple[str, ...], list[tuple[str, str]]] = ((), [])  # (view, its (id, address) pairs)
         super().__init__(model, join, **kwargs)
 
@@ -108,17 +119,11 @@ class SplitLeaderRank:
         self._side = None
 
     def _catch_up(self, enabled: bool) -> None:
+        """Whether to download the swarm's state: the pieces come once every rank listens (``_start_group``)."""
         node = self._node
         assert node is not None
         self._loop.run(node.seeds_verified(), timeout=10)
-        if enabled and self.config.state.enabled and len(node.view()) > 1:
-            log.warning("a split peer does not download the swarm's state yet (piece by piece is not built): it starts "
-                        "from its own model, and its exchanges bring it to the swarm's")
-
-        async def ready() -> None:
-            node.mark_ready()
-
-        self._loop.run(ready(), timeout=10)
+        self._download_wanted = enabled and self.config.state.enabled and len(node.view()) > 1
 
     def _start_group(self, welcome: dict[str, Any]) -> None:
         """Joined: the welcome to the workers, every rank's piece link opened, our node answering partners' hellos."""
@@ -137,8 +142,43 @@ class SplitLeaderRank:
         )
         self._partners = PartnerBook(pieces.link, pieces.layout, pieces.addresses, clock=self._clock.now, rng=self._rng)
         node = self._node
-        self._loop.call(lambda: setattr(node, "piece_introduction", (pieces.layout, pieces.addresses)), timeout=5)
         log.info("split peer: %s; each rank averages its piece", pieces.layout.describe())
+        donor = self._pick_donor(node) if self._download_wanted else None
+        got = pieces.download(donor, timeout=self.config.state.max_seconds)  # every rank, alike
+        if donor is not None:
+            self._piece_transfer = ("complete" if got else "failed", [donor.id])
+            if got:
+                log.info("downloaded every rank's piece from %s", donor.id)
+            else:
+                log.warning("could not download the pieces from %s within state.max_seconds=%g: this peer starts from "
+                            "its own model, and its exchanges bring it to the swarm's", donor.id,
+                            self.config.state.max_seconds)
+
+        async def ready() -> None:  # past the download: partners may meet us, and the rendezvous count us
+            node.piece_introduction = (pieces.layout, pieces.addresses)
+            node.mark_ready()
+
+        self._loop.run(ready(), timeout=10)
+
+    def _pick_donor(self, node: PeerNode) -> Partner | None:
+        """A live member to download from, met (its ranks' addresses): a few tried in random order, so that
+        newcomers spread over the swarm instead of all asking the same member."""
+        assert self._pieces is not None and self._partners is not None
+        members = list(self._live(node))
+        self._rng.shuffle(members)
+        for mid, addr in members[:DONORS_TRIED]:
+            try:
+                partner = self._pieces.meet(addr, timeout=min(HELLO_WAIT, self.config.state.max_seconds))
+            except GossipError as e:
+                log.warning("state download: %s", e)
+                continue
+            self._partners.met[mid] = partner
+            return partner if partner.steps > 0 else None  # a fresh swarm: nothing trained to download
+        return None
+
+    def transfer_summary(self) -> dict[str, Any]:
+        status, donors = self._piece_transfer
+        return {"state_transfer": status, "state_donors": donors, "state_optimizer": "none"}
 
     def _found(self, optimizer: torch.optim.Optimizer) -> None:
         if self.optimizer is None:
@@ -279,6 +319,7 @@ class SplitWorkerRank(WorkerRank):
                 timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
                 seed=random.getrandbits(32),
             )
+            self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donor, if any
         except BaseException:
             self._loop.stop()
             raise
