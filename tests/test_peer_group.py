@@ -136,6 +136,37 @@ def test_a_split_newcomer_downloads_every_ranks_piece_from_a_split_donor(
         assert list(trained) == list(joined) and all(torch.equal(trained[n], joined[n]) for n in trained), r
 
 
+@pytest.mark.parametrize("how", [pytest.param("fsdp", marks=pytest.mark.slow), "pipeline"])  # FSDP2: the API tests
+def test_cli_peers_whose_model_is_split_across_their_workers_train_exchange_and_export(
+    procs: Procs, coordinator_factory: Any, tmp_path: Path, how: str
+) -> None:
+    """`gossiptrain peer --nproc-per-peer 2 --shard-model fsdp|pipeline`, two such peers: both train to their
+    budget, exchange their pieces, evaluate the model the pieces make, checkpoint per rank; `gossiptrain export`
+    gathers a checkpoint into a state_dict the unsplit model loads."""
+    workload = "tests.split_workload:tiny"
+    config = fast_config(**{"train.shards": 2, "train.max_steps": 60, "train.max_seconds": 60,
+                            "train.workload": workload, "train.eval_every_seconds": 0.5})
+    coord = coordinator_factory(config)
+    join = coord.address.removeprefix("tcp://")
+    ckpt = [tmp_path / f"ckpt{i}" for i in range(2)]
+    peers = [procs.peer(join, "--nproc-per-peer", "2", "--shard-model", how, "--workload", workload, "--wait-for", "2",
+                        "--checkpoint-dir", str(ckpt[i]), "--checkpoint-every-steps", "20") for i in range(2)]
+    assert [p.wait(120) for p in peers] == [0, 0], [p.output()[-3000:] for p in peers]
+    for p in peers:
+        done = p.latest()
+        assert done is not None and done["event"] == "done" and done["layout"] == how and done["ranks"] == 2, done
+        assert done["step"] == 60 and done["exchanges"] > 0, done
+        start = p.records("start")[0]
+        assert done["test_loss"] < start["test_loss"] and len(p.records("eval")) > 0, (start, done)  # it learned
+        assert sorted(x.name for x in ckpt[peers.index(p)].iterdir()) == ["rank-0", "rank-1"]
+    from gossiptrain.runtime.piece_checkpoints import gather  # what `gossiptrain export` writes (test_piece_checkpoints)
+    from tests.split_workload import tiny
+
+    state, info = gather(ckpt[0])
+    assert info.info.step == 60
+    tiny().build_model(0).load_state_dict(state)  # an ordinary state_dict of the unsplit model
+
+
 def test_workers_environment() -> None:
     assert Workers.from_environment({}) is None
     assert Workers.from_environment({"GOSSIPTRAIN_WORKER_RANK": "1", "GOSSIPTRAIN_WORKER_SIZE": "2",

@@ -310,6 +310,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         final_model=args.final_model,
         reachable=check_mode(args.reachable, f"--reachable (or ${REACHABLE_ENV})"),
         relay=args.relay,
+        shard_model=args.shard_model,
         **{k: v for k, v in checkpointing.items() if v is not None},
     )
     from gossiptrain.train.peer_workers import WorkerFailed, Workers, start_other_workers, wait_for_workers
@@ -475,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-peer", type=_count("a number of worker processes", 1), default=1, metavar="N",
                    help="N worker processes as one swarm member, training with DDP (gloo) among themselves; rank 0 "
                    "joins, the others follow it (default 1; under torchrun, its WORLD_SIZE)")
+    p.add_argument("--shard-model", choices=("fsdp", "pipeline"), default=None,
+                   help="split the model across the N workers instead of DDP: fsdp (FSDP2 shards) or pipeline (the "
+                   "model's stages, e.g. peers.charlm:transformer); each worker averages its own piece with the same "
+                   "worker of a partner. Needs --nproc-per-peer N (or torchrun) and the run's --workload or --config")
     p.add_argument("--wait-for", type=int, default=0, metavar="N",
                    help="train only once N members (this one included) are ready to train (joined, state downloaded): "
                    "a start line that releases them together (default 0: at once)")

@@ -56,7 +56,7 @@ from gossiptrain.errors import ConfigError, GossipError
 from gossiptrain.net.addressing import advertised_host, parse_hostport, plain_address
 from gossiptrain.protocol.finish import Announce
 from gossiptrain.protocol.param_spec import ParamSpec
-from gossiptrain.protocol.pieces import split_spec
+from gossiptrain.protocol.pieces import PieceLayout, split_spec
 from gossiptrain.protocol.status import DONE, FINAL, TRAINING
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
@@ -107,6 +107,12 @@ class SplitLeaderRank:
         from gossiptrain.runtime.peer_group import PeerGroup
 
         PeerGroup(group).share(None, error=problem)  # the workers wait for our welcome: tell them why there is none
+
+    @property
+    def layout(self) -> PieceLayout:
+        """What each rank of this peer holds (``gossiptrain.protocol.pieces``)."""
+        assert self._pieces is not None
+        return self._pieces.layout
 
     # -- joining ---------------------------------------------------------------------------------
 
@@ -323,6 +329,10 @@ class SplitWorkerRank(WorkerRank):
         except BaseException:
             self._loop.stop()
             raise
+
+    @property
+    def layout(self) -> PieceLayout:
+        return self._pieces.layout
 
     def _follow(self) -> None:
         """The group's safe point, the leader's news with it."""

@@ -109,17 +109,21 @@ class LocalTrainer:
     of several workers gives each its ``worker`` = (rank, size): rank r
     trains on every size-th sample of the shard, with batches of its own
     order, through ``forward`` (the model under DDP, which averages the
-    workers' gradients); evaluation always uses ``model`` itself.
+    workers' gradients); evaluation always uses ``model`` itself. A pipeline
+    stage's ``pipeline`` runs a batch through every stage instead (forward
+    and backward; its loss): see ``gossiptrain.train.split_loop``.
     """
 
     def __init__(
         self, workload: Workload, model: torch.nn.Module, config: TrainConfig, shard: int,
         optimizer: torch.optim.Optimizer | None = None, *, worker: tuple[int, int] = (0, 1),
         forward: torch.nn.Module | None = None, leases: Callable[[int], LeaseClient] | None = None,
+        pipeline: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> None:
         self.workload = workload
         self.model = model
         self.forward = forward if forward is not None else model
+        self.pipeline = pipeline  # a pipeline stage's: forward and backward of a batch through every stage, its loss
         rank, size = worker
         if leases is not None and size > 1:
             raise WorkloadError("leased data (data.mode = leased) is not built for a peer of several workers yet")
@@ -155,9 +159,13 @@ class LocalTrainer:
             x, y = batch
         else:
             x, y = next(self._data)  # (B, ...) inputs, (B,) targets
-        loss = self.workload.loss(self.forward, x, y)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.pipeline is not None:
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.pipeline(x, y)  # the stages' forward and backward (gossiptrain.train.split_loop)
+        else:
+            loss = self.workload.loss(self.forward, x, y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()

@@ -39,6 +39,7 @@ from gossiptrain.state.checkpoint import Checkpoint, Checkpointer, latest_good, 
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, optimizer_for
 from gossiptrain.train.metrics import MetricsLog, RecordSink, Tee
 from gossiptrain.train.peer_workers import WorkerFailed, Workers, why_the_group_failed
+from gossiptrain.train.split_loop import SHARD_MODELS, run_split_peer
 from gossiptrain.train.progress import Progress
 from gossiptrain.train.prometheus import PrometheusExporter, parse_listen
 from gossiptrain.train.tensorboard import TensorBoardLog
@@ -75,6 +76,7 @@ class PeerOptions:
     workers: Workers | None = None  # one of several worker processes of this peer (--nproc-per-peer, torchrun)
     reachable: str | None = None  # --reachable auto|yes|no (None: Peer's default, $GOSSIPTRAIN_REACHABLE or auto)
     relay: bool = False  # --relay: pass messages between peers behind NAT (if we are reachable)
+    shard_model: str | None = None  # --shard-model fsdp|pipeline: the model split across the workers (split_loop)
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
@@ -89,6 +91,8 @@ class PeerOptions:
             raise ConfigError(f"--checkpoint-every-steps must be >= 0, got {self.checkpoint_every_steps}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
+        if self.shard_model is not None and self.shard_model not in SHARD_MODELS:
+            raise ConfigError(f"--shard-model is one of {', '.join(SHARD_MODELS)}, not {self.shard_model!r}")
         if self.resume_any_run and self.resume is None:
             raise ConfigError("--resume-any-run needs --resume DIR")
         # A URL fsspec cannot serve fails now, not at the first checkpoint or at the end of the run.
@@ -122,7 +126,12 @@ def run_peer(
     stop = stop or threading.Event()
     torch.set_num_threads(options.threads)
     workers = options.workers
+    if options.shard_model is not None and workers is None:
+        raise ConfigError("--shard-model splits the model across a peer's workers: give it several "
+                          "(--nproc-per-peer N, N >= 2, or torchrun)")
     group = workers.init_group() if workers is not None else None
+    if options.shard_model is not None and workers is not None:  # every rank the same loop (gossiptrain.train.split_loop)
+        return run_split_peer(options, workers, group, stop, on_training)
     if workers is not None and workers.rank > 0:
         return _run_worker(options, workers, group)
     workloads: dict[str, Workload] = {}
