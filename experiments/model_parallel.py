@@ -107,7 +107,8 @@ def rank_main(peer: str, rank: int, port: int, out: Path, exchanges: int) -> Non
     done = out / "A.done"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        group.safe_point(partner if partner is not None and group.stats.committed < exchanges else None)
+        more = group.stats.committed + len(group.exchanges.in_flight) < exchanges  # (proposed before one is decided)
+        group.safe_point(partner if partner is not None and more else None)
         if peer == "A":
             finished = group.stats.committed >= exchanges and not group.busy
         else:

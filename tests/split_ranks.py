@@ -88,7 +88,9 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             opt.step()
         if kill and (peer, rank) == ("B", 1) and group.stats.served:
             os._exit(3)  # a rank dies: its group's next collective fails, and B's rank 0 with it
-        asked = partner is not None and group.stats.committed < exchanges  # (the leader's word; rank 1 passes None)
+        # (the leader's word; rank 1 passes None): a start is proposed before the one in flight is decided
+        asked = partner is not None and group.stats.committed + len(group.exchanges.in_flight) < exchanges \
+            and not (kill and group.stats.aborted)
         group.safe_point(partner if asked else None)
         if peer == "A" and kill:
             finished = group.stats.aborted >= 1 and not group.busy

@@ -253,3 +253,23 @@ def test_decide_commits_only_when_every_rank_is_ready_and_aborts_when_any_failed
 def test_decide_needs_a_status() -> None:
     with pytest.raises(ValueError):
         decide([])
+
+
+def test_a_request_waits_for_the_groups_safe_point_and_is_answered_from_the_piece_it_took() -> None:
+    """``receive`` keeps a request (refusing a malformed one, or one past the bound, at once); ``serve_waiting``
+    answers it from the piece as the safe point left it, not as it was when the request came."""
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    req = sa.ranks[0].start(1, "B", 0.5, 0.0)
+    rank = sb.ranks[0]
+    assert rank.receive("A", 1, req.tensors, req.meta, 0.0, "tcp://a0") is None and rank.waiting(0.0) == [(1, "A")]
+    wrong = {k: torch.zeros(1) for k in req.tensors}
+    assert rank.receive("A", 2, wrong, req.meta, 0.0, "tcp://a0").kind == XPNAK and rank.waiting(0.0) == [(1, "A")]
+    with torch.no_grad():
+        for t in sb.pieces[0].values():
+            t.add_(1.0)  # a local step before the safe point
+    rank.apply()  # the safe point: the piece answered with is this one
+    answer, addr = rank.serve_waiting(1, 0.0)
+    assert answer.kind == XPREP and addr == "tcp://a0" and rank.held == (1,)
+    assert all(torch.equal(answer.tensors[k], sb.pieces[0][k]) for k in answer.tensors)
+    assert rank.receive("A", 3, req.tensors, req.meta, 0.0, "tcp://a0") is None
+    assert rank.waiting(TIMEOUT + 1.0) == []  # past the requester's deadline: it gave up, so do we

@@ -1,9 +1,9 @@
 """Piece exchanges over real sockets (``gossiptrain.runtime.piece_link``): each rank its own TCP endpoint.
 
 Two peers of 2 ranks each, every rank on its own 127.0.0.x address. The
-group's part (the gather of statuses, the broadcast of outcomes) is played
-by the test; the messages, requests answered on the network thread, and the
-leaders' word (``XPEND``) go over TCP on loopback. A rank whose socket is
+group's part (the gather of statuses, the broadcast of outcomes, the safe
+point that answers the requests every rank holds) is played by the test; the
+messages and the leaders' word (``XPEND``) go over TCP on loopback. A rank whose socket is
 gone (a dead rank) leaves both models as they were.
 """
 
@@ -59,6 +59,19 @@ class LinkedPeer:
                 request = rank.start(xid, partner.name, 0.5, time.monotonic())
             link.ask(request, addr)
 
+    def serve(self, xid: int, ranks: tuple[int, ...] = (0, 1)) -> None:
+        """The group's safe point on the server's side: once each rank of ``ranks`` holds request ``xid``, every one
+        answers it from its piece (``serve_waiting``) over its own link."""
+        def held(r: int) -> bool:
+            with self.locks[r]:
+                return xid in dict(self.ranks[r].waiting(time.monotonic()))
+
+        wait_for(lambda: all(held(r) for r in ranks), 10, f"request {xid} at every rank", interval=0.01)
+        for r in ranks:
+            with self.locks[r]:
+                answer, addr = self.ranks[r].serve_waiting(xid, time.monotonic())
+            self.links[r].answer(addr, answer)
+
     def decided(self, xid: int) -> Outcome:
         statuses = []
         for rank, lock in zip(self.ranks, self.locks):
@@ -101,6 +114,8 @@ def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopT
     try:
         before_a, before_b = a.snapshot(), b.snapshot()
         a.ask(b, 7)
+        assert all(rank.held == () for rank in b.ranks)  # kept for B's next safe point, not answered on arrival
+        b.serve(7)
         wait_for(lambda: a.decided(7) != Outcome.WAIT, 10, "both ranks' replies", interval=0.01)
         assert a.decided(7) == Outcome.COMMIT
         assert all(rank.held == (7,) for rank in b.ranks)  # held, not applied, until A's word comes
@@ -129,6 +144,7 @@ def test_a_dead_rank_of_the_server_leaves_both_models_as_they_were(loop: LoopThr
         loop.run(b.links[1].close("rank 1 died"), timeout=10)
         before_a, before_b = a.snapshot(), b.snapshot()
         a.ask(b, 9)
+        b.serve(9, ranks=(0,))  # (a real group's safe point fails once a rank is dead; its live rank answered before)
         wait_for(lambda: a.ranks[0].status(9, time.monotonic()) == Status.READY, 10, "rank 0's reply", interval=0.01)
         assert a.decided(9) == Outcome.WAIT  # rank 1 waits for a reply that will not come...
         wait_for(lambda: a.decided(9) != Outcome.WAIT, TIMEOUT + 10, "rank 1's deadline", interval=0.01)

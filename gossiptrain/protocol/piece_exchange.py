@@ -14,10 +14,14 @@ One exchange, requester P, server Q, id ``xid``, weight ``a``:
 1. At a group safe point P's leader picks Q, the xid and ``a`` and tells its
    ranks (the driver's collective). Each rank ``start``s: it keeps a
    snapshot of its piece and sends it to Q's rank r (``XPREQ``).
-2. Q's rank r ``serve``s: it answers with its own piece (``XPREP``) and keeps
-   the merge it would make, ``a (s_P - s_Q)``, as *held*, not applied; or
-   refuses (``XPNAK``: busy, a malformed piece, or P's word on the last
-   exchange it held for P has not come yet).
+2. Q's rank r ``receive``s the request (a malformed one is refused at once)
+   and keeps it for Q's next safe point, where the requests every rank of Q
+   holds are served (``serve_waiting``), all from the pieces that safe point
+   took, so that P gets one model's pieces whenever each copy arrived: it
+   answers with its own piece (``XPREP``) and keeps the merge it would make,
+   ``a (s_P - s_Q)``, as *held*, not applied; or refuses (``XPNAK``: busy, or
+   P's word on the last exchange it held for P has not come yet; the outcome
+   of that one is settled at the same safe point, before, when it came).
 3. Each of P's ranks learns its outcome (``reply``, ``refused``, or its
    deadline passes) and reports ``status(xid)``. At a safe point the driver
    gathers the R statuses and ``decide`` answers for all ranks at once:
@@ -63,6 +67,8 @@ from gossiptrain.state.host_buffers import BufferPool
 #: decides at its first safe point past its own timeout and tells us at once; its word coming later than this
 #: after a commit is the one fault the protocol cannot absorb (module docstring), so the margin is wide.
 HOLD_TIMEOUTS = 4
+#: Requests a rank keeps waiting for the group's next safe point, at most (more are refused at once).
+MAX_WAITING = 8
 
 __all__ = [
     "XPEND", "XPHELLO", "XPNAK", "XPREP", "XPREQ", "XPWELCOME", "Outcome", "PieceStats", "RankExchanges", "Send", "Status",
@@ -165,6 +171,17 @@ class _Held:
 
 
 @dataclass
+class _Waiting:
+    """A request received and checked, to be served at a safe point of the whole group (``serve_waiting``)."""
+
+    requester: str
+    addr: str  # the requester rank's address, where the answer goes
+    remote: list[Tensor]
+    share: float
+    deadline: float
+
+
+@dataclass
 class PieceStats:
     """One rank's counts (a group's ranks decide alike, so any rank's ``committed`` and ``aborted`` are the group's)."""
 
@@ -202,6 +219,7 @@ class RankExchanges:
         self._base = self._pool.copies(self.params)
         self._asked: dict[int, _Asked] = {}
         self._held: dict[int, _Held] = {}
+        self._waiting: dict[int, _Waiting] = {}  # requests received, for the group's next safe point
 
     # -- requester -----------------------------------------------------------------------------
 
@@ -261,21 +279,52 @@ class RankExchanges:
 
     # -- server --------------------------------------------------------------------------------
 
+    def receive(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float,
+                addr: str) -> Send | None:
+        """A request, on arrival: checked and kept for the group's next safe point (``waiting``, ``serve_waiting``),
+        so that every rank answers it from the same safe point's piece; a refusal to send at once where it is
+        malformed, or too many wait."""
+        share = float(meta.get("a", 0.5))
+        try:
+            remote = self._checked(tensors)
+        except ProtocolError:
+            remote = None
+        if remote is None or not 0 < share <= 0.5 or xid in self._waiting or len(self._waiting) >= MAX_WAITING:
+            self.stats.refused += 1
+            return Send(sender, XPNAK, xid)
+        self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout)
+        return None
+
+    def waiting(self, now: float) -> list[tuple[int, str]]:
+        """(xid, requester) of the requests kept for a safe point (those past the requester's deadline dropped:
+        it has given up on them); the group serves those every rank holds."""
+        for xid in [x for x, w in self._waiting.items() if now >= w.deadline]:
+            del self._waiting[xid]
+        return [(xid, w.requester) for xid, w in self._waiting.items()]
+
+    def serve_waiting(self, xid: int, now: float) -> tuple[Send, str]:
+        """At a safe point, after ``apply``: answer a kept request (``serve``'s rules, from the piece just taken),
+        and the address the answer goes to. Every rank of the group calls it for the same xids."""
+        w = self._waiting.pop(xid)
+        return self._serve(w.requester, xid, w.remote, w.share, now), w.addr
+
     def serve(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float) -> Send:
         """Answer a request with our piece and hold its merge until the requester's outcome; refuse when busy
         (our own exchanges and held merges would take back more than the whole piece) or malformed."""
-        share = float(meta.get("a", 0.5))
+        try:
+            remote = self._checked(tensors)
+        except ProtocolError:
+            self.stats.refused += 1
+            return Send(sender, XPNAK, xid)
+        return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now)
+
+    def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float) -> Send:
         committed = sum(x.share for x in self._asked.values()) + sum(h.share for h in self._held.values())
         # One held exchange per requester: its next request already carries what our answer to the last one did
         # to it, while our piece does not yet (a held merge is applied only on the requester's word), so the two
         # would be averaged from views one exchange apart. The requester asks again once we settled.
         again = any(h.requester == sender for h in self._held.values())
         if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held or again:
-            self.stats.refused += 1
-            return Send(sender, XPNAK, xid)
-        try:
-            remote = self._checked(tensors)
-        except ProtocolError:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
         ours = self._base

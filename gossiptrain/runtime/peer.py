@@ -130,6 +130,9 @@ class Peer:
     ``group``, a ``torch.distributed`` process group, makes one member of
     several workers training with DDP: call it on every rank; rank 0 joins,
     the others get a ``GroupWorker`` (``gossiptrain.runtime.peer_group``).
+    A model split across those ranks before the call (FSDP2's ``fully_shard``,
+    a pipeline stage) makes each rank average its own piece with the same
+    rank of a partner (``SplitPeer``, ``SplitWorker``: ``gossiptrain.runtime.split_peer``).
     ``reachable`` (``auto``, ``yes`` or ``no``; default ``$GOSSIPTRAIN_REACHABLE``,
     else ``auto``): ``auto`` has the member answering our join dial us back at
     the advertised address (``gossiptrain.protocol.reachability``), waiting

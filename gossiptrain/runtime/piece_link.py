@@ -4,8 +4,9 @@ A peer whose model is split across its ranks averages rank by rank
 (``gossiptrain.protocol.piece_exchange``). Each rank listens at its own
 address and sends its piece to the same rank of the partner peer; what
 arrives is handed to the rank's ``RankExchanges`` on the network thread at
-once (a request is answered without waiting for the training loop, as
-pairwise averaging answers). The group's rank 0 also carries the leaders'
+once: a request is checked and kept until the group's next safe point, where
+every rank that holds it answers it from the piece that safe point took
+(``gossiptrain.runtime.split_group``). The group's rank 0 also carries the leaders'
 word: the outcome of each exchange (``XPEND``), kept until its next safe
 point hands it to every rank (``take_outcomes``), and newcomers' asks for
 the pieces (``XPSTATE``, ``take_wanted``). A newcomer's rank takes only the
@@ -92,6 +93,11 @@ class PieceLink(Endpoint):
         and the group aborts the exchange."""
         self._post(addr, XPREQ, {"xid": request.xid, "a": float(request.meta["a"])}, request.tensors)
 
+    def answer(self, addr: str, answer: Send) -> None:
+        """A request's answer (``RankExchanges.serve_waiting``: our piece, or a refusal) to the rank at ``addr``, from
+        any thread."""
+        self._post(addr, answer.kind, {"xid": answer.xid}, answer.tensors)
+
     def tell(self, addr: str, xid: int, outcome: Outcome) -> None:
         """Leader to leader, from any thread: exchange ``xid``'s outcome, for every rank of the partner (``XPEND``)."""
         if outcome == Outcome.WAIT:
@@ -162,9 +168,10 @@ class PieceLink(Endpoint):
         a = msg.body.get("a")
         if type(a) is not float:
             raise ProtocolError("a piece request's weight 'a' is a float")
-        with self.lock:
-            answer = self.exchanges.serve(msg.sender, xid, msg.tensors, {"a": a}, self.clock())
-        self.send(msg.addr, answer.kind, {"xid": xid}, answer.tensors)
+        with self.lock:  # kept for the group's next safe point (every rank answers from the same one), or refused
+            refusal = self.exchanges.receive(msg.sender, xid, msg.tensors, {"a": a}, self.clock(), msg.addr)
+        if refusal is not None:
+            self.send(msg.addr, refusal.kind, {"xid": xid})
 
     def _on_reply(self, msg: Message, frames: Sequence[object]) -> None:
         xid = _xid(msg.body)

@@ -15,8 +15,12 @@ calls after the same local step (FSDP2 and pipelines step in lockstep):
    aborted on all (the leader tells the partner's leader), a partner's
    outcome is applied or dropped on all, and a held merge past its
    deadline on any rank is dropped on all;
-3. the merges are added to the pieces, and every rank sends its piece to
-   the same rank of the partner for the new exchange.
+3. the merges are added to the pieces; the partners' requests that every
+   rank holds are answered from the pieces as they now are (so every rank
+   answers one request from the same safe point, whenever its copy came);
+   and every rank sends its piece to the same rank of the partner for the
+   new exchange (as soon as the last one of ours is decided, in the same
+   safe point).
 
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
@@ -131,19 +135,21 @@ class SplitGroup:
         return bool(self.exchanges.in_flight)
 
     def safe_point(self, start: Partner | None = None, news: dict[str, Any] | None = None) -> dict[str, Any]:
-        """After a local step, on every rank: decide, settle and apply what can be, then start ``start`` (the
-        leader's word; other ranks pass None, and the leader's is ignored while an exchange is undecided).
-        Returns the leader's ``news`` (small JSON: the swarm's word for the other ranks), on every rank."""
+        """After a local step, on every rank: decide, settle and apply what can be; answer the requests every rank
+        holds, from the piece just taken; then start ``start`` (the leader's word; other ranks pass None; none is
+        started while one of ours is still undecided). Returns the leader's ``news`` (small JSON: the swarm's word
+        for the other ranks), on every rank."""
         now = self.clock()
         with self.lock:
             mine = {
                 "status": {str(xid): int(self.exchanges.status(xid, now)) for xid in self.exchanges.in_flight},
                 "expired": self.exchanges.expired(now),
+                "waiting": self.exchanges.waiting(now),
             }
         if self.rank == 0:
             told = self.link.take_outcomes()
             mine["told"] = [[xid, requester, int(outcome)] for xid, (requester, outcome) in told.items()]
-            if start is not None and not self.busy:
+            if start is not None:
                 mine["start"] = [self._rng.getrandbits(62), start.id, list(start.addresses)]
             if news is not None:
                 mine["news"] = news
@@ -152,6 +158,7 @@ class SplitGroup:
                 mine["give"] = wanted
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
+        answers, request = [], None
         with self.lock:
             self._decide(every)
             for xid, requester, outcome in leader.get("told", []):
@@ -160,15 +167,22 @@ class SplitGroup:
                 for xid, requester in rank["expired"]:
                     self.exchanges.settle(int(xid), Outcome.ABORT, str(requester))
             self.exchanges.apply()
+            # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
+            # each rank's request came. (One some rank lacks waits; the requester gives up on it at its deadline.)
+            held_by_all = set.intersection(*({(int(x), str(r)) for x, r in rank["waiting"]} for rank in every))
+            for xid, _requester in sorted(held_by_all):
+                answers.append(self.exchanges.serve_waiting(xid, now))
             given = self.exchanges.snapshot() if "give" in leader else {}
-            if "start" in leader:
+            if "start" in leader and not self.exchanges.in_flight:  # ours decided (alike on every rank): the next
                 xid, partner, addresses = leader["start"]
                 if len(addresses) != len(self.addresses):
                     raise ValueError(f"partner {partner} has {len(addresses)} ranks, this peer {len(self.addresses)}")
                 request = self.exchanges.start(int(xid), str(partner), SHARE, now)
                 if self.rank == 0:
                     self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
-        if "start" in leader:
+        for answer, addr in answers:
+            self.link.answer(addr, answer)
+        if request is not None:
             self.link.ask(request, addresses[self.rank])
         for tag, _newcomer, where in leader.get("give", []):  # every rank its piece as of this safe point: one model
             self.link.give(where[self.rank], int(tag), given)
