@@ -288,7 +288,7 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         "`gossip.drift_gain=0`, `gossip.compression=none`, `gossip.momentum_mode=local`, `gossip.guard=false`): a split "
         "peer runs none of those methods yet, so only the layout differs. Validation loss (nats per byte) of each "
         "peer's model after the final phase, gathered from its pieces, averaged over the peers; medians over "
-        f"{seeds} seed(s). Exchanges: per peer, asked and applied.",
+        f"{seeds} seed(s). Exchanges: per peer, those it asked for and applied (a peer also applies those it served).",
         "",
         *harness.markdown_table(["swarm", "at", "val loss", "each seed", "samples", "training s", "exchanges"], rows),
         "",

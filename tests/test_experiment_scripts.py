@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPERS = ("harness", "lying_member")  # modules the scripts run or import, not experiments of their own
+HELPERS = ("harness", "lying_member", "model_parallel_ranks")  # modules the scripts run or import, not experiments
 SCRIPTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem not in HELPERS)
 
 

@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-model", choices=("fsdp", "pipeline"), default=None,
                    help="split the model across the N workers instead of DDP: fsdp (FSDP2 shards) or pipeline (the "
                    "model's stages, e.g. peers.charlm:transformer); each worker averages its own piece with the same "
-                   "worker of a partner. Needs --nproc-per-peer N (or torchrun) and the run's --workload or --config")
+                   "worker of a partner. Needs --nproc-per-peer N (or torchrun) and the run's --workload or --config "
+                   "(default: none, DDP)")
     p.add_argument("--wait-for", type=int, default=0, metavar="N",
                    help="train only once N members (this one included) are ready to train (joined, state downloaded): "
                    "a start line that releases them together (default 0: at once)")
