@@ -41,7 +41,8 @@ def test_every_worker_holds_the_leaders_parameters_after_every_safe_point(
     assert leader["exchanges"] > 0  # merges moved the leader's model, and the worker holds it all the same
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
+# Pipeline stages through Peer run in the default run as CLI peers (test_cli_peers_whose_model_...[pipeline]).
+@pytest.mark.parametrize("kind", ["fsdp", pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_two_split_peers_average_piece_by_piece_and_a_whole_model_is_refused_naming_both_layouts(
     procs: Procs, coordinator_factory: Any, tmp_path: Path, kind: str
 ) -> None:

@@ -93,8 +93,6 @@ class SplitLeaderRank:
                        "run it in an open swarm on a trusted network, or as DDP inside the peer")
             self._tell_workers(kwargs.get("group"), problem)
             raise ConfigError(problem)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError("a split peer's model is the split module itself (fully_shard's, or a pipeline stage)")
         self._pieces: SplitGroup | None = None
         self._partners: PartnerBook | None = None
         self._download_wanted = False
