@@ -203,3 +203,24 @@ def test_two_peers_of_two_workers_train_together_and_a_dead_worker_ends_only_its
     before = b.latest()["step"]
     procs.wait_for(lambda: (r := b.latest())["step"] > before and r["members"] == 1 and r, 60,
                    "peer b to train on alone")
+
+
+def test_shard_model_is_refused_before_anything_starts_where_it_cannot_work() -> None:
+    """--shard-model without several workers, of an unknown kind, or without the run's workload: one line each."""
+    from gossiptrain.config import RunConfig
+    from gossiptrain.errors import ConfigError
+    from gossiptrain.train.peer_loop import PeerOptions, run_peer
+    from gossiptrain.train.split_loop import run_split_peer
+
+    with pytest.raises(ConfigError, match="is one of fsdp, pipeline"):
+        PeerOptions(join="127.0.0.1:1", shard_model="tensor")
+    with pytest.raises(ConfigError, match="give it several"):
+        run_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp"))
+    workers = Workers(1, 2, "tcp://127.0.0.1:1")  # (never reached: every refusal comes before the group)
+    with pytest.raises(ConfigError, match="name the run's workload"):
+        run_split_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp"), workers, None)
+    expect = RunConfig().with_overrides({"train.workload": "digits-small"})
+    with pytest.raises(ConfigError, match="--tensorboard with --shard-model"):
+        run_split_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp", expect=expect, tensorboard="/tmp/tb"), workers, None)
+    with pytest.raises(ConfigError, match="--final-model"):
+        run_split_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp", expect=expect, final_model="/tmp/m"), workers, None)

@@ -18,10 +18,11 @@ import random
 from gossiptrain.config import Limits
 from gossiptrain.errors import JoinError, MismatchError, ProtocolError
 from gossiptrain.net.addressing import connection_refused, plain_address
-from gossiptrain.net.kinds import JOIN, REACH, REFUSE, WELCOME
+from gossiptrain.net.kinds import JOIN, LEAVE, REACH, REFUSE, REPORT, WELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message, decode, encode
 from gossiptrain.protocol.joining import JoinRequest, Welcome
+from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.protocol.reachability import ReachCheck, Verdict, nonce_of
 from gossiptrain.runtime.clock import Clock
 
@@ -177,3 +178,17 @@ def _take_probe(check: ReachCheck, frames: list[memoryview], limits: Limits) -> 
             check.on_probe(nonce_of(msg.body))
     except ProtocolError:
         pass
+
+
+def not_joining(transport: Transport, welcome: Welcome, address: str) -> None:
+    """Tell whoever welcomed us (at ``address``), and the coordinator, that we are not joining after all: nobody
+    counts us. The answerer added us (as a placeholder, or to its registry) when it welcomed us; a model we could
+    only compare afterwards (one built from the welcome's configuration) must not leave a member behind that never
+    trains. A clean leave at our placeholder's incarnation outranks it. On the transport's thread."""
+    me = Member(welcome.member_id, address, welcome.shard, incarnation=0, state=LEFT).to_wire()
+    notices = [(welcome.coordinator, REPORT, {"member": me, "spec": None})] if welcome.coordinator else []
+    if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
+        notices.append((welcome.answered_by, LEAVE, {"members": [me]}))
+    for addr, kind, body in notices:
+        transport.send(addr, encode(Message(kind, welcome.member_id, address, welcome.fingerprint, 0, body),
+                                    welcome.config.limits))

@@ -42,15 +42,12 @@ from gossiptrain.net.addressing import (
     with_host_if_wildcard,
 )
 from gossiptrain.net.keys import join_server_key
-from gossiptrain.net.kinds import LEAVE, REPORT
 from gossiptrain.net.transport import Transport, listen
-from gossiptrain.net.wire import Message, encode
 from gossiptrain.protocol.admission import warn_open
 from gossiptrain.protocol.averaging_events import mean_staleness
 from gossiptrain.protocol.finish import Announce, RequestStop
 from gossiptrain.protocol.joining import JoinRequest, Welcome, model_differs, taken_from_swarm
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling
-from gossiptrain.protocol.member import LEFT, Member
 from gossiptrain.protocol.momentum import QuasiGlobalMomentum
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.pieces import PieceLayout
@@ -62,7 +59,7 @@ from gossiptrain.runtime.clock import REAL_CLOCK, Clock
 from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
-from gossiptrain.runtime.join_client import join_swarm, reach_verdict
+from gossiptrain.runtime.join_client import join_swarm, not_joining, reach_verdict
 from gossiptrain.runtime.leased_data import LeaseClient, LeasedSampler
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer, OptimizerFinder
@@ -412,26 +409,10 @@ class Peer:
         self._loop.call(self._node.use_relays, timeout=5)  # on the loop, where it lives
 
     def _withdraw(self, welcome: Welcome) -> None:
-        """Tell whoever welcomed us, and the coordinator, that we are not joining after all: nobody counts us.
-
-        The answerer added us (as a placeholder, or to its registry) when it
-        welcomed us; a model we could only compare afterwards (one built from
-        the welcome's configuration) must not leave a member behind that never
-        trains. A clean leave at our placeholder's incarnation outranks it.
-        """
+        """Tell whoever welcomed us, and the coordinator, that we are not joining after all (``not_joining``)."""
         transport = self._transport
         assert transport is not None
-        me = Member(welcome.member_id, self.address, welcome.shard, incarnation=0, state=LEFT).to_wire()
-        notices = [(welcome.coordinator, REPORT, {"member": me, "spec": None})] if welcome.coordinator else []
-        if welcome.answered_by != welcome.coordinator:  # a peer answered: it holds us in its view
-            notices.append((welcome.answered_by, LEAVE, {"members": [me]}))
-
-        def tell() -> None:
-            for addr, kind, body in notices:
-                transport.send(addr, encode(Message(kind, welcome.member_id, self.address, welcome.fingerprint, 0, body),
-                                            welcome.config.limits))
-
-        self._loop.call(tell, timeout=5)  # on the loop thread, where the transport lives
+        self._loop.call(lambda: not_joining(transport, welcome, self.address), timeout=5)  # where the transport lives
 
     def _catch_up(self, enabled: bool) -> None:
         """Download a live member's state into the model before the first step, if anyone else is alive."""

@@ -146,6 +146,12 @@ def run_split_peer(options: Any, workers: Workers, group: Any, stop: threading.E
     if options.final_model is not None:
         raise ConfigError("--final-model: the merged model of split peers is not built yet; use --checkpoint-dir and "
                           "`gossiptrain export --checkpoint DIR --out FILE`")
+    unbuilt = [flag for flag, given in (("--tensorboard", options.tensorboard), ("--prometheus", options.prometheus),
+                                         ("--slowdown", options.slowdown > 1)) if given]
+    if unbuilt:
+        raise ConfigError(f"{', '.join(unbuilt)} with --shard-model: not built for split peers yet (--metrics is)")
+    if options.expect.data.mode == "leased":
+        raise ConfigError("data.mode = leased with --shard-model: not built for split peers yet (each peer trains its shard)")
     config = options.expect
     workload = load_workload(config.train.workload)
     torch.manual_seed(config.train.seed)  # every peer starts from the same point
