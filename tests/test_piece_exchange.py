@@ -273,3 +273,30 @@ def test_a_request_waits_for_the_groups_safe_point_and_is_answered_from_the_piec
     assert all(torch.equal(answer.tensors[k], sb.pieces[0][k]) for k in answer.tensors)
     assert rank.receive("A", 3, req.tensors, req.meta, 0.0, "tcp://a0") is None
     assert rank.waiting(TIMEOUT + 1.0) == []  # past the requester's deadline: it gave up, so do we
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_pieces_sent_in_half_precision_are_averaged_as_they_travelled_and_nothing_is_made_or_lost(wire: torch.dtype) -> None:
+    """``wire``: the pieces travel in float16 or bfloat16; both sides average the values that travelled, so the two
+    pieces end at their rounded mean, and what one side's merge adds the other's removes. A value past the wire's
+    range arrives infinite and is refused."""
+    g = torch.Generator().manual_seed(3)
+    pa, pb = {"w": torch.randn(5, 3, generator=g)}, {"w": torch.randn(5, 3, generator=g)}
+    entries = (PieceEntry("w", "float32", (5, 3), 0),)
+    a, b = (RankExchanges(p, entries, timeout=TIMEOUT, wire=wire) for p in (pa, pb))
+    a0, b0 = pa["w"].clone(), pb["w"].clone()
+    req = a.start(1, "B", 0.5, 0.0)
+    assert req.tensors["w"].dtype == wire
+    rep = b.serve("A", 1, req.tensors, req.meta, 0.0)
+    assert rep.kind == XPREP and rep.tensors["w"].dtype == wire
+    a.reply("B", 1, rep.tensors)
+    a.commit(1)
+    b.settle(1, Outcome.COMMIT, "A")
+    a.apply(), b.apply()
+    p_, q_ = a0.to(wire).float(), b0.to(wire).float()  # what travelled, read back
+    torch.testing.assert_close(pa["w"], a0 + 0.5 * (q_ - p_), rtol=0, atol=1e-6)  # averaged as it travelled
+    torch.testing.assert_close(pb["w"], b0 + 0.5 * (p_ - q_), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pa["w"] + pb["w"], a0 + b0, rtol=0, atol=1e-6)  # nothing made or lost
+    huge = {"w": torch.full((5, 3), 1e6)}
+    far = RankExchanges(huge, entries, timeout=TIMEOUT, wire=torch.float16).start(2, "B", 0.5, 0.0)
+    assert b.serve("C", 2, far.tensors, far.meta, 0.0).kind == XPNAK  # 1e6 is past float16: inf on the wire

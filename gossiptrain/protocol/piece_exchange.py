@@ -202,7 +202,8 @@ class RankExchanges:
     received is checked against before it is held or merged.
     """
 
-    def __init__(self, piece: Mapping[str, Tensor], entries: Sequence[PieceEntry], *, timeout: float) -> None:
+    def __init__(self, piece: Mapping[str, Tensor], entries: Sequence[PieceEntry], *, timeout: float,
+                 wire: torch.dtype | None = None) -> None:
         if [e.name for e in entries] != list(piece):
             raise ValueError("a rank's piece and its layout entries name the same tensors in the same order")
         if not timeout > 0:
@@ -211,6 +212,9 @@ class RankExchanges:
         self.params = list(piece.values())
         self.entries = tuple(entries)
         self.timeout = timeout
+        # Pieces travel in this dtype (float16, bfloat16; None: their own). Both sides then average the values that
+        # travelled (our own rounded as the partner received it), so what one side's merge adds the other's removes.
+        self.wire = wire
         self.stats = PieceStats()
         self._pool = BufferPool()
         self._pending = PendingMerges(self.params, self._pool)
@@ -229,10 +233,11 @@ class RankExchanges:
             raise ValueError(f"an exchange's weight is in (0, 1/2], not {share}")
         if xid in self._asked:
             raise ValueError(f"exchange {xid} is already in flight")
-        snapshot = self._base  # started at a safe point: the live piece (frozen: a new base at the next one)
+        sent = self._sent(self._base)  # started at a safe point: the piece as it took it (frozen until the next)
+        snapshot = self._as_received(sent)  # what the partner will average with
         self._asked[xid] = _Asked(partner, share, snapshot, now + self.timeout)
         self.stats.started += 1
-        return Send(partner, XPREQ, xid, dict(zip(self.names, snapshot)), {"a": share})
+        return Send(partner, XPREQ, xid, dict(zip(self.names, sent)), {"a": share})
 
     def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor]) -> None:
         """The partner rank answered: kept until the group decides (one to an exchange we do not know is ignored; a
@@ -327,11 +332,11 @@ class RankExchanges:
         if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held or again:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        ours = self._base
-        delta = self._pending.difference(remote, ours)
+        sent = self._sent(self._base)
+        delta = self._pending.difference(remote, self._as_received(sent))
         self._held[xid] = _Held(sender, delta, share, now + HOLD_TIMEOUTS * self.timeout)
         self.stats.served += 1
-        return Send(sender, XPREP, xid, dict(zip(self.names, ours)))
+        return Send(sender, XPREP, xid, dict(zip(self.names, sent)))
 
     def settle(self, xid: int, outcome: Outcome, requester: str) -> None:
         """``requester``'s outcome, as the leader handed it to every rank: the held merge applied or dropped. The
@@ -391,14 +396,24 @@ class RankExchanges:
             torch._foreach_copy_(self.params, checked)
         self.apply()
 
+    def _sent(self, tensors: list[Tensor]) -> list[Tensor]:
+        """What goes on the wire of ``tensors``: themselves, or copies in the wire dtype."""
+        return tensors if self.wire is None else [t.to(self.wire) for t in tensors]
+
+    def _as_received(self, sent: list[Tensor]) -> list[Tensor]:
+        """``sent`` as the partner reads it: in our own dtypes again (the wire's rounding kept)."""
+        return sent if self.wire is None else [t.to(p.dtype) for t, p in zip(sent, self.params)]
+
     def _checked(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
-        """The received piece in our order; ProtocolError unless it matches our layout entry exactly and is finite."""
+        """The received piece in our order and dtypes; ProtocolError unless it matches our layout entry (its dtype, or
+        the wire's) exactly and is finite (a value past float16's range arrives infinite: refused, never averaged)."""
         if list(tensors) != self.names:
             raise ProtocolError(f"a piece of {len(tensors)} tensors where this rank holds {len(self.names)}")
+        wire = str(self.wire).removeprefix("torch.") if self.wire is not None else None
         for e, t in zip(self.entries, tensors.values()):
-            if str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape:
+            if str(t.dtype).removeprefix("torch.") not in (e.dtype, wire) or tuple(t.shape) != e.shape:
                 raise ProtocolError(f"{e.name!r} is {t.dtype} {list(t.shape)}, this rank holds {e.dtype} {list(e.shape)}")
         bad = first_non_finite(tensors)  # (one pass for all, as the averaging's own check)
         if bad is not None:
             raise ProtocolError(f"{bad!r} has non-finite values")
-        return list(tensors.values())
+        return [t if t.dtype == p.dtype else t.to(p.dtype) for t, p in zip(tensors.values(), self.params)]

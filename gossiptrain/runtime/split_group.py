@@ -91,6 +91,7 @@ class SplitGroup:
         clock: Callable[[], float],
         limits: Limits | None = None,
         seed: int = 0,
+        wire: torch.dtype | None = None,
     ) -> None:
         self.group = PeerGroup(group)
         self.rank = self.group.rank
@@ -101,7 +102,7 @@ class SplitGroup:
         if self.layout.kind == "whole":
             raise ValueError("every rank holds the whole model: a DDP peer averages through its rank 0 (Peer(group=...))")
         self.lock = threading.RLock()  # the training side's safe point and the link's network side
-        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout)
+        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, wire=wire)
         limits = limits or Limits()
         self.link = PieceLink(listen(f"tcp://{host}:0", limits), limits, self.exchanges, sender=me,
                               fingerprint=fingerprint, clock=clock, lock=self.lock)
