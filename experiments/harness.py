@@ -374,6 +374,15 @@ def start_coordinator(procs: Procs, overrides: dict[str, Any], timeout: float = 
     raise RuntimeError(f"the coordinator did not start within {timeout} s; see {log}")
 
 
+def chosen(text: str, known: Sequence[str], what: str) -> list[str]:
+    """A comma-separated ``--arms``-style choice, each one of ``known``; SystemExit naming the unknown ones."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in known]
+    if unknown or not items:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    return items
+
+
 def python_m(module: str, *args: Any) -> list[str]:
     return [sys.executable, "-m", module, *map(str, args)]
 

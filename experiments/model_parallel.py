@@ -245,7 +245,7 @@ def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Pat
 
 def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, Any]]:
     """Part ``loss``: every arm at equal samples and at equal time, over seeds; the table's lines and headline."""
-    arms = harness_list(args.arms, ARMS)
+    arms = harness.chosen(args.arms, ARMS, "arm")
     seeds = 1 if args.quick else args.seeds
     if args.quick:
         args.steps, args.seconds = min(args.steps, 4), min(args.seconds, 3.0)
@@ -296,14 +296,6 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()) + ".",
     ]
     return lines, {"val_loss": {f"{a}_{m}": round(v, 4) for (a, m), v in medians.items()}, **ratios}
-
-
-def harness_list(text: str, known: tuple[str, ...]) -> list[str]:
-    chosen = [x for x in text.split(",") if x]
-    unknown = [x for x in chosen if x not in known]
-    if unknown or not chosen:
-        raise SystemExit(f"model_parallel: unknown arm(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(known)}")
-    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -575,14 +575,6 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, comm
     return harness.publish(out, lines, headline)
 
 
-def parse_list(text: str, known: tuple[str, ...], what: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in items if t not in known]
-    if unknown:
-        raise SystemExit(f"user_loop: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
-    return items
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} (default: all; --quick: given,plain,ddp)")
@@ -618,8 +610,8 @@ def main() -> int:
         args.seeds, args.charlm_seeds, args.seconds, args.charlm_steps = 1, 1, 6.0, 30
         args.settings = args.settings or "loopback-iid"
         args.arms = args.arms or "given,plain,ddp"
-    args.settings = parse_list(args.settings or ",".join(SETTINGS), SETTINGS, "setting")
-    args.arms = parse_list(args.arms or ",".join(ARMS), ARMS, "arm")
+    args.settings = harness.chosen(args.settings or ",".join(SETTINGS), SETTINGS, "setting")
+    args.arms = harness.chosen(args.arms or ",".join(ARMS), ARMS, "arm")
     if "100mbit-skew" in args.settings and (problem := why_not()) is not None:
         print(f"user_loop: 100mbit-skew skipped: {problem} (run as root on Linux with iproute2)", flush=True)
         args.settings.remove("100mbit-skew")

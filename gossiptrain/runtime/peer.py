@@ -550,7 +550,16 @@ class Peer:
         weighs this peer's model in a merged model (``gossiptrain.state.merged_model``);
         without it, the steps taken do.
         """
-        self._check_open()
+        self._count_step(samples_seen)
+        self._safepoint(self._step)
+        self._snapshots(self._step, self.samples_seen)
+        self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
+        if self._group is not None:
+            self._sync_group()  # every worker holds what the safe point made of the model
+
+    def _count_step(self, samples_seen: int | None) -> PeerNode:
+        """A local step taken: the counts, the pace of the final phase's safe points, the phase, the threads' check."""
+        node = self._check_open()
         self._step += 1
         if samples_seen is not None:
             self._samples = samples_seen
@@ -559,13 +568,9 @@ class Peer:
             self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
         self._last_step_at = now
         self._phase = TRAINING if self._phase == JOINING else self._phase
-        if self._node is not None and not ThreadCheck.warned:
-            self._check_threads(self._node)
-        self._safepoint(self._step)
-        self._snapshots(self._step, self.samples_seen)
-        self._safepoint.wait()  # flow control: on a slow link, at most gossip.max_steps_ahead steps past the last merge
-        if self._group is not None:
-            self._sync_group()  # every worker holds what the safe point made of the model
+        if not ThreadCheck.warned:
+            self._check_threads(node)
+        return node
 
     def _check_threads(self, node: PeerNode) -> None:
         """Warn once per process when the peers on this machine oversubscribe its cores (``preflight.ThreadCheck``)."""

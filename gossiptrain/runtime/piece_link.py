@@ -31,7 +31,7 @@ from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPPIECE, XPREP, XPREQ, XPSTATE, XPWELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send, hello_answer
+from gossiptrain.protocol.piece_exchange import MAX_ADDRESS, Outcome, RankExchanges, Send, hello_answer
 from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.runtime.endpoint import Endpoint
 
@@ -208,7 +208,7 @@ class PieceLink(Endpoint):
             self.stats.unexpected += 1  # only a leader gives its peer's pieces
             return
         if not (isinstance(addresses, list) and len(addresses) == len(self.introduction[1])
-                and all(type(a) is str and 0 < len(a) <= 1024 for a in addresses)):
+                and all(type(a) is str and 0 < len(a) <= MAX_ADDRESS for a in addresses)):
             raise ProtocolError("a state ask names one address (a string) for each of our ranks")
         with self.lock:
             if len(self._wanted) < MAX_OUTCOMES:

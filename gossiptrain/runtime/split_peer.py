@@ -57,7 +57,7 @@ from gossiptrain.net.addressing import advertised_host, parse_hostport, plain_ad
 from gossiptrain.protocol.finish import Announce
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.pieces import PieceLayout, split_spec
-from gossiptrain.protocol.status import DONE, FINAL, TRAINING
+from gossiptrain.protocol.status import DONE, FINAL
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.loop_thread import LoopThread
@@ -210,17 +210,7 @@ class SplitLeaderRank:
 
     def step(self, samples_seen: int | None = None) -> None:
         """Call after each optimizer step, on every rank: the group's safe point (pieces exchanged with a partner)."""
-        node = self._check_open()
-        self._step += 1
-        if samples_seen is not None:
-            self._samples = samples_seen
-        now = self._clock.now()
-        if self._last_step_at is not None:
-            self._pace = 0.9 * self._pace + 0.1 * min(0.1, max(0.001, now - self._last_step_at))
-        self._last_step_at = now
-        self._phase = TRAINING if self._phase != FINAL else self._phase
-        if not self._threads.warned:
-            self._check_threads(node)
+        node = self._count_step(samples_seen)  # (Peer's)
         self._safe_point(node, self._step)
 
     def _safe_point(self, node: PeerNode, step: int) -> None:

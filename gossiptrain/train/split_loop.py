@@ -131,7 +131,11 @@ class GatheredEvaluation:
                 piece[e.name] = buf[offset: offset + n].reshape(e.shape).to(getattr(torch, e.dtype))
                 offset += n
             pieces.append(piece)
-        self.replica.load_state_dict(gather(self.layout, pieces), strict=False)  # (buffers: the replica's own)
+        loaded = self.replica.load_state_dict(gather(self.layout, pieces), strict=False)  # buffers: the replica's own
+        params = {name for name, _ in self.replica.named_parameters()}
+        wrong = list(loaded.unexpected_keys) + [k for k in loaded.missing_keys if k in params]
+        if wrong:  # the pieces are not this workload's model: evaluating the replica's own weights would mislead
+            raise ValueError(f"the gathered pieces do not fit the unsplit {type(self.replica).__name__}: {wrong[:5]}")
         return self.workload.evaluate(self.replica)
 
 
