@@ -171,6 +171,10 @@ def peer_argument(arm: str, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"omitted": {}, "plain": {"optimizer": None}}.get(arm, {"optimizer": opt})  # given, qg, qg-unguarded
 
 
+#: Peer.stats() counters each evaluation record carries, to read how a run went (exchanges, waits, the codec).
+TRACED = ("completed", "served", "waits", "compression_level", "bytes_sent", "lr_scale", "presumed_lost", "timeouts")
+
+
 def digits_peer(args: argparse.Namespace) -> None:
     """The issue's peer: the README's Python API around the user's own digits loop."""
     import gossiptrain
@@ -200,7 +204,9 @@ def digits_peer(args: argparse.Namespace) -> None:
             step += 1
             if time.monotonic() - log.started >= next_eval:
                 loss_value, acc = loss.item(), accuracy(model, x_test, y_test)
-                log.write("eval", step=step, test_acc=acc, loss=loss_value, finite=finite(model))
+                now = peer.stats()
+                log.write("eval", step=step, test_acc=acc, loss=loss_value, finite=finite(model),
+                          **{k: now.get(k) for k in TRACED})
                 peer.report(loss=loss_value, test_acc=acc)
                 next_eval = time.monotonic() - log.started + EVAL_EVERY
         log.write("done", step=step, test_acc=accuracy(model, x_test, y_test), loss=loss_value, finite=finite(model))

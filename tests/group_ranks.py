@@ -83,8 +83,9 @@ def split_model(kind: str, rank: int, seed: int) -> torch.nn.Module:
 
 def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps: int, die_at: int = 0) -> None:
     """One rank of a peer of two ranks whose model FSDP2 sharded or cut into pipeline stages: it joins, trains
-    ``steps`` steps on its own batches (a pipeline: GPipe over the two stages) and finishes; it writes its piece at
-    the start and the end, what ``Peer`` made of it, and its counts. A join refused is written as the error.
+    ``steps`` steps on its own batches (a pipeline: GPipe over the two stages) and finishes, rank 0 writing the
+    merged model (``OUT.merged.safetensors``); it writes its piece at the start and the end, what ``Peer`` made of
+    it, and its counts. A join refused is written as the error.
     ``die_at``: rank 1 dies (``os._exit``) at that step, and rank 0 writes the error its next collective raised."""
     import os
 
@@ -128,8 +129,8 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
                 if die_at and rank == 1 and peer.steps + 1 == die_at:
                     os._exit(3)
                 peer.step()
-            peer.finish("budget")
-            result = {"kind": type(peer).__name__, "id": peer.id, "stats": peer.stats()}
+            report = peer.finish("budget", final_model=f"{out}.merged.safetensors" if rank == 0 else None)
+            result = {"kind": type(peer).__name__, "id": peer.id, "stats": peer.stats(), "final": report.to_record()}
     except GossipError as e:
         result = {"error": str(e)}
     except RuntimeError as e:  # gloo's, at the collective after a rank died

@@ -82,6 +82,12 @@ def test_two_split_peers_average_piece_by_piece_and_a_whole_model_is_refused_nam
         return sum(float((a[n] - b[n]).norm()) for n in a)
 
     assert apart("end") < 0.5 * apart("start"), (apart("start"), apart("end"))  # averaged: from two models, nearly one
+    for peer in "ab":  # the merged model: the pieces gathered, a file the unsplit model loads
+        merged = load_file(f"{outs[(peer, 0)]}.merged.safetensors")
+        assert got[(peer, 0)]["final"]["final_model"] == f"{outs[(peer, 0)]}.merged.safetensors"
+        end = model(peer, "end")
+        assert merged.keys() == end.keys() and all(torch.equal(merged[n], end[n]) for n in end)
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).load_state_dict(merged)
 
 
 def test_a_dead_rank_ends_its_split_peer_and_the_other_peer_trains_on_with_every_rank_agreeing(
@@ -143,15 +149,17 @@ def test_cli_peers_whose_model_is_split_across_their_workers_train_exchange_and_
 ) -> None:
     """`gossiptrain peer --nproc-per-peer 2 --shard-model fsdp|pipeline`, two such peers: both train to their
     budget, exchange their pieces, evaluate the model the pieces make, checkpoint per rank; `gossiptrain export`
-    gathers a checkpoint into a state_dict the unsplit model loads."""
+    gathers a checkpoint, and `--final-model` the pieces at the end, into a state_dict the unsplit model loads."""
     workload = "tests.split_workload:tiny"
     config = fast_config(**{"train.shards": 2, "train.max_steps": 60, "train.max_seconds": 60,
                             "train.workload": workload, "train.eval_every_seconds": 0.5})
     coord = coordinator_factory(config)
     join = coord.address.removeprefix("tcp://")
     ckpt = [tmp_path / f"ckpt{i}" for i in range(2)]
+    final = tmp_path / "final.safetensors"  # the first peer's model at the end, its pieces gathered
     peers = [procs.peer(join, "--nproc-per-peer", "2", "--shard-model", how, "--workload", workload, "--wait-for", "2",
-                        "--checkpoint-dir", str(ckpt[i]), "--checkpoint-every-steps", "20") for i in range(2)]
+                        "--checkpoint-dir", str(ckpt[i]), "--checkpoint-every-steps", "20",
+                        *(["--final-model", str(final)] if i == 0 else [])) for i in range(2)]
     assert [p.wait(120) for p in peers] == [0, 0], [p.output()[-3000:] for p in peers]
     for p in peers:
         done = p.latest()
@@ -166,6 +174,8 @@ def test_cli_peers_whose_model_is_split_across_their_workers_train_exchange_and_
     state, info = gather(ckpt[0])
     assert info.info.step == 60
     tiny().build_model(0).load_state_dict(state)  # an ordinary state_dict of the unsplit model
+    assert peers[0].latest()["final_model"] == str(final)  # type: ignore[index]
+    tiny().build_model(0).load_state_dict(load_file(final))  # so is the final model
 
 
 def test_workers_environment() -> None:
@@ -222,5 +232,3 @@ def test_shard_model_is_refused_before_anything_starts_where_it_cannot_work() ->
     expect = RunConfig().with_overrides({"train.workload": "digits-small"})
     with pytest.raises(ConfigError, match="--tensorboard with --shard-model"):
         run_split_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp", expect=expect, tensorboard="/tmp/tb"), workers, None)
-    with pytest.raises(ConfigError, match="--final-model"):
-        run_split_peer(PeerOptions(join="127.0.0.1:1", shard_model="fsdp", expect=expect, final_model="/tmp/m"), workers, None)

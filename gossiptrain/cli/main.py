@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     p.add_argument("--final-model", metavar="FILE",
                    help="at the end of the run (budget or `gossiptrain stop`), write the swarm's merged model here "
-                   "(safetensors + FILE.json; default: none)")
+                   "(safetensors + FILE.json; with --shard-model: this peer's own model after the final consensus, "
+                   "its ranks' pieces gathered; default: none)")
     _add_security_flags(p, peer=True)
     g = p.add_argument_group("checkpoints (safetensors + JSON; see README)")
     g.add_argument("--checkpoint-dir", metavar="DIR",

@@ -23,6 +23,7 @@ from gossiptrain.config import RunConfig
 from gossiptrain.errors import GossipError
 from gossiptrain.runtime.factories import ModelFactory, OptimizerFactory
 from gossiptrain.runtime.final_phase import FinalReport
+from gossiptrain.runtime.optimizer_finder import FIND_OPTIMIZER, FindOptimizer
 from gossiptrain.runtime.peer_group import PeerGroup, control_dict
 from gossiptrain.runtime.preflight import refuse_unusable_model
 from gossiptrain.runtime.wrapped import inner_model, inner_optimizer
@@ -39,7 +40,7 @@ class WorkerRank:
         join: str = "",
         *,
         group: Any = None,
-        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | FindOptimizer | None = FIND_OPTIMIZER,
         **member_only: Any,  # bind, advertise, security, ...: the leader's business
     ) -> None:
         self._closed = False
@@ -54,7 +55,10 @@ class WorkerRank:
         self.taken_from_swarm = list(info.get("taken_from_swarm", []))
         self.transfer = None
         self.model = inner_model(model if isinstance(model, torch.nn.Module) else model(self.config, self.shard))
-        self.optimizer = inner_optimizer(optimizer(self.config, self.model) if callable(optimizer) else optimizer)
+        # Not named (Peer's default): a split rank finds its own at its first step (SplitWorkerRank)
+        self._find_optimizer = isinstance(optimizer, FindOptimizer)
+        self.optimizer = None if isinstance(optimizer, FindOptimizer) else inner_optimizer(
+            optimizer(self.config, self.model) if callable(optimizer) else optimizer)
         self._step = 0
         self._samples: int | None = None
         self._control: dict[str, float] = {}

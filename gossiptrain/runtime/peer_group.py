@@ -31,14 +31,15 @@ tensor, the rest as tensors.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from gossiptrain.errors import GossipError
-from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, piece_entries
+from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather, local_piece, piece_entries
 
 CONTROL_FIELDS = ("finish_requested", "members", "steps")  # what the leader tells the workers at each sync
 
@@ -104,6 +105,48 @@ class PeerGroup:
         everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
         dist.all_gather(everyone, mine, group=self.group)
         return [json.loads(b[: int(n)].numpy().tobytes().decode()) for b, n in zip(everyone, sizes)]
+
+    def gather_on_leader(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+        """Every rank's named ``tensors`` on the leader, in rank order (a collective; other ranks get None). Names,
+        dtypes and shapes go as JSON, the values as one float64 buffer per rank (it holds every float dtype, and
+        integers up to 2^53, exactly): nothing is pickled."""
+        mine = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
+        every = self.all_json(mine)
+        sizes = [sum(math.prod(shape) for _, _, shape in rank) for rank in every]
+        flat = torch.zeros(max(max(sizes), 1), dtype=torch.float64)  # (largest rank's values,)
+        if tensors:
+            values = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors.values()])
+            flat[: values.numel()] = values
+        received = [torch.empty_like(flat) for _ in every] if self.leader else None
+        dist.gather(flat, received, dst=self.leader_rank, group=self.group)
+        if received is None:
+            return None
+        out = []
+        for entries, buf in zip(every, received):
+            named, offset = {}, 0
+            for name, dtype, shape in entries:
+                n = math.prod(shape)
+                named[name] = buf[offset: offset + n].reshape(shape).to(getattr(torch, dtype))
+                offset += n
+            out.append(named)
+        return out
+
+    def whole_state(self, model: torch.nn.Module, layout: PieceLayout) -> dict[str, torch.Tensor] | None:
+        """The unsplit model's state_dict on the leader, from every rank's piece and buffers (a collective; other
+        ranks get None): the parameters put together as ``layout`` says (``pieces.gather``), each buffer as the
+        first rank that holds it has it (FSDP2 leaves buffers whole on every rank; a pipeline stage's are its own)."""
+        mine = {f"p{name}": t for name, t in local_piece(model).items()}
+        mine.update({f"b{name}": b for name, b in model.named_buffers()})
+        every = self.gather_on_leader(mine)
+        if every is None:
+            return None
+        params = [{k[1:]: t for k, t in rank.items() if k[0] == "p"} for rank in every]
+        state = gather(layout, params)
+        for rank in every:
+            for k, t in rank.items():
+                if k[0] == "b":
+                    state.setdefault(k[1:], t)
+        return state
 
     # -- every step -----------------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ calls after the same local step (FSDP2 and pipelines step in lockstep):
    answers one request from the same safe point, whenever its copy came);
    and every rank sends its piece to the same rank of the partner for the
    new exchange (as soon as the last one of ours is decided, in the same
-   safe point).
+   safe point); the drift correction, where the swarm runs it, goes into the
+   piece once the merges are in (``PieceMethods``: every rank by the same
+   numbers, the leader's measure of the link among them).
 
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
@@ -47,14 +49,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gossiptrain.config import Limits
+from gossiptrain.config import GossipConfig, Limits
 from gossiptrain.net.transport import listen
 from gossiptrain.errors import GossipError, ProtocolError
+from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
+from gossiptrain.runtime.piece_methods import PieceMethods
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,7 @@ class SplitGroup:
         limits: Limits | None = None,
         seed: int = 0,
         wire: torch.dtype | None = None,
+        gossip: GossipConfig | None = None,
     ) -> None:
         self.group = PeerGroup(group)
         self.rank = self.group.rank
@@ -107,7 +112,13 @@ class SplitGroup:
         self.link = PieceLink(listen(f"tcp://{host}:0", limits), limits, self.exchanges, sender=me,
                               fingerprint=fingerprint, clock=clock, lock=self.lock)
         loop.run(self.link.start(timeout=10), timeout=15)
-        self.addresses: tuple[str, ...] = tuple(self.group.all_json(self.link.address))
+        # Every rank's address, and whether its piece of the model keeps running statistics (one rank's BatchNorm
+        # turns the drift correction off on every rank: the gain is the model's)
+        shared = self.group.all_json([self.link.address, keeps_running_stats(model)])
+        self.addresses: tuple[str, ...] = tuple(address for address, _ in shared)
+        # The methods beyond plain averaging (gossip given: the peer's configuration; None: plain averaging)
+        self.methods = (PieceMethods(self.exchanges.params, gossip, running_stats=any(stats for _, stats in shared))
+                        if gossip is not None else None)
         if self.rank == 0:  # the leader answers hellos: who we are, and where each of our ranks listens
             self.link.introduction = (self.layout, self.addresses)
         self._rng = random.Random(f"{me}/{seed}")
@@ -135,11 +146,14 @@ class SplitGroup:
         """Whether an exchange we asked for is still undecided (the leader starts one at a time)."""
         return bool(self.exchanges.in_flight)
 
-    def safe_point(self, start: Partner | None = None, news: dict[str, Any] | None = None) -> dict[str, Any]:
+    def safe_point(self, start: Partner | None = None, news: dict[str, Any] | None = None,
+                   round_trip_steps: float | None = None) -> dict[str, Any]:
         """After a local step, on every rank: decide, settle and apply what can be; answer the requests every rank
         holds, from the piece just taken; then start ``start`` (the leader's word; other ranks pass None; none is
         started while one of ours is still undecided). Returns the leader's ``news`` (small JSON: the swarm's word
-        for the other ranks), on every rank."""
+        for the other ranks), on every rank; its ``members``, where it names them, are what the rate scaling counts
+        from the next optimizer step on. ``round_trip_steps``: the leader's measure of the link's round trip in
+        local steps, for the drift correction's memory (None: not measured)."""
         now = self.clock()
         with self.lock:
             mine = {
@@ -154,13 +168,18 @@ class SplitGroup:
                 mine["start"] = [self._rng.getrandbits(62), start.id, list(start.addresses)]
             if news is not None:
                 mine["news"] = news
+            if round_trip_steps is not None:
+                mine["round_trip_steps"] = round_trip_steps
             wanted = self.link.take_wanted(MAX_GIVEN)
             if wanted:
                 mine["give"] = wanted
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
         answers, request = [], None
+        methods = self.methods
         with self.lock:
+            if methods is not None:
+                methods.before()
             self._decide(every)
             for xid, requester, outcome in leader.get("told", []):
                 self.exchanges.settle(int(xid), Outcome(outcome), str(requester))
@@ -168,6 +187,8 @@ class SplitGroup:
                 for xid, requester in rank["expired"]:
                     self.exchanges.settle(int(xid), Outcome.ABORT, str(requester))
             self.exchanges.apply()
+            if methods is not None:  # partners are answered from the piece apply() took: merged, not corrected
+                methods.after(leader.get("round_trip_steps"))
             # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
             # each rank's request came. (One some rank lacks waits; the requester gives up on it at its deadline.)
             held_by_all = set.intersection(*({(int(x), str(r)) for x, r in rank["waiting"]} for rank in every))
@@ -187,7 +208,10 @@ class SplitGroup:
             self.link.ask(request, addresses[self.rank])
         for tag, _newcomer, where in leader.get("give", []):  # every rank its piece as of this safe point: one model
             self.link.give(where[self.rank], int(tag), given)
-        return dict(leader.get("news", {}))
+        told = dict(leader.get("news", {}))
+        if methods is not None and "members" in told:
+            methods.members = max(1, int(told["members"]))
+        return told
 
     def download(self, donor: Partner | None, timeout: float) -> bool:
         """A newcomer's state download, on every rank (a collective; only the leader's ``donor`` counts): each rank
@@ -232,5 +256,7 @@ class SplitGroup:
                 self.link.tell(partner.addresses[0], xid, outcome)
 
     def close(self) -> None:
-        """Close this rank's socket (not a collective)."""
+        """Close this rank's socket (not a collective); the optimizer steps at the user's rate again."""
+        if self.methods is not None:
+            self.methods.close()
         self.loop.run(self.link.close("split group closed"), timeout=10)

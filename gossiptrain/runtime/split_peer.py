@@ -25,7 +25,11 @@ together, ``finish()`` and ``close()`` at the end.
   abort whatever was in flight with it (``piece_exchange``).
 - **The end.** ``finish()`` runs the final phase as a whole-model peer does
   (waiting for the others, safe points without local steps, so the pieces
-  meet); every rank takes part, following the leader's word.
+  meet); every rank takes part, following the leader's word. With
+  ``final_model`` the leader then writes the model its ranks' pieces make,
+  gathered into one state_dict of the unsplit model: this peer's own model
+  after the consensus rounds, where a whole-model peer downloads and
+  averages every member's.
 
 - **A newcomer** downloads a live member's pieces before its first step:
   its leader meets one (at random, so newcomers spread over the swarm), and
@@ -33,12 +37,15 @@ together, ``finish()`` and ``close()`` at the end.
   as of one safe point of the donor (``SplitGroup.download``); installed
   on every rank or on none.
 
+- **Beyond plain averaging**, every rank runs the drift correction on its
+  piece and the square-root rate rule on its optimizer (given on every rank,
+  or found at its first step), by numbers the group agrees on
+  (``piece_methods``).
+
 Not built yet, and said where it matters: the optimizer's state and the
 step count in that download, resuming a download cut short (it is
-started over, by a peer started again), the merged model at the end
-(``finish(final_model=...)``: checkpoint the pieces and ``gossiptrain
-export`` them), quasi-global momentum, drift correction, rate scaling and the
-stability guard per piece (a split peer runs plain averaging of its pieces),
+started over, by a peer started again), a merged model that averages
+every member's pieces, quasi-global momentum and the stability guard per piece,
 compression other than fp16 and bf16 (``piece_wire``), a secure swarm (the ranks' links are not CURVE-secured) and
 peers behind NAT.
 """
@@ -58,9 +65,11 @@ from gossiptrain.protocol.finish import Announce
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.pieces import PieceLayout, split_spec
 from gossiptrain.protocol.status import DONE, FINAL
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
 from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.optimizer_finder import OptimizerFinder
 from gossiptrain.runtime.peer_group import CONTROL_FIELDS
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.split_group import Partner, SplitGroup
@@ -113,6 +122,7 @@ class SplitLeaderRank:
         self._download_wanted = False
         self._piece_transfer: tuple[str, list[str]] = ("none", [])  # how the state download went, and from whom
         self._candidates: tuple[tuple[str, ...], list[tuple[str, str]]] = ((), [])  # (view, its (id, address) pairs)
+        self._step_timer = StepTimer()  # the local step's time, for the link's round trip in steps
         super().__init__(model, join, **kwargs)
 
     @staticmethod
@@ -157,8 +167,10 @@ class SplitLeaderRank:
         self._pieces = pieces = SplitGroup(
             self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
             timeout=exchange_timeout(self.config), clock=self._clock.now, limits=self.config.limits,
-            seed=self._rng.getrandbits(32), wire=piece_wire(self.config, say=True),
+            seed=self._rng.getrandbits(32), wire=piece_wire(self.config, say=True), gossip=self.config.gossip,
         )
+        if self._optimizer_mode == "given":
+            self._found(self.optimizer, given=True)
         self._partners = PartnerBook(pieces.link, pieces.layout, pieces.addresses, clock=self._clock.now, rng=self._rng)
         node = self._node
         log.info("split peer: %s; each rank averages its piece", pieces.layout.describe())
@@ -199,12 +211,15 @@ class SplitLeaderRank:
         status, donors = self._piece_transfer
         return {"state_transfer": status, "state_donors": donors, "state_optimizer": "none"}
 
-    def _found(self, optimizer: torch.optim.Optimizer) -> None:
+    def _found(self, optimizer: torch.optim.Optimizer, given: bool = False) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
-        self._optimizer_mode = "found"
-        log.info("found the optimizer that steps this model: %s (a split peer averages its pieces plainly: no "
-                 "momentum or rate scaling of the swarm's)", type(optimizer).__name__)
+        if not given:
+            self._optimizer_mode = "found"
+        assert self._pieces is not None
+        bound = bind_piece_optimizer(self._pieces, optimizer)
+        log.info("%s the optimizer that steps this model: %s, with %s", "given" if given else "found",
+                 type(optimizer).__name__, bound)
 
     # -- the training loop's side ------------------------------------------------------------
 
@@ -219,7 +234,10 @@ class SplitLeaderRank:
         node.step = step
         partner = partners.pick(self._live(node))
         news = dict(zip(CONTROL_FIELDS, (float(self.finish_requested), float(self.members), float(self._step))))
-        pieces.safe_point(partner, news)
+        now = self._clock.now()
+        self._step_timer.at_step(step, now, 0.0)
+        latency, step_time = node.latency(), self._step_timer.step_time
+        pieces.safe_point(partner, news, latency / step_time if latency is not None and step_time else None)
 
     def _live(self, node: PeerNode) -> list[tuple[str, str]]:
         """(id, address) of the live members but us; asked of the network thread only when the view changed."""
@@ -267,25 +285,34 @@ class SplitLeaderRank:
     def finish(
         self, reason: str = "budget", final_model: Any = None, abort: Callable[[], bool] = lambda: False
     ) -> FinalReport:
-        """The final phase, as a whole-model peer's (``Peer.finish``), every rank taking part; no merged model yet."""
+        """The final phase, as a whole-model peer's (``Peer.finish``), every rank taking part. ``final_model``: a
+        path where this rank writes the model its ranks' pieces make once the phase is over, gathered into one
+        ordinary state_dict of the unsplit model (``PeerGroup.whole_state``; a file ``load_state_dict`` takes, with
+        ``write_merged``'s metadata). It is this peer's own model after the phase's consensus rounds, not a
+        download of every member's (as a whole-model peer's is): the metadata names this peer alone."""
         node = self._check_open()
-        if final_model is not None:
-            self._group_done()
-            raise GossipError("the merged model of split peers is not built yet: save each rank's piece "
-                              "(Checkpointer.save(piece=...)) and gather them with `gossiptrain export`")
+        self._pieces_done_stepping()
         phase = FinalPhase(
             self.config.final, me=self.id, endpoint=node.finish, view=node.view, idle=self._idle,
             notify=lambda phase, writer, everyone: self._loop.call_soon(node.on_finish, Announce(phase, writer, everyone)),
             abort=abort, renotify_every=self.config.membership.heartbeat_interval, clock=self._clock.now,
         )
         self._phase = FINAL
+        path = str(final_model) if final_model is not None else None
         try:
             report = phase.run(reason, None, None)
         finally:
-            self._group_done()
+            self._group_done(gather=path is not None)
+        if path is not None:
+            self._write_final_model(path, report)
         self._phase = DONE
         log.info("final phase done (%s) in %.2f s: %d rounds without local steps", reason, report.seconds, report.rounds)
         return report
+
+    def _pieces_done_stepping(self) -> None:
+        """The final phase begins: no more drift to correct (the workers do the same in their ``finish``)."""
+        if self._pieces is not None and self._pieces.methods is not None:
+            self._pieces.methods.no_more_steps()
 
     def _idle(self) -> None:
         """A safe point of every rank without a local step (the workers follow: ``SplitWorkerRank.finish``)."""
@@ -297,9 +324,29 @@ class SplitLeaderRank:
         self._safe_point(node, self._step + self._rounds)
         time.sleep(self._pace)
 
-    def _group_done(self) -> None:
+    def _group_done(self, gather: bool = False) -> None:
+        """The workers' final phase ends; then whether they gather their pieces for our merged model."""
         assert self._group is not None
-        self._group.agree(False)  # the workers' final phase ends
+        self._group.agree(False)
+        self._group.agree(gather)
+
+    def _write_final_model(self, path: str, report: FinalReport) -> None:
+        """Every rank's piece and buffers into one state_dict of the unsplit model, written at ``path`` (a failed
+        write is named in the report, as a whole-model peer's is, and does not stop the leave)."""
+        from gossiptrain.state.merged_model import MemberInfo, write_merged
+
+        assert self._group is not None
+        state = self._group.whole_state(self.model, self.layout)  # the workers gather with us
+        assert state is not None
+        try:
+            write_merged(path, state, members=[MemberInfo(self.id, self.samples_seen, self._step)],
+                         fingerprint=self.fingerprint, run=self.config.to_dict(), written_by=self.id)
+        except GossipError as e:
+            report.merge_error = f"{type(e).__name__}: {e}"
+            log.error("final phase: could not write the merged model: %s", report.merge_error)
+            return
+        report.merged_members, report.final_model = [self.id], path
+        log.info("wrote this peer's model, its %d ranks' pieces gathered, to %s", self.layout.ranks, path)
 
     def _teardown(self) -> None:
         pieces, self._pieces = self._pieces, None
@@ -326,12 +373,23 @@ class SplitWorkerRank(WorkerRank):
             self._pieces = SplitGroup(
                 self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
                 timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
-                seed=random.getrandbits(32), wire=piece_wire(self.config),
+                seed=random.getrandbits(32), wire=piece_wire(self.config), gossip=self.config.gossip,
             )
             self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donor, if any
         except BaseException:
             self._loop.stop()
             raise
+        # This rank's optimizer, as the leader binds its own: given, or found at its first step
+        self._finder: OptimizerFinder | None = None
+        if self._find_optimizer:
+            self._finder = OptimizerFinder(self.model, self._found).start()
+        elif self.optimizer is not None:
+            self._found(self.optimizer)
+
+    def _found(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        bind_piece_optimizer(self._pieces, optimizer)
 
     @property
     def layout(self) -> PieceLayout:
@@ -346,16 +404,18 @@ class SplitWorkerRank(WorkerRank):
     def finish(
         self, reason: str = "budget", final_model: Any = None, abort: Callable[[], bool] = lambda: False
     ) -> FinalReport:
-        """The leader's final phase: a safe point for each of its rounds, until its word that it is over."""
+        """The leader's final phase: a safe point for each of its rounds, until its word that it is over; then this
+        rank's piece for the merged model, where the leader writes one (``final_model`` is rank 0's to give)."""
         self._check_worker()
         assert self._group is not None
+        if self._pieces.methods is not None:  # as the leader, before the first of its rounds
+            self._pieces.methods.no_more_steps()
         rounds = 0
         while self._group.agree(False):
             self._pieces.safe_point(None)
             rounds += 1
-        if final_model is not None:
-            raise GossipError("the merged model of split peers is not built yet: save each rank's piece "
-                              "(Checkpointer.save(piece=...)) and gather them with `gossiptrain export`")
+        if self._group.agree(False):  # the leader writes the merged model (its final_model): our piece for it
+            self._group.whole_state(self.model, self.layout)
         return FinalReport(reason, rounds=rounds)
 
     def stats(self) -> dict[str, Any]:
@@ -365,6 +425,8 @@ class SplitWorkerRank(WorkerRank):
         if self._closed:
             return
         self._closed = True
+        if self._finder is not None:
+            self._finder.close()
         try:
             self._pieces.close()
         except Exception as e:
@@ -373,8 +435,15 @@ class SplitWorkerRank(WorkerRank):
             self._loop.stop()
 
 
-def piece_counts(pieces: SplitGroup) -> dict[str, int]:
-    """A rank's piece exchanges in ``Peer.stats()``'s words (``completed``: ours applied, ``served``: theirs), and
-    every count as ``piece_*``."""
+def piece_counts(pieces: SplitGroup) -> dict[str, Any]:
+    """A rank's piece exchanges in ``Peer.stats()``'s words (``completed``: ours applied, ``served``: theirs), every
+    count as ``piece_*``, and its methods' numbers (``drift_gain``, ``lr_scale``)."""
     s = pieces.stats
-    return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}}
+    methods = pieces.methods.stats() if pieces.methods is not None else {}
+    return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}, **methods}
+
+
+def bind_piece_optimizer(pieces: SplitGroup, optimizer: torch.optim.Optimizer) -> str:
+    """Give a rank's optimizer what the swarm runs with it (``PieceMethods.bind``); what it got, in words."""
+    got = pieces.methods.bind(optimizer) if pieces.methods is not None else []
+    return " and ".join(got) or "nothing extra"

@@ -25,7 +25,6 @@ line; the others ignore Ctrl+C and follow.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from contextlib import nullcontext
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gossiptrain.errors import CheckpointError, ConfigError
-from gossiptrain.protocol.pieces import PieceLayout, gather, local_piece
+from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.runtime import piece_checkpoints
 from gossiptrain.runtime.peer import Peer
 from gossiptrain.runtime.peer_group import PeerGroup
@@ -105,37 +104,22 @@ class PipelineSteps:
 
 
 class GatheredEvaluation:
-    """Every rank's piece gathered on rank 0 into an unsplit copy of the model, evaluated there (a collective)."""
+    """Every rank's piece and buffers gathered on rank 0 into an unsplit copy of the model, evaluated there (a
+    collective: ``PeerGroup.whole_state``)."""
 
     def __init__(self, workload: Workload, seed: int, layout: PieceLayout, group: PeerGroup) -> None:
         self.workload, self.layout, self.group = workload, layout, group
         self.replica = workload.build_model(seed) if group.leader else None  # rank 0: the unsplit model, loaded each time
-        self.sizes = [sum(math.prod(e.shape) for e in piece) for piece in layout.pieces]
 
     def __call__(self, model: torch.nn.Module) -> EvalResult | None:
         """rank 0: the evaluation of the model the pieces make now; other ranks: None."""
-        mine = local_piece(model)
-        flat = torch.zeros(max(self.sizes), dtype=torch.float64)  # (largest piece,): float64 holds any float exactly
-        if mine:
-            values = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in mine.values()])
-            flat[: values.numel()] = values
-        everyone = [torch.empty_like(flat) for _ in self.sizes] if self.group.leader else None
-        dist.gather(flat, everyone, dst=self.group.leader_rank, group=self.group.group)
-        if everyone is None or self.replica is None:
+        state = self.group.whole_state(model, self.layout)
+        if state is None or self.replica is None:
             return None
-        pieces = []
-        for entries, buf in zip(self.layout.pieces, everyone):
-            piece, offset = {}, 0
-            for e in entries:
-                n = math.prod(e.shape)
-                piece[e.name] = buf[offset: offset + n].reshape(e.shape).to(getattr(torch, e.dtype))
-                offset += n
-            pieces.append(piece)
-        loaded = self.replica.load_state_dict(gather(self.layout, pieces), strict=False)  # buffers: the replica's own
-        params = {name for name, _ in self.replica.named_parameters()}
-        wrong = list(loaded.unexpected_keys) + [k for k in loaded.missing_keys if k in params]
-        if wrong:  # the pieces are not this workload's model: evaluating the replica's own weights would mislead
-            raise ValueError(f"the gathered pieces do not fit the unsplit {type(self.replica).__name__}: {wrong[:5]}")
+        try:
+            self.replica.load_state_dict(state)
+        except RuntimeError as e:  # the pieces are not this workload's model: evaluating the replica's own would mislead
+            raise ValueError(f"the gathered pieces do not fit the unsplit {type(self.replica).__name__}: {e}") from None
         return self.workload.evaluate(self.replica)
 
 
@@ -147,9 +131,6 @@ def run_split_peer(options: Any, workers: Workers, group: Any, stop: threading.E
     if options.expect is None:
         raise ConfigError("--shard-model builds and splits the model before joining: name the run's workload "
                           "(--workload NAME, or --config FILE)")
-    if options.final_model is not None:
-        raise ConfigError("--final-model: the merged model of split peers is not built yet; use --checkpoint-dir and "
-                          "`gossiptrain export --checkpoint DIR --out FILE`")
     unbuilt = [flag for flag, given in (("--tensorboard", options.tensorboard), ("--prometheus", options.prometheus),
                                          ("--slowdown", options.slowdown > 1)) if given]
     if unbuilt:
@@ -234,7 +215,9 @@ def _train(peer: Peer, workload: Workload, model: torch.nn.Module, optimizer: to
             next_eval = time.monotonic() + cfg.eval_every_seconds
     reason = "signal" if stop.is_set() else "stop" if peer.finish_requested else "budget"
     progress.update(f"peer {peer.id}: step {peer.steps}, final phase ({reason})")
-    final = peer.finish(reason, abort=stop.is_set).to_record()
+    # rank 0 writes this peer's model, every rank's piece gathered (SplitPeer.finish)
+    final = peer.finish(reason, final_model=options.final_model if workers.rank == 0 else None,
+                        abort=stop.is_set).to_record()
     if checkpointer is not None:
         saved += _save(checkpointer, peer, trainer, layout, workers.rank, per_sample)
     summary = record("done", **final, checkpoints=saved)

@@ -1,0 +1,97 @@
+"""What a split peer's ranks run with their pieces beyond plain averaging: drift correction and the square-root rate
+rule (issue 48).
+
+Both are the whole-model peer's methods (``gossiptrain.protocol.drift``,
+``gossiptrain.protocol.lr_scaling``), each rank running them on its own piece
+and its own optimizer. Both act element by element (the correction adds
+``gain * c`` to each parameter; the rate scales each optimizer's step), so a
+model's pieces corrected and stepped one by one are the whole model corrected
+and stepped, provided every number that decides what they do is the same on
+every rank. The group agrees on each of them:
+
+- the gain: from the configuration, and from whether the model keeps running
+  statistics on *any* rank (``drift_gain``: a BatchNorm in one pipeline stage
+  turns the correction off on every stage), agreed when the group starts;
+- the correction's memory: the leader's measure of the link's round trip in
+  local steps, carried in the safe point's gather (``SplitGroup.safe_point``);
+- the members the rate scaling counts: the leader's view, in the news every
+  rank gets at the same safe point, used from the next optimizer step on.
+
+Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
+given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
+(``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
+quasi-global momentum (off by default: ``gossip.momentum_mode = auto``), the
+stability guard, flow control, staleness weights and automatic compression.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from gossiptrain.config import GossipConfig
+from gossiptrain.protocol.drift import DriftCorrection, drift_gain
+from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
+
+log = logging.getLogger(__name__)
+
+
+class PieceMethods:
+    """One rank's drift correction over its piece and rate scaling of its optimizer (see the module docstring).
+
+    ``params``: the rank's piece, as the views its exchanges write; ``running_stats``: whether the model keeps
+    running statistics on any rank of the group (agreed, so that every rank has the same gain)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], gossip: GossipConfig, *, running_stats: bool) -> None:
+        self.gossip = gossip
+        self.gain = drift_gain(gossip, running_stats=running_stats)
+        self.drift = DriftCorrection(params, self.gain) if self.gain > 0 else None
+        self.members = 1  # the live members the leader counted at the last safe point, ourselves included
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.scalings: list[SwarmLrScaling] = []
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """This rank's optimizer (given, or found at its first step, before that step): the correction follows its
+        rate (``DriftCorrection.follow_rate``) and Adam and its kin step at ``sqrt(members)`` times it (``lr_scaling =
+        auto``). What it got, in words (for a log line)."""
+        self.optimizers.append(optimizer)
+        got = []
+        if self.drift is not None and self.drift.rate is None:
+            self.drift.rate = lambda: optimizer.param_groups[0]["lr"]
+            got.append(f"drift correction (gain {self.gain:g})")
+        if wants_scaling(self.gossip.lr_scaling, optimizer):
+            self.scalings.append(SwarmLrScaling(optimizer, lambda: self.members))
+            got.append("square-root lr scaling")
+        return got
+
+    def before(self) -> None:
+        """The safe point starts: before any merge lands in the piece."""
+        if self.drift is not None:
+            self.drift.before()
+
+    def after(self, round_trip_steps: float | None) -> None:
+        """The safe point's merges are in the piece: add the correction (the memory paced by the leader's measure of
+        the link's round trip, in local steps; None: not measured)."""
+        if self.drift is not None:
+            self.drift.after(round_trip_steps=round_trip_steps)
+
+    def no_more_steps(self) -> None:
+        """The final phase: no local steps any more, so no drift to correct; the models only meet (as a whole-model
+        peer's final phase). Every rank alike, at the same safe point."""
+        self.drift = None
+
+    @property
+    def lr_scale(self) -> float:
+        """The multiplier of this rank's last optimizer step (1: none)."""
+        return self.scalings[0].last_factor if self.scalings else 1.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"drift_gain": self.gain, "lr_scale": self.lr_scale}
+
+    def close(self) -> None:
+        """The optimizers step at the user's rate again (a peer that left the swarm)."""
+        for scaling in self.scalings:
+            scaling.close()
+        self.scalings = []

@@ -1,0 +1,75 @@
+"""One rank of a split peer, alone (no partner), that reports the numbers its piece methods run by
+(tests/test_piece_methods.py). ``python -m tests.piece_methods_ranks RANK PORT OUT``.
+
+Twice: the model FSDP2-sharded (no running statistics), then cut into 2 pipeline stages whose second holds a
+BatchNorm. Each time the leader passes news naming 5 members and a round trip of 20 local steps; each rank writes
+the gain, the drift correction's memory, the members the rate scaling counts, and the multiplier of one Adam step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gossiptrain.config import GossipConfig
+from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.runtime.split_group import SplitGroup
+from gossiptrain.runtime.split_peer import bind_piece_optimizer
+
+
+def model(kind: str, rank: int) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        return fully_shard(net, mesh=init_device_mesh("cpu", (2,)))
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    return net[:2] if rank == 0 else net[2:]  # the BatchNorm in the second stage only
+
+
+def report(kind: str, rank: int, loop: LoopThread) -> dict[str, object]:
+    net = model(kind, rank)
+    group = SplitGroup(dist.group.WORLD, net, me="P", host=f"127.0.0.{71 + rank}", fingerprint="methods-test",
+                       loop=loop, timeout=2.0, clock=time.monotonic, gossip=GossipConfig())
+    assert group.methods is not None
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    bind_piece_optimizer(group, opt)
+    news = {"members": 5.0} if rank == 0 else None
+    told = group.safe_point(None, news, 20.0 if rank == 0 else None)  # only the leader's numbers count
+    if kind == "fsdp":
+        net(torch.randn(4, 8)).sum().backward()
+    else:  # each stage on its own: the test asks what its optimizer's step is scaled by, not the pipeline's loss
+        net(torch.randn(4, 8 if rank == 0 else 16)).sum().backward()
+    seen = []
+    opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))  # after the scaling's own hook
+    opt.step()
+    drift = group.methods.drift
+    out = {"gain": group.methods.gain, "memory": drift.memory if drift is not None else None, "told": told,
+           "members": group.methods.members, "lr_in_step": seen[0], "lr_after": opt.param_groups[0]["lr"],
+           "lr_scale": group.methods.lr_scale}
+    group.close()
+    return out
+
+
+def main(rank: int, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    loop = LoopThread(f"methods-{rank}").start()
+    got = {kind: report(kind, rank, loop) for kind in ("fsdp", "pipeline")}
+    loop.stop()
+    out.write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

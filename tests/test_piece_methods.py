@@ -1,0 +1,131 @@
+"""A split peer's methods beyond plain averaging, per piece (``gossiptrain.runtime.piece_methods``, issue 48).
+
+What must hold: a model's pieces corrected one by one are the whole model
+corrected, bit for bit (the drift correction acts element by element, so
+this holds as long as every rank runs by the same numbers); every rank
+runs by the numbers its group agreed (the gain, from running statistics on
+any rank; the leader's round trip; the leader's members); Adam's step is
+scaled by the square-root rule, SGD's is not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossiptrain.config import GossipConfig
+from gossiptrain.net.addressing import free_loopback_port
+from gossiptrain.protocol.drift import DriftCorrection
+from gossiptrain.runtime.piece_methods import PieceMethods
+
+from .swarm import Procs
+
+RANKS = 2
+
+
+def test_the_drift_correction_piece_by_piece_is_the_whole_models_bit_for_bit() -> None:
+    """Two ranks' pieces (FSDP2's cut: halves along dimension 0) and the whole model take the same local steps and
+    merges; the round trip changes mid-run and the rate falls, as the leader's news and a scheduler would: the
+    gathered pieces are the whole model, bit for bit, and the correction moved them (not plain averaging)."""
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(6, 3, generator=g), torch.randn(4, generator=g)]
+    plain = [t.clone() for t in whole]
+    pieces = [[t.chunk(RANKS, 0)[r].clone() for t in whole] for r in range(RANKS)]
+    lr = [0.1]
+    reference = DriftCorrection(whole, 4.0)
+    reference.rate = lambda: lr[0]
+    methods = [PieceMethods(p, GossipConfig(), running_stats=False) for p in pieces]
+    for m in methods:
+        assert m.drift is not None
+        m.drift.rate = lambda: lr[0]
+    for step in range(300):
+        local = [torch.randn(t.shape, generator=g) * 0.01 for t in whole]  # the local step, then the safe point
+        merge = [torch.randn(t.shape, generator=g) * 0.05 if step % 3 == 0 else torch.zeros(t.shape) for t in whole]
+        round_trip = None if step < 50 else 20.0 if step < 150 else 3.0  # unknown, a far link, a near one
+        if step == 200:
+            lr[0] = 0.01
+        for t, d, m in zip(whole + plain, local + local, merge + merge):
+            t.add_(d)
+        reference.before()
+        for t, m in zip(whole + plain, merge + merge):
+            t.add_(m)
+        reference.after(round_trip_steps=round_trip)
+        for r, (piece, ours) in enumerate(zip(pieces, methods)):
+            for t, d in zip(piece, local):
+                t.add_(d.chunk(RANKS, 0)[r])
+            ours.before()
+            for t, m in zip(piece, merge):
+                t.add_(m.chunk(RANKS, 0)[r])
+            ours.after(round_trip)
+    assert methods[0].drift.memory == methods[1].drift.memory == reference.memory == 100  # type: ignore[union-attr]
+    for i, t in enumerate(whole):
+        assert torch.equal(torch.cat([p[i] for p in pieces]), t)
+        assert not torch.allclose(t, plain[i])
+
+
+def test_a_model_with_running_statistics_on_any_rank_is_not_corrected_on_any() -> None:
+    piece = [torch.zeros(3)]
+    assert PieceMethods(piece, GossipConfig(), running_stats=True).drift is None
+    assert PieceMethods(piece, GossipConfig(drift_gain=2.0), running_stats=True).gain == 2.0  # asked for: given
+    assert PieceMethods(piece, GossipConfig(drift_gain=0.0), running_stats=False).drift is None
+
+
+@pytest.mark.parametrize(("mode", "optimizer", "scaled"), [
+    ("auto", "adam", True), ("auto", "sgd", False), ("sqrt", "sgd", True), ("none", "adam", False),
+])
+def test_an_optimizer_steps_at_the_square_root_rule_for_the_members_the_group_agreed(
+    mode: str, optimizer: str, scaled: bool
+) -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.01) if optimizer == "adam" else torch.optim.SGD([w], lr=0.01)
+    methods = PieceMethods([w.data], GossipConfig(lr_scaling=mode), running_stats=False)
+    got = methods.bind(opt)
+    assert ("square-root lr scaling" in got) == scaled
+    methods.members = 4  # as the leader's news named them at the last safe point
+    seen: list[float] = []
+    opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+    w.grad = torch.ones(3)
+    opt.step()
+    assert seen == [pytest.approx(0.02 if scaled else 0.01)] and opt.param_groups[0]["lr"] == 0.01
+    assert methods.lr_scale == (2.0 if scaled else 1.0)
+    methods.close()
+    opt.step()
+    assert seen[-1] == 0.01  # closed: the user's rate
+
+
+def test_every_rank_runs_by_the_numbers_its_group_agreed(procs: Procs, tmp_path: Path) -> None:
+    """One peer of 2 ranks (``tests/piece_methods_ranks.py``): FSDP2 without running statistics gets the gain on
+    both ranks; pipeline stages with a BatchNorm in the second only get none on either; the leader's round trip
+    (20 steps: a memory of 300) and members (5) are every rank's, and both ranks' Adam steps are scaled alike."""
+    port = str(free_loopback_port())
+    outs = [tmp_path / f"rank{r}.json" for r in range(RANKS)]
+    ranks = [procs.start(str(r), port, str(outs[r]), name=f"methods{r}", module="tests.piece_methods_ranks")
+             for r in range(RANKS)]
+    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
+    got = [json.loads(o.read_text()) for o in outs]
+    for rank in got:
+        assert rank["fsdp"]["gain"] == 4.0 and rank["fsdp"]["memory"] == 300
+        assert rank["pipeline"]["gain"] == 0.0 and rank["pipeline"]["memory"] is None
+        for kind in ("fsdp", "pipeline"):
+            assert rank[kind]["members"] == 5 and rank[kind]["told"] == {"members": 5.0}
+            assert rank[kind]["lr_in_step"] == pytest.approx(0.01 * math.sqrt(5)) and rank[kind]["lr_after"] == 0.01
+
+
+def test_the_final_phase_corrects_nothing_more() -> None:
+    """Safe points without local steps (the final phase): what is owed is not added, so the models only meet."""
+    piece = [torch.zeros(3)]
+    methods = PieceMethods(piece, GossipConfig(), running_stats=False)
+    methods.before()
+    piece[0].add_(1.0)  # a merge
+    methods.after(None)
+    moved = piece[0].clone()
+    assert not torch.equal(moved, torch.ones(3))  # corrected: more than the merge
+    methods.no_more_steps()
+    for _ in range(3):
+        methods.before()
+        methods.after(None)
+    assert torch.equal(piece[0], moved)
