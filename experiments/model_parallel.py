@@ -285,8 +285,9 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         f"per round of steps (a rank of FSDP2 or DDP: {args.batch}; a pipeline peer: {2 * args.batch} in 2 "
         f"micro-batches; a single worker: {args.batch}). Equal samples: {args.steps} steps per peer; equal time: "
         f"{args.seconds:g} s of training. Every arm runs plain averaging (`gossip.lr_scaling=none`, "
-        "`gossip.drift_gain=0`, `gossip.compression=none`, `gossip.momentum_mode=local`, `gossip.guard=false`): a split "
-        "peer runs none of those methods yet, so only the layout differs. Validation loss (nats per byte) of each "
+        "`gossip.drift_gain=0`, `gossip.compression=none`, `gossip.momentum_mode=local`, `gossip.guard=false`), so that "
+        "only the layout differs (split peers run drift correction and the square-root rule too since 2026-12-07; the "
+        "stability guard, quasi-global momentum and automatic compression not yet). Validation loss (nats per byte) of each "
         "peer's model after the final phase, gathered from its pieces, averaged over the peers; medians over "
         f"{seeds} seed(s). Exchanges: per peer, those it asked for and applied (a peer also applies those it served).",
         "",

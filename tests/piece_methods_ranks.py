@@ -1,9 +1,13 @@
 """One rank of a split peer, alone (no partner), that reports the numbers its piece methods run by
-(tests/test_piece_methods.py). ``python -m tests.piece_methods_ranks RANK PORT OUT``.
+(tests/test_piece_methods.py). ``python -m tests.piece_methods_ranks RANK PORT OUT [guard]``.
 
 Twice: the model FSDP2-sharded (no running statistics), then cut into 2 pipeline stages whose second holds a
 BatchNorm. Each time the leader passes news naming 5 members and a round trip of 20 local steps; each rank writes
 the gain, the drift correction's memory, the members the rate scaling counts, and the multiplier of one Adam step.
+
+``guard``: the FSDP2 model takes safe points without local steps; past the guard's warmup rank 1's piece grows 10x
+(a blow-up on one rank), later rank 0's gets a NaN. Each rank writes its guard's counts after each, whether its piece
+is back to what it was, and whether its optimizer's state was forgotten.
 """
 
 from __future__ import annotations
@@ -60,16 +64,51 @@ def report(kind: str, rank: int, loop: LoopThread) -> dict[str, object]:
     return out
 
 
-def main(rank: int, port: int, out: Path) -> None:
+def guard(rank: int, loop: LoopThread) -> dict[str, object]:
+    from gossiptrain.protocol.pieces import local_piece
+    from gossiptrain.protocol.stability import WARMUP
+
+    net = model("fsdp", rank)
+    group = SplitGroup(dist.group.WORLD, net, me="P", host=f"127.0.0.{71 + rank}", fingerprint="guard-test",
+                       loop=loop, timeout=2.0, clock=time.monotonic, gossip=GossipConfig())
+    assert group.methods is not None
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    net(torch.randn(4, 8)).sum().backward()
+    opt.step()  # a momentum buffer: the guard's restore must forget it
+    opt.zero_grad()
+    bind_piece_optimizer(group, opt)
+    piece = list(local_piece(net).values())
+    original = [t.clone() for t in piece]
+    out: dict[str, object] = {}
+    for safe_point in range(WARMUP + 100):
+        if safe_point == WARMUP + 10 and rank == 1:
+            with torch.no_grad():
+                for t in piece:
+                    t.mul_(10.0)
+        if safe_point == WARMUP + 60 and rank == 0:
+            with torch.no_grad():
+                piece[0].view(-1)[0] = float("nan")
+        group.safe_point(None)
+        if safe_point in (WARMUP + 10, WARMUP + 60):
+            stats = group.methods.stats()
+            out[f"after_{safe_point - WARMUP}"] = {
+                "backoffs": stats["guard_backoffs"], "restores": stats["guard_restores"], "off": stats["guard_off"],
+                "back": all(torch.equal(t, o) for t, o in zip(piece, original)), "momentum": len(opt.state),
+            }
+    group.close()
+    return out
+
+
+def main(rank: int, port: int, out: Path, mode: str = "") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     loop = LoopThread(f"methods-{rank}").start()
-    got = {kind: report(kind, rank, loop) for kind in ("fsdp", "pipeline")}
+    got = guard(rank, loop) if mode == "guard" else {kind: report(kind, rank, loop) for kind in ("fsdp", "pipeline")}
     loop.stop()
     out.write_text(json.dumps(got))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])

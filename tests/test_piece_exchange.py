@@ -300,3 +300,25 @@ def test_pieces_sent_in_half_precision_are_averaged_as_they_travelled_and_nothin
     huge = {"w": torch.full((5, 3), 1e6)}
     far = RankExchanges(huge, entries, timeout=TIMEOUT, wire=torch.float16).start(2, "B", 0.5, 0.0)
     assert b.serve("C", 2, far.tensors, far.meta, 0.0).kind == XPNAK  # 1e6 is past float16: inf on the wire
+
+
+def test_a_piece_put_back_forgets_every_merge_computed_from_the_one_it_replaced() -> None:
+    """The group's stability guard put B's pieces back: B's exchange in flight is aborted (its xid returned, for the
+    leader to tell the partner), the merge it holds for A is dropped, a waiting request is refused, and nothing
+    computed from the replaced pieces lands at B's next safe point."""
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    now = 0.0
+    split_exchange(sa, sb, 1, now)  # A asked, B answered and holds the merge
+    for r in range(RANKS):
+        sb.ranks[r].start(2, "A", 0.5, now)  # B asks A
+        assert sb.ranks[r].receive("C", 3, sa.pieces[r], {"a": 0.5}, now, "tcp://127.0.0.9:1") is None  # kept
+    kept = [{k: t.clone() for k, t in piece.items()} for piece in sb.pieces]
+    for rank in sb.ranks:
+        aborted, refusals = rank.put_back()
+        assert aborted == [2] and [(s.kind, s.xid, addr) for s, addr in refusals] == [(XPNAK, 3, "tcp://127.0.0.9:1")]
+        assert not rank.held and not rank.in_flight and rank.waiting(now) == []
+        assert (rank.stats.aborted, rank.stats.dropped, rank.stats.refused) == (1, 1, 1)
+    sb.outcomes[1] = ("A", Outcome.COMMIT)  # A's word on the held one comes later: nothing to apply any more
+    sb.safe_point(now)
+    for piece, before in zip(sb.pieces, kept):
+        assert all(torch.equal(piece[k], before[k]) for k in piece)

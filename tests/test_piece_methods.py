@@ -67,6 +67,43 @@ def test_the_drift_correction_piece_by_piece_is_the_whole_models_bit_for_bit() -
         assert not torch.allclose(t, plain[i])
 
 
+def test_the_guard_on_pieces_decides_and_puts_back_as_the_guard_of_the_whole_model() -> None:
+    """Pieces judged by the sum of their squared norms (what ``SplitGroup`` gathers), against the whole model's guard
+    judging its own norm, through a slow growth past the warmup and a NaN: the same verdict at every safe point, the
+    same counts, and the pieces are the whole model bit for bit after every put-back."""
+    from gossiptrain.protocol.stability import DRIFT_CORRECTION, WARMUP, StabilityGuard
+
+    g = torch.Generator().manual_seed(1)
+    whole = [torch.randn(6, 3, generator=g), torch.randn(4, generator=g)]
+    pieces = [[t.chunk(RANKS, 0)[r].clone() for t in whole] for r in range(RANKS)]
+    reference = StabilityGuard(whole)
+    drift = DriftCorrection(whole, 4.0)
+    reference.add(DRIFT_CORRECTION, drift)
+    methods = [PieceMethods(p, GossipConfig(), running_stats=False) for p in pieces]
+    verdicts = []
+    for step in range(1, WARMUP + 200):
+        local = [torch.randn(t.shape, generator=g) * 0.01 for t in whole]
+        if WARMUP + 20 <= step < WARMUP + 30:  # a blow-up under way: the model grows 1.5x a step
+            local = [t * 0.5 for t in whole]
+        for t, d in zip(whole, local):
+            t.add_(d)
+        for r, piece in enumerate(pieces):
+            for t, d in zip(piece, local):
+                t.add_(d.chunk(RANKS, 0)[r])
+        if step == WARMUP + 120:
+            whole[1][0] = pieces[0][1][0] = float("nan")  # (rank 0 holds the first half of every tensor)
+        squares = [m.piece_square() for m in methods]  # the safe point's gather: taken before anyone judges
+        ours = [m.judge(squares) for m in methods]  # type: ignore[arg-type]
+        theirs = reference.judge(step, math.sqrt(reference.squared_norm()))
+        verdicts.append(theirs)
+        assert ours == [theirs, theirs], step
+        for i, t in enumerate(whole):
+            assert torch.equal(torch.cat([p[i] for p in pieces]), t), (step, i)
+    stats = reference.stats.to_dict()
+    assert all(m.guard is not None and m.guard.stats.to_dict() == stats for m in methods), stats
+    assert stats["guard_backoffs"] >= 1 and stats["guard_restores"] == 1 and any(verdicts)
+
+
 def test_a_model_with_running_statistics_on_any_rank_is_not_corrected_on_any() -> None:
     piece = [torch.zeros(3)]
     assert PieceMethods(piece, GossipConfig(), running_stats=True).drift is None
@@ -129,3 +166,22 @@ def test_the_final_phase_corrects_nothing_more() -> None:
         methods.before()
         methods.after(None)
     assert torch.equal(piece[0], moved)
+
+
+def test_one_ranks_blow_up_backs_off_and_puts_back_every_ranks_piece_at_the_same_safe_point(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """One peer of 2 FSDP2 ranks, safe points without local steps (``tests/piece_methods_ranks.py guard``): rank
+    1's piece grows 10x, then rank 0's gets a NaN. Each time both ranks' guards see it at the same safe point (the
+    whole model's norm, summed from the pieces): the drift correction backed off on both, every piece put back to
+    what it was, every rank's optimizer restarted; the NaN restores both ranks, not only the one that had it."""
+    port = str(free_loopback_port())
+    outs = [tmp_path / f"rank{r}.json" for r in range(RANKS)]
+    ranks = [procs.start(str(r), port, str(outs[r]), "guard", name=f"guard{r}", module="tests.piece_methods_ranks")
+             for r in range(RANKS)]
+    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
+    got = [json.loads(o.read_text()) for o in outs]
+    assert got[0] == got[1], got  # every rank decided alike
+    grew, nan = got[0]["after_10"], got[0]["after_60"]
+    assert grew == {"backoffs": 1, "restores": 0, "off": "drift correction", "back": True, "momentum": 0}, grew
+    assert nan["restores"] == 1 and nan["back"] and nan["momentum"] == 0, nan

@@ -360,6 +360,29 @@ class RankExchanges:
     def held(self) -> tuple[int, ...]:
         return tuple(self._held)
 
+    # -- the stability guard ---------------------------------------------------------------------
+
+    def put_back(self) -> tuple[list[int], list[tuple[Send, str]]]:
+        """The piece was put back (the group's stability guard: a blow-up), on every rank at the same safe point,
+        before anything of it was decided: every merge computed from the piece it replaced is forgotten. Our
+        exchanges in flight are aborted (their xids returned: the leader tells the partners), held merges dropped,
+        pending ones cleared, and the requests waiting refused (the refusals returned, with where they go). The sum
+        of the swarm's models is not kept across a put-back: the blow-up had broken it already."""
+        aborted = list(self._asked)
+        for xid in aborted:
+            self.abort(xid)
+        self.stats.dropped += len(self._held)
+        self._held.clear()
+        self._pending.clear()
+        return aborted, self.refuse_waiting()
+
+    def refuse_waiting(self) -> list[tuple[Send, str]]:
+        """Refuse every request kept for a safe point (a group settling after a blow-up neither asks nor serves)."""
+        out = [(Send(w.requester, XPNAK, xid), w.addr) for xid, w in self._waiting.items()]
+        self.stats.refused += len(out)
+        self._waiting.clear()
+        return out
+
     @property
     def copy_bytes(self) -> int:
         """Bytes of the frozen copy of the piece that partners are answered from (the memory this adds to a rank)."""

@@ -199,10 +199,19 @@ class StabilityGuard:
     def __call__(self, step: int) -> bool:
         """Judge the model after safe point ``step``: whether it was put back (the caller's averaging must then forget
         what it computed from the model it replaced: ``Averaging.model_put_back``)."""
-        self._calls += 1
+        return self.judge(step, math.sqrt(self.squared_norm()))
+
+    def squared_norm(self) -> float:
+        """The squared norm of ``params`` (one pass, one sync). A model split across ranks sums its pieces' (every
+        rank the same sum) and gives ``judge`` its root, so that every rank's guard decides alike."""
         with torch.no_grad():
             norms = torch._foreach_norm([p.detach() for p in self.params], 2) if self.params else []
-            norm = float(torch.stack(norms).double().square().sum().sqrt()) if norms else 0.0  # one pass, one sync
+            return float(torch.stack(norms).double().square().sum()) if norms else 0.0
+
+    def judge(self, step: int, norm: float) -> bool:
+        """``__call__`` with the model's norm given (a split model's, from every rank's piece): whether ``params``
+        were put back. Decisions depend on the norms and steps only, so guards given the same ones agree."""
+        self._calls += 1
         if not math.isfinite(norm):
             return self._restore(step)
         self._norms.append(norm)

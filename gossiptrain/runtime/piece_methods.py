@@ -15,18 +15,28 @@ every rank. The group agrees on each of them:
 - the correction's memory: the leader's measure of the link's round trip in
   local steps, carried in the safe point's gather (``SplitGroup.safe_point``);
 - the members the rate scaling counts: the leader's view, in the news every
-  rank gets at the same safe point, used from the next optimizer step on.
+  rank gets at the same safe point, used from the next optimizer step on;
+- the model's norm the stability guard judges (``gossip.guard``): the sum of
+  every rank's piece's squared norm, gathered at the safe point, so that
+  every rank's guard backs off, puts its piece back and restarts its
+  optimizer at the same safe point (``StabilityGuard.judge``), and the group
+  then neither asks nor serves while the guard lets the sign settle. The
+  guard judges the model as the safe point starts (the local step in, not
+  yet the safe point's merges): one safe point later than a whole-model
+  peer's, which judges at its end.
 
 Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
 given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
 (``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
 quasi-global momentum (off by default: ``gossip.momentum_mode = auto``), the
-stability guard, flow control, staleness weights and automatic compression.
+guard's refusal of a partner whose model's norm is far from ours, flow
+control, staleness weights and automatic compression.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch
@@ -34,6 +44,7 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.protocol.drift import DriftCorrection, drift_gain
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
+from gossiptrain.protocol.stability import DRIFT_CORRECTION, LR_SCALING, StabilityGuard, forget_state
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +62,10 @@ class PieceMethods:
         self.members = 1  # the live members the leader counted at the last safe point, ourselves included
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scalings: list[SwarmLrScaling] = []
+        self.guard = StabilityGuard(params) if gossip.guard else None
+        self.safe_points = 0  # the guard's clock: safe points, alike on every rank
+        if self.guard is not None and self.drift is not None:
+            self.guard.add(DRIFT_CORRECTION, self.drift)
 
     def bind(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """This rank's optimizer (given, or found at its first step, before that step): the correction follows its
@@ -62,9 +77,31 @@ class PieceMethods:
             self.drift.rate = lambda: optimizer.param_groups[0]["lr"]
             got.append(f"drift correction (gain {self.gain:g})")
         if wants_scaling(self.gossip.lr_scaling, optimizer):
-            self.scalings.append(SwarmLrScaling(optimizer, lambda: self.members))
+            scaling = SwarmLrScaling(optimizer, lambda: self.members)
+            self.scalings.append(scaling)
+            if self.guard is not None:
+                self.guard.add(LR_SCALING, scaling)
             got.append("square-root lr scaling")
+        if self.guard is not None:  # a piece put back: this optimizer's state carried the blow-up too
+            self.guard.on_restore(lambda: forget_state(optimizer))
         return got
+
+    def piece_square(self) -> float | None:
+        """This rank's share of what the guard judges: its piece's squared norm (None: no guard)."""
+        return self.guard.squared_norm() if self.guard is not None else None
+
+    def judge(self, squares: list[float]) -> bool:
+        """The guard's verdict on the whole model, from every rank's ``piece_square`` (in rank order, the same list on
+        every rank): whether this rank's piece was put back (every rank's was, at the same safe point)."""
+        self.safe_points += 1
+        if self.guard is None:
+            return False
+        return self.guard.judge(self.safe_points, math.sqrt(sum(squares)))
+
+    @property
+    def settling(self) -> bool:
+        """A sign within the guard's grace: the group neither asks nor serves (``StabilityGuard.settling``)."""
+        return self.guard is not None and self.guard.settling
 
     def before(self) -> None:
         """The safe point starts: before any merge lands in the piece."""
@@ -88,7 +125,11 @@ class PieceMethods:
         return self.scalings[0].last_factor if self.scalings else 1.0
 
     def stats(self) -> dict[str, Any]:
-        return {"drift_gain": self.gain, "lr_scale": self.lr_scale}
+        out: dict[str, Any] = {"drift_gain": self.gain, "lr_scale": self.lr_scale}
+        if self.guard is not None:
+            out.update(self.guard.stats.to_dict())
+            out["guard_off"] = ", ".join(self.guard.backed_off)
+        return out
 
     def close(self) -> None:
         """The optimizers step at the user's rate again (a peer that left the swarm)."""

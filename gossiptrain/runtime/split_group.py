@@ -155,12 +155,16 @@ class SplitGroup:
         from the next optimizer step on. ``round_trip_steps``: the leader's measure of the link's round trip in
         local steps, for the drift correction's memory (None: not measured)."""
         now = self.clock()
+        methods = self.methods
         with self.lock:
             mine = {
                 "status": {str(xid): int(self.exchanges.status(xid, now)) for xid in self.exchanges.in_flight},
                 "expired": self.exchanges.expired(now),
                 "waiting": self.exchanges.waiting(now),
             }
+        square = methods.piece_square() if methods is not None else None
+        if square is not None:  # the stability guard's share of this rank (the whole model's norm: every rank's)
+            mine["square"] = square
         if self.rank == 0:
             told = self.link.take_outcomes()
             mine["told"] = [[xid, requester, int(outcome)] for xid, (requester, outcome) in told.items()]
@@ -176,8 +180,19 @@ class SplitGroup:
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
         answers, request = [], None
-        methods = self.methods
+        # The guard first, on every rank alike: a piece put back makes every merge computed from the one it replaced
+        # void, before any of them is decided (our exchanges aborted, the partners told; held merges dropped).
+        put_back = methods is not None and methods.judge([float(rank.get("square", 0.0)) for rank in every])
+        settling = methods is not None and methods.settling
         with self.lock:
+            if put_back:
+                aborted, answers = self.exchanges.put_back()
+                for xid in aborted:
+                    partner = self._partners.pop(xid, None)
+                    if partner is not None:
+                        self.link.tell(partner.addresses[0], xid, Outcome.ABORT)
+            elif settling:  # the guard lets a sign settle: neither ask nor serve (a blow-up is neither given nor taken)
+                answers = self.exchanges.refuse_waiting()
             if methods is not None:
                 methods.before()
             self._decide(every)
@@ -192,10 +207,10 @@ class SplitGroup:
             # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
             # each rank's request came. (One some rank lacks waits; the requester gives up on it at its deadline.)
             held_by_all = set.intersection(*({(int(x), str(r)) for x, r in rank["waiting"]} for rank in every))
-            for xid, _requester in sorted(held_by_all):
+            for xid, _requester in sorted(held_by_all if not (put_back or settling) else ()):
                 answers.append(self.exchanges.serve_waiting(xid, now))
             given = self.exchanges.snapshot() if "give" in leader else {}
-            if "start" in leader and not self.exchanges.in_flight:  # ours decided (alike on every rank): the next
+            if "start" in leader and not self.exchanges.in_flight and not (put_back or settling):  # ours decided (alike on every rank): the next
                 xid, partner, addresses = leader["start"]
                 if len(addresses) != len(self.addresses):
                     raise ValueError(f"partner {partner} has {len(addresses)} ranks, this peer {len(self.addresses)}")

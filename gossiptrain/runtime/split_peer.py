@@ -38,14 +38,14 @@ together, ``finish()`` and ``close()`` at the end.
   on every rank or on none.
 
 - **Beyond plain averaging**, every rank runs the drift correction on its
-  piece and the square-root rate rule on its optimizer (given on every rank,
-  or found at its first step), by numbers the group agrees on
-  (``piece_methods``).
+  piece, the square-root rate rule on its optimizer (given on every rank,
+  or found at its first step) and the stability guard over the whole
+  model's norm, by numbers the group agrees on (``piece_methods``).
 
 Not built yet, and said where it matters: the optimizer's state and the
 step count in that download, resuming a download cut short (it is
 started over, by a peer started again), a merged model that averages
-every member's pieces, quasi-global momentum and the stability guard per piece,
+every member's pieces, quasi-global momentum per piece,
 compression other than fp16 and bf16 (``piece_wire``), a secure swarm (the ranks' links are not CURVE-secured) and
 peers behind NAT.
 """
