@@ -10,7 +10,11 @@ they must hold. Each rank writes its piece before and after
 A stops after its first aborted exchange. With ``train`` (FSDP2), every
 rank takes an SGD step before each safe point, and at the end both ranks
 run the model on one probe batch (``DIR/PEER-probe.safetensors``): what
-FSDP2 computes from the shards the exchanges wrote.
+FSDP2 computes from the shards the exchanges wrote. With ``flow``, every
+rank of A takes an SGD step before each safe point and A's leader asks for
+flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 100 ms
+between its safe points (where it answers); A's ranks write how many local
+steps they took between merges.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from torch import nn
 from gossiptrain.protocol.pieces import local_piece
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.split_group import SplitGroup
+
+FLOW_BOUND = 4
 
 HOSTS = {("A", 0): "127.0.0.61", ("A", 1): "127.0.0.62", ("B", 0): "127.0.0.63", ("B", 1): "127.0.0.64"}
 
@@ -76,7 +82,10 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             time.sleep(0.02)
         partner = group.meet(json.loads(other.read_text())[0])
         assert partner.id == "B" and partner.addresses == tuple(json.loads(other.read_text()))
-    kill, train = mode == "kill", mode == "train"
+    kill, flow = mode == "kill", mode == "flow"
+    train = mode in ("train", "flow")
+    bound = FLOW_BOUND if flow and (peer, rank) == ("A", 0) else None  # the leader's word holds every rank
+    steps, merges, between = 0, 0, []
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * (peer == "B") + rank))  # each rank its batch
     done = out / "A.done"
@@ -91,7 +100,14 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
         # (the leader's word; rank 1 passes None): a start is proposed before the one in flight is decided
         asked = partner is not None and group.stats.committed + len(group.exchanges.in_flight) < exchanges \
             and not (kill and group.stats.aborted)
-        group.safe_point(partner if asked else None)
+        group.safe_point(partner if asked else None, hold_bound=bound)
+        if flow and peer == "A":
+            steps += 1
+            group.hold(lambda: group.safe_point(None, hold_bound=bound, local_step=False))
+            if group.stats.committed > merges:
+                merges, between, steps = group.stats.committed, between + [steps], 0
+        elif flow:
+            time.sleep(0.1)  # a slow server: A's requests wait for B's next safe point
         if peer == "A" and kill:
             finished = group.stats.aborted >= 1 and not group.busy
         elif peer == "A":  # (B refuses a request while A's word on the last one has not come: A asks again)
@@ -100,7 +116,8 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             finished = done.exists() and not group.exchanges.held
         if all(group.group.all_json(finished)):  # stop together, or one rank waits forever in a collective
             break
-        time.sleep(0.01)
+        if not (flow and peer == "A"):  # A steps as fast as it can: what flow control must hold back
+            time.sleep(0.01)
     if peer == "A" and rank == 0:
         done.write_text("")
     save_piece(net, out / f"{peer}-{rank}.after.safetensors")
@@ -110,7 +127,8 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             y = net(probe)
         if rank == 0:
             save_file({"probe": probe, "out": y.detach().clone()}, str(out / f"{peer}-probe.safetensors"))
-    (out / f"{peer}-{rank}.stats.json").write_text(json.dumps(group.stats.__dict__))
+    (out / f"{peer}-{rank}.stats.json").write_text(json.dumps({**group.stats.__dict__, "between": between,
+                                                                 "waits": group.waits}))
     group.close()
     loop.stop()
     dist.destroy_process_group()

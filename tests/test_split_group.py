@@ -100,3 +100,24 @@ def test_fsdp2_computes_with_the_shards_the_exchanges_wrote_while_both_peers_tra
         probe = load_file(str(tmp_path / f"{peer}-probe.safetensors"))
         with torch.no_grad():
             torch.testing.assert_close(unsplit(probe["probe"]), probe["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs, tmp_path: Path) -> None:
+    """A steps as fast as it can while B answers only every 100 ms (``tests/split_ranks.py flow``): A's leader's bound
+    of FLOW_BOUND local steps past the last merge holds both of A's ranks alike (the same holds, the same steps
+    between merges), and most merges come within the bound (a reply later than two typical round trips is not held
+    for: under load a few may)."""
+    from .split_ranks import FLOW_BOUND
+
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
+    ranks = [
+        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), "6", "flow", name=f"{peer}{rank}",
+                    module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    ]
+    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    a = [json.loads((tmp_path / f"A-{r}.stats.json").read_text()) for r in (0, 1)]
+    assert a[0]["between"] == a[1]["between"] and a[0]["waits"] == a[1]["waits"], a  # every rank held alike
+    between = sorted(a[0]["between"])
+    assert len(between) >= 6 and a[0]["waits"] >= 3, a[0]
+    assert between[len(between) // 2] <= FLOW_BOUND, between  # without the hold: dozens of steps a merge

@@ -111,6 +111,15 @@ MAX_AUTO_STEPS_AHEAD = 3 * AUTO_STEPS_AHEAD
 MIN_SHARE = 0.1
 
 
+def steps_ahead(asked: int, least: int, round_trip_steps: float | None) -> int:
+    """Flow control's bound (``PairwiseAveraging.flow_bound``, whose docstring has the measurements): ``asked``
+    (``gossip.max_steps_ahead``) where given, else at least ``least`` and a round trip of the link in local steps
+    plus ``ROUND_TRIP_STEPS_AHEAD``, at most ``MAX_AUTO_STEPS_AHEAD``."""
+    if asked or round_trip_steps is None:
+        return asked or least
+    return max(least, min(MAX_AUTO_STEPS_AHEAD, math.ceil(round_trip_steps) + ROUND_TRIP_STEPS_AHEAD))
+
+
 @dataclass
 class _InFlight:
     xid: int
@@ -370,10 +379,7 @@ class PairwiseAveraging(Averaging):
         in 7.1 s with 8, 9.2 s with 16, 7.4 s with 24, and unbounded drifted
         apart until their models were non-finite after 33 s.
         """
-        steps = self.round_trip_steps(self._latency)
-        if self.config.max_steps_ahead or steps is None:
-            return self.max_ahead
-        return max(self.max_ahead, min(MAX_AUTO_STEPS_AHEAD, math.ceil(steps) + ROUND_TRIP_STEPS_AHEAD))
+        return steps_ahead(self.config.max_steps_ahead, self.max_ahead, self.round_trip_steps(self._latency))
 
     def _committed(self) -> float:
         """The weights our exchanges in flight may still take back of the model we sent, and what we served since.

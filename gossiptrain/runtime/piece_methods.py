@@ -29,8 +29,9 @@ Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
 given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
 (``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
 quasi-global momentum (off by default: ``gossip.momentum_mode = auto``), the
-guard's refusal of a partner whose model's norm is far from ours, flow
-control, staleness weights and automatic compression.
+guard's refusal of a partner whose model's norm is far from ours, staleness
+weights and automatic compression (flow control is the group's:
+``SplitGroup``).
 """
 
 from __future__ import annotations

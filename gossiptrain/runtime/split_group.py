@@ -24,6 +24,15 @@ calls after the same local step (FSDP2 and pipelines step in lockstep):
    piece once the merges are in (``PieceMethods``: every rank by the same
    numbers, the leader's measure of the link among them).
 
+**Flow control**, as a whole-model peer's (``pairwise.steps_ahead``): past
+the leader's bound of local steps since the last merge, with an exchange of
+ours in flight, the safe point ends ``held`` on every rank alike, and every
+rank runs another, without a local step, until the exchange is decided. The
+leader asks for a hold only while the exchange is younger than its link
+makes a reply late (``RttEstimator.late_after``: two typical round trips,
+``FIRST_HOLD`` before any was measured), so a dead or slow partner holds
+the group that long, not for the exchange's whole timeout.
+
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
 makes the group's next collective fail on the others (gloo: the connection
@@ -44,6 +53,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -55,6 +65,7 @@ from gossiptrain.errors import GossipError, ProtocolError
 from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
+from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
@@ -66,6 +77,8 @@ log = logging.getLogger(__name__)
 SHARE = 0.5
 #: Newcomers given their pieces at one safe point, at most (each costs a copy of the piece on the wire).
 MAX_GIVEN = 2
+#: Flow control: how long the group holds for an exchange before any reply was measured (seconds).
+FIRST_HOLD = 2.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,13 @@ class SplitGroup:
             self.link.introduction = (self.layout, self.addresses)
         self._rng = random.Random(f"{me}/{seed}")
         self._partners: dict[int, Partner] = {}  # leader: the partner of each exchange we asked for, to tell it
+        # Flow control, alike on every rank: local steps since a merge last landed, and the last safe point's verdict
+        self._since_merge, self._merges_seen = 0, 0
+        self.held = False
+        self.waits, self.waited_s = 0, 0.0  # holds (of one or more safe points without a local step), and their time
+        # leader: when each exchange of ours started, and how long they take to be decided (what makes one late)
+        self._started: dict[int, float] = {}
+        self._rtt = RttEstimator(0.0, timeout)
 
     def meet(self, addr: str, timeout: float = 10.0) -> Partner:
         """Leader only, before the first exchange with a peer: swap layouts and ranks' addresses with the leader
@@ -147,13 +167,16 @@ class SplitGroup:
         return bool(self.exchanges.in_flight)
 
     def safe_point(self, start: Partner | None = None, news: dict[str, Any] | None = None,
-                   round_trip_steps: float | None = None) -> dict[str, Any]:
+                   round_trip_steps: float | None = None, hold_bound: int | None = None,
+                   local_step: bool = True) -> dict[str, Any]:
         """After a local step, on every rank: decide, settle and apply what can be; answer the requests every rank
         holds, from the piece just taken; then start ``start`` (the leader's word; other ranks pass None; none is
         started while one of ours is still undecided). Returns the leader's ``news`` (small JSON: the swarm's word
         for the other ranks), on every rank; its ``members``, where it names them, are what the rate scaling counts
         from the next optimizer step on. ``round_trip_steps``: the leader's measure of the link's round trip in
-        local steps, for the drift correction's memory (None: not measured)."""
+        local steps, for the drift correction's memory (None: not measured). ``hold_bound``: the leader's flow
+        control bound in local steps (None: no flow control, as in the final phase); ``local_step``: False for the
+        safe points of a hold (``held``: the caller runs another until it is False, every rank alike)."""
         now = self.clock()
         methods = self.methods
         with self.lock:
@@ -174,6 +197,8 @@ class SplitGroup:
                 mine["news"] = news
             if round_trip_steps is not None:
                 mine["round_trip_steps"] = round_trip_steps
+            if hold_bound is not None and self._may_hold(now):
+                mine["hold"] = hold_bound
             wanted = self.link.take_wanted(MAX_GIVEN)
             if wanted:
                 mine["give"] = wanted
@@ -201,7 +226,12 @@ class SplitGroup:
             for rank in every:
                 for xid, requester in rank["expired"]:
                     self.exchanges.settle(int(xid), Outcome.ABORT, str(requester))
+            merges = self.stats.committed + self.stats.applied
             self.exchanges.apply()
+            self._since_merge = 0 if merges != self._merges_seen else self._since_merge + int(local_step)
+            self._merges_seen = merges
+            # Flow control's verdict, from what every rank holds alike (decided before any new start)
+            self.held = "hold" in leader and bool(self.exchanges.in_flight) and self._since_merge >= leader["hold"]
             if methods is not None:  # partners are answered from the piece apply() took: merged, not corrected
                 methods.after(leader.get("round_trip_steps"))
             # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
@@ -210,13 +240,14 @@ class SplitGroup:
             for xid, _requester in sorted(held_by_all if not (put_back or settling) else ()):
                 answers.append(self.exchanges.serve_waiting(xid, now))
             given = self.exchanges.snapshot() if "give" in leader else {}
-            if "start" in leader and not self.exchanges.in_flight and not (put_back or settling):  # ours decided (alike on every rank): the next
+            if "start" in leader and not self.exchanges.in_flight and not (put_back or settling or self.held):  # ours decided (alike on every rank): the next
                 xid, partner, addresses = leader["start"]
                 if len(addresses) != len(self.addresses):
                     raise ValueError(f"partner {partner} has {len(addresses)} ranks, this peer {len(self.addresses)}")
                 request = self.exchanges.start(int(xid), str(partner), SHARE, now)
                 if self.rank == 0:
                     self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
+                    self._started[int(xid)] = now
         for answer, addr in answers:
             self.link.answer(addr, answer)
         if request is not None:
@@ -227,6 +258,27 @@ class SplitGroup:
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
         return told
+
+    def _may_hold(self, now: float) -> bool:
+        """Leader: whether our exchange in flight is young enough to hold the group for (see the module docstring)."""
+        if not self.exchanges.in_flight:
+            return False
+        began = self._started.get(self.exchanges.in_flight[0])
+        late = self._rtt.late_after()
+        return began is not None and now - began < (FIRST_HOLD if late is None else late)
+
+    def hold(self, again: Callable[[], dict[str, Any]], pause: float = 0.001) -> dict[str, Any] | None:
+        """Flow control on every rank: while the last safe point ended ``held``, run ``again`` (a safe point without a
+        local step) after ``pause`` seconds; the last one's news (None: no hold). Counted in ``waits``/``waited_s``."""
+        if not self.held:
+            return None
+        began, news = time.monotonic(), None
+        while self.held:
+            time.sleep(pause)
+            news = again()
+        self.waits += 1
+        self.waited_s += time.monotonic() - began
+        return news
 
     def download(self, donor: Partner | None, timeout: float) -> bool:
         """A newcomer's state download, on every rank (a collective; only the leader's ``donor`` counts): each rank
@@ -262,8 +314,11 @@ class SplitGroup:
             outcome = decide([int(rank["status"].get(str(xid), Status.FAILED)) for rank in every])
             if outcome == Outcome.WAIT:
                 continue
+            began = self._started.pop(xid, None)
             if outcome == Outcome.COMMIT:
                 self.exchanges.commit(xid)
+                if began is not None:  # (leader) how long an exchange takes to be decided, for flow control
+                    self._rtt.observe(self.clock() - began)
             else:
                 self.exchanges.abort(xid)
             partner = self._partners.pop(xid, None)

@@ -40,7 +40,8 @@ together, ``finish()`` and ``close()`` at the end.
 - **Beyond plain averaging**, every rank runs the drift correction on its
   piece, the square-root rate rule on its optimizer (given on every rank,
   or found at its first step) and the stability guard over the whole
-  model's norm, by numbers the group agrees on (``piece_methods``).
+  model's norm, by numbers the group agrees on (``piece_methods``); and
+  flow control holds every rank alike (``SplitGroup.hold``).
 
 Not built yet, and said where it matters: the optimizer's state and the
 step count in that download, resuming a download cut short (it is
@@ -65,6 +66,8 @@ from gossiptrain.protocol.finish import Announce
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.pieces import PieceLayout, split_spec
 from gossiptrain.protocol.status import DONE, FINAL
+from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
+from gossiptrain.protocol.pairwise import steps_ahead
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.final_phase import FinalPhase, FinalReport
 from gossiptrain.runtime.group_worker import WorkerRank
@@ -224,20 +227,25 @@ class SplitLeaderRank:
     # -- the training loop's side ------------------------------------------------------------
 
     def step(self, samples_seen: int | None = None) -> None:
-        """Call after each optimizer step, on every rank: the group's safe point (pieces exchanged with a partner)."""
+        """Call after each optimizer step, on every rank: the group's safe point (pieces exchanged with a partner),
+        and flow control's hold (more safe points, without a local step, while the link is behind)."""
         node = self._count_step(samples_seen)  # (Peer's)
         self._safe_point(node, self._step)
+        assert self._pieces is not None
+        self._pieces.hold(lambda: self._safe_point(node, self._step, local_step=False))
 
-    def _safe_point(self, node: PeerNode, step: int) -> None:
+    def _safe_point(self, node: PeerNode, step: int, local_step: bool = True, flow: bool = True) -> dict[str, Any]:
         pieces, partners = self._pieces, self._partners
         assert pieces is not None and partners is not None
         node.step = step
         partner = partners.pick(self._live(node))
         news = dict(zip(CONTROL_FIELDS, (float(self.finish_requested), float(self.members), float(self._step))))
-        now = self._clock.now()
-        self._step_timer.at_step(step, now, 0.0)
+        if local_step:  # the step's time, holds left out
+            self._step_timer.at_step(step, self._clock.now(), pieces.waited_s)
         latency, step_time = node.latency(), self._step_timer.step_time
-        pieces.safe_point(partner, news, latency / step_time if latency is not None and step_time else None)
+        round_trip = latency / step_time if latency is not None and step_time else None
+        bound = steps_ahead(self.config.gossip.max_steps_ahead, AUTO_STEPS_AHEAD, round_trip) if flow else None
+        return pieces.safe_point(partner, news, round_trip, bound, local_step)
 
     def _live(self, node: PeerNode) -> list[tuple[str, str]]:
         """(id, address) of the live members but us; asked of the network thread only when the view changed."""
@@ -321,7 +329,7 @@ class SplitLeaderRank:
         self._group.agree(True)
         self._rounds += 1
         self._last_step_at = self._clock.now()
-        self._safe_point(node, self._step + self._rounds)
+        self._safe_point(node, self._step + self._rounds, local_step=False, flow=False)  # no steps: nothing to hold
         time.sleep(self._pace)
 
     def _group_done(self, gather: bool = False) -> None:
@@ -396,8 +404,9 @@ class SplitWorkerRank(WorkerRank):
         return self._pieces.layout
 
     def _follow(self) -> None:
-        """The group's safe point, the leader's news with it."""
+        """The group's safe point, the leader's news with it, and flow control's hold where the leader's word says."""
         news = self._pieces.safe_point(None)
+        news = self._pieces.hold(lambda: self._pieces.safe_point(None, local_step=False)) or news
         self._control = {k: float(news[k]) for k in CONTROL_FIELDS if k in news} or self._control
         self._step = int(self._control.get("steps", self._step))
 
@@ -412,7 +421,7 @@ class SplitWorkerRank(WorkerRank):
             self._pieces.methods.no_more_steps()
         rounds = 0
         while self._group.agree(False):
-            self._pieces.safe_point(None)
+            self._pieces.safe_point(None, local_step=False)
             rounds += 1
         if self._group.agree(False):  # the leader writes the merged model (its final_model): our piece for it
             self._group.whole_state(self.model, self.layout)
@@ -436,11 +445,13 @@ class SplitWorkerRank(WorkerRank):
 
 
 def piece_counts(pieces: SplitGroup) -> dict[str, Any]:
-    """A rank's piece exchanges in ``Peer.stats()``'s words (``completed``: ours applied, ``served``: theirs), every
-    count as ``piece_*``, and its methods' numbers (``drift_gain``, ``lr_scale``)."""
+    """A rank's piece exchanges in ``Peer.stats()``'s words (``completed``: ours applied, ``served``: theirs; flow
+    control's ``waits`` and ``waited_s``), every count as ``piece_*``, and its methods' numbers (``drift_gain``,
+    ``lr_scale``, the guard's)."""
     s = pieces.stats
     methods = pieces.methods.stats() if pieces.methods is not None else {}
-    return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}, **methods}
+    return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}, **methods,
+            "waits": pieces.waits, "waited_s": round(pieces.waited_s, 3)}
 
 
 def bind_piece_optimizer(pieces: SplitGroup, optimizer: torch.optim.Optimizer) -> str:
