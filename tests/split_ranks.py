@@ -14,7 +14,8 @@ FSDP2 computes from the shards the exchanges wrote. With ``flow``, every
 rank of A takes an SGD step before each safe point and A's leader asks for
 flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 100 ms
 between its safe points (where it answers); A's ranks write how many local
-steps they took between merges.
+steps they took between merges; pieces travel with ``auto`` compression,
+at the level each peer's leader sets.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pieces import local_piece
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.split_group import SplitGroup
 
@@ -67,8 +70,9 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     net = split(model(1 if peer == "A" else 2), kind, rank)
     loop = LoopThread(f"split-{peer}{rank}").start()
+    codec = get_codec("auto") if mode == "flow" else None  # (flow: the leader's compression level too)
     group = SplitGroup(dist.group.WORLD, net, me=peer, host=HOSTS[(peer, rank)], fingerprint="split-test",
-                       loop=loop, timeout=2.0, clock=time.monotonic)
+                       loop=loop, timeout=2.0, clock=time.monotonic, codec=codec, steps=StepTimer())
     save_piece(net, out / f"{peer}-{rank}.before.safetensors")
     if rank == 0:
         tmp = out / f".{peer}.json"
@@ -128,7 +132,7 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
         if rank == 0:
             save_file({"probe": probe, "out": y.detach().clone()}, str(out / f"{peer}-probe.safetensors"))
     (out / f"{peer}-{rank}.stats.json").write_text(json.dumps({**group.stats.__dict__, "between": between,
-                                                                 "waits": group.waits}))
+                                                                 "waits": group.waits, "level": group.exchanges.level}))
     group.close()
     loop.stop()
     dist.destroy_process_group()

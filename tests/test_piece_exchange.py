@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from gossiptrain.config import GossipConfig
 from gossiptrain.net.kinds import XREP, XREQ
 from gossiptrain.protocol.averaging_events import AtSafePoint, Received
+from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pairwise import PairwiseAveraging
 from gossiptrain.protocol.piece_exchange import (
     HOLD_TIMEOUTS,
@@ -275,31 +276,57 @@ def test_a_request_waits_for_the_groups_safe_point_and_is_answered_from_the_piec
     assert rank.waiting(TIMEOUT + 1.0) == []  # past the requester's deadline: it gave up, so do we
 
 
-@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
-def test_pieces_sent_in_half_precision_are_averaged_as_they_travelled_and_nothing_is_made_or_lost(wire: torch.dtype) -> None:
-    """``wire``: the pieces travel in float16 or bfloat16; both sides average the values that travelled, so the two
-    pieces end at their rounded mean, and what one side's merge adds the other's removes. A value past the wire's
-    range arrives infinite and is refused."""
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8"])
+def test_compressed_pieces_are_averaged_as_they_travelled_and_nothing_is_made_or_lost(spec: str) -> None:
+    """The pieces travel encoded (``gossip.compression``: half precision, int8); both sides average the values that
+    travelled, decoded, so the two pieces end at the mean of what travelled, and what one side's merge adds the
+    other's removes. A non-finite piece does not encode: its exchange fails on that rank, and nothing is sent."""
     g = torch.Generator().manual_seed(3)
     pa, pb = {"w": torch.randn(5, 3, generator=g)}, {"w": torch.randn(5, 3, generator=g)}
     entries = (PieceEntry("w", "float32", (5, 3), 0),)
-    a, b = (RankExchanges(p, entries, timeout=TIMEOUT, wire=wire) for p in (pa, pb))
+    codec = get_codec(spec)
+    a, b = (RankExchanges(p, entries, timeout=TIMEOUT, codec=codec) for p in (pa, pb))
     a0, b0 = pa["w"].clone(), pb["w"].clone()
     req = a.start(1, "B", 0.5, 0.0)
-    assert req.tensors["w"].dtype == wire
+    assert req is not None
     rep = b.serve("A", 1, req.tensors, req.meta, 0.0)
-    assert rep.kind == XPREP and rep.tensors["w"].dtype == wire
+    assert rep.kind == XPREP
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[spec]
+    assert req.tensors["w"].dtype == wire and rep.tensors["w"].dtype == wire
     a.reply("B", 1, rep.tensors)
     a.commit(1)
     b.settle(1, Outcome.COMMIT, "A")
     a.apply(), b.apply()
-    p_, q_ = a0.to(wire).float(), b0.to(wire).float()  # what travelled, read back
+    like = {"w": a0}
+    p_, q_ = (codec.decode(codec.encode({"w": x}), like)["w"] for x in (a0, b0))  # what travelled, read back
     torch.testing.assert_close(pa["w"], a0 + 0.5 * (q_ - p_), rtol=0, atol=1e-6)  # averaged as it travelled
     torch.testing.assert_close(pb["w"], b0 + 0.5 * (p_ - q_), rtol=0, atol=1e-6)
     torch.testing.assert_close(pa["w"] + pb["w"], a0 + b0, rtol=0, atol=1e-6)  # nothing made or lost
-    huge = {"w": torch.full((5, 3), 1e6)}
-    far = RankExchanges(huge, entries, timeout=TIMEOUT, wire=torch.float16).start(2, "B", 0.5, 0.0)
-    assert b.serve("C", 2, far.tensors, far.meta, 0.0).kind == XPNAK  # 1e6 is past float16: inf on the wire
+    bad = RankExchanges({"w": torch.full((5, 3), float("nan"))}, entries, timeout=TIMEOUT, codec=codec)
+    assert bad.start(3, "B", 0.5, 0.0) is None and bad.status(3, 0.0) == Status.FAILED
+
+
+def test_auto_pieces_travel_at_the_level_the_leader_set_and_replies_at_least_as_lossy() -> None:
+    """``auto``: every rank encodes at the level its group's leader set (``level``); a server at a more faithful
+    level answers at the request's, as a whole-model peer does; the sum is kept at every level."""
+    from gossiptrain.protocol.compression import AutoCodec
+
+    g = torch.Generator().manual_seed(4)
+    pa, pb = {"w": torch.randn(5, 3, generator=g)}, {"w": torch.randn(5, 3, generator=g)}
+    entries = (PieceEntry("w", "float32", (5, 3), 0),)
+    a, b = (RankExchanges(p, entries, timeout=TIMEOUT, codec=AutoCodec()) for p in (pa, pb))
+    total = pa["w"] + pb["w"]
+    for xid, (level_a, level_b, travelled) in enumerate([(2, 0, torch.int8), (1, 2, torch.int8), (0, 1, torch.float16)]):
+        a.level, b.level = level_a, level_b
+        req = a.start(xid, "B", 0.5, 0.0)
+        assert req is not None
+        rep = b.serve("A", xid, req.tensors, req.meta, 0.0)
+        assert rep.kind == XPREP and rep.tensors["w"].dtype == travelled, (level_a, level_b)
+        a.reply("B", xid, rep.tensors)
+        a.commit(xid)
+        b.settle(xid, Outcome.COMMIT, "A")
+        a.apply(), b.apply()
+        torch.testing.assert_close(pa["w"] + pb["w"], total, rtol=0, atol=1e-5)
 
 
 def test_a_piece_put_back_forgets_every_merge_computed_from_the_one_it_replaced() -> None:

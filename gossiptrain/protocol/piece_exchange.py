@@ -42,6 +42,17 @@ averaging cannot either: an outcome lost on the network after the
 requester committed (in practice the requester died, and its model left
 the swarm with it).
 
+**Compressed pieces.** With a codec (``gossip.compression``: fp16, bf16,
+int8) a rank encodes its piece for the wire and both sides average the
+values that travelled, decoded (its own piece as the partner reads it), so
+what one side's merge adds the other's removes: nothing is made or lost. A
+piece that does not encode (non-finite) fails its exchange on every rank;
+one that arrives non-finite is refused.
+Downloads (``snapshot``, ``install``) travel as they are. With ``auto``
+(``AutoCodec``) the group's leader sets the level every rank encodes at
+(``level``); a reply is at least as lossy as its request, as a whole-model
+peer's is, so that a requester's measure is of its own level.
+
 Sans-IO: tensors in, actions out; the driver sends the messages and runs
 the group's collective (a few hundred bytes: ``Status``, ``Outcome``;
 ``gossiptrain.runtime.split_group``).
@@ -58,7 +69,7 @@ from torch import Tensor
 
 from gossiptrain.errors import ProtocolError
 from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
-from gossiptrain.protocol.compression import first_non_finite
+from gossiptrain.protocol.compression import AutoCodec, Codec, first_non_finite
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
 from gossiptrain.state.host_buffers import BufferPool
@@ -179,6 +190,7 @@ class _Waiting:
     remote: list[Tensor]
     share: float
     deadline: float
+    level: int = 0  # the request's compression level (``auto``): the answer is at least as lossy
 
 
 @dataclass
@@ -203,7 +215,7 @@ class RankExchanges:
     """
 
     def __init__(self, piece: Mapping[str, Tensor], entries: Sequence[PieceEntry], *, timeout: float,
-                 wire: torch.dtype | None = None) -> None:
+                 codec: Codec | None = None) -> None:
         if [e.name for e in entries] != list(piece):
             raise ValueError("a rank's piece and its layout entries name the same tensors in the same order")
         if not timeout > 0:
@@ -212,9 +224,9 @@ class RankExchanges:
         self.params = list(piece.values())
         self.entries = tuple(entries)
         self.timeout = timeout
-        # Pieces travel in this dtype (float16, bfloat16; None: their own). Both sides then average the values that
-        # travelled (our own rounded as the partner received it), so what one side's merge adds the other's removes.
-        self.wire = wire
+        # Pieces travel encoded so (None: as they are). Both sides then average the values that travelled (our own as
+        # the partner decodes it), so what one side's merge adds the other's removes.
+        self.codec = codec
         self.stats = PieceStats()
         self._pool = BufferPool()
         self._pending = PendingMerges(self.params, self._pool)
@@ -227,17 +239,23 @@ class RankExchanges:
 
     # -- requester -----------------------------------------------------------------------------
 
-    def start(self, xid: int, partner: str, share: float, now: float) -> Send:
-        """Ask ``partner``'s rank of our index to average (every rank of the group, with the same xid and share)."""
+    def start(self, xid: int, partner: str, share: float, now: float) -> Send | None:
+        """Ask ``partner``'s rank of our index to average (every rank of the group, with the same xid and share).
+        None where the piece does not encode (non-finite): the exchange is failed on this rank, so every rank's
+        group aborts it (``decide``), and nothing is sent."""
         if not 0 < share <= 0.5:
             raise ValueError(f"an exchange's weight is in (0, 1/2], not {share}")
         if xid in self._asked:
             raise ValueError(f"exchange {xid} is already in flight")
-        sent = self._sent(self._base)  # started at a safe point: the piece as it took it (frozen until the next)
+        self.stats.started += 1
+        try:
+            sent = self._sent(self._base)  # started at a safe point: the piece as it took it (frozen until the next)
+        except ProtocolError:
+            self._asked[xid] = _Asked(partner, share, [], now + self.timeout, failed=True)
+            return None
         snapshot = self._as_received(sent)  # what the partner will average with
         self._asked[xid] = _Asked(partner, share, snapshot, now + self.timeout)
-        self.stats.started += 1
-        return Send(partner, XPREQ, xid, dict(zip(self.names, sent)), {"a": share})
+        return Send(partner, XPREQ, xid, sent, {"a": share})
 
     def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor]) -> None:
         """The partner rank answered: kept until the group decides (one to an exchange we do not know is ignored; a
@@ -246,7 +264,7 @@ class RankExchanges:
         if asked is None or asked.partner != sender or asked.remote is not None or asked.failed:
             return
         try:
-            asked.remote = self._checked(tensors)
+            asked.remote = self._checked(tensors, coded=True)
         except ProtocolError:
             asked.failed = True
 
@@ -291,13 +309,13 @@ class RankExchanges:
         malformed, or too many wait."""
         share = float(meta.get("a", 0.5))
         try:
-            remote = self._checked(tensors)
+            remote = self._checked(tensors, coded=True)
         except ProtocolError:
             remote = None
         if remote is None or not 0 < share <= 0.5 or xid in self._waiting or len(self._waiting) >= MAX_WAITING:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout)
+        self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout, self._level_of(tensors))
         return None
 
     def waiting(self, now: float) -> list[tuple[int, str]]:
@@ -311,32 +329,37 @@ class RankExchanges:
         """At a safe point, after ``apply``: answer a kept request (``serve``'s rules, from the piece just taken),
         and the address the answer goes to. Every rank of the group calls it for the same xids."""
         w = self._waiting.pop(xid)
-        return self._serve(w.requester, xid, w.remote, w.share, now), w.addr
+        return self._serve(w.requester, xid, w.remote, w.share, now, w.level), w.addr
 
     def serve(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float) -> Send:
         """Answer a request with our piece and hold its merge until the requester's outcome; refuse when busy
         (our own exchanges and held merges would take back more than the whole piece) or malformed."""
         try:
-            remote = self._checked(tensors)
+            remote = self._checked(tensors, coded=True)
         except ProtocolError:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now)
+        return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now, self._level_of(tensors))
 
-    def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float) -> Send:
+    def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float, level: int = 0) -> Send:
         committed = sum(x.share for x in self._asked.values()) + sum(h.share for h in self._held.values())
         # One held exchange per requester: its next request already carries what our answer to the last one did
         # to it, while our piece does not yet (a held merge is applied only on the requester's word), so the two
         # would be averaged from views one exchange apart. The requester asks again once we settled.
         again = any(h.requester == sender for h in self._held.values())
-        if not 0 < share <= 0.5 or committed + share > 1.0 or xid in self._held or again:
+        sent = None
+        if 0 < share <= 0.5 and committed + share <= 1.0 and xid not in self._held and not again:
+            try:
+                sent = self._sent(self._base, at_least=level)
+            except ProtocolError:  # our piece does not encode (non-finite): nothing to answer with
+                sent = None
+        if sent is None:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        sent = self._sent(self._base)
         delta = self._pending.difference(remote, self._as_received(sent))
         self._held[xid] = _Held(sender, delta, share, now + HOLD_TIMEOUTS * self.timeout)
         self.stats.served += 1
-        return Send(sender, XPREP, xid, dict(zip(self.names, sent)))
+        return Send(sender, XPREP, xid, sent)
 
     def settle(self, xid: int, outcome: Outcome, requester: str) -> None:
         """``requester``'s outcome, as the leader handed it to every rank: the held merge applied or dropped. The
@@ -419,24 +442,47 @@ class RankExchanges:
             torch._foreach_copy_(self.params, checked)
         self.apply()
 
-    def _sent(self, tensors: list[Tensor]) -> list[Tensor]:
-        """What goes on the wire of ``tensors``: themselves, or copies in the wire dtype."""
-        return tensors if self.wire is None else [t.to(self.wire) for t in tensors]
+    def _sent(self, tensors: list[Tensor], at_least: int = 0) -> dict[str, Tensor]:
+        """What goes on the wire of ``tensors``: themselves by name, or encoded (ProtocolError: non-finite);
+        ``at_least``: with ``auto``, a level at least that lossy."""
+        named = dict(zip(self.names, tensors))
+        codec = self.codec
+        if isinstance(codec, AutoCodec):
+            return codec.codecs[max(codec.level, at_least)].encode(named)
+        return named if codec is None else codec.encode(named)
 
-    def _as_received(self, sent: list[Tensor]) -> list[Tensor]:
-        """``sent`` as the partner reads it: in our own dtypes again (the wire's rounding kept)."""
-        return sent if self.wire is None else [t.to(p.dtype) for t, p in zip(sent, self.params)]
+    def _level_of(self, tensors: Mapping[str, Tensor]) -> int:
+        """The ``auto`` level a request came at (0 for any other codec)."""
+        return AutoCodec.level_of(tensors) if isinstance(self.codec, AutoCodec) else 0
 
-    def _checked(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
-        """The received piece in our order and dtypes; ProtocolError unless it matches our layout entry (its dtype, or
-        the wire's) exactly and is finite (a value past float16's range arrives infinite: refused, never averaged)."""
+    @property
+    def level(self) -> int:
+        """The ``auto`` level pieces are encoded at (0 for any other codec); the group's leader sets it for all."""
+        return self.codec.level if isinstance(self.codec, AutoCodec) else 0
+
+    @level.setter
+    def level(self, value: int) -> None:
+        if isinstance(self.codec, AutoCodec):
+            self.codec.level = int(value)
+
+    def _as_received(self, sent: Mapping[str, Tensor]) -> list[Tensor]:
+        """``sent`` as the partner reads it: decoded into our own dtypes (the codec's rounding kept)."""
+        if self.codec is None:
+            return list(sent.values())
+        return list(self.codec.decode(sent, dict(zip(self.names, self.params))).values())
+
+    def _checked(self, tensors: Mapping[str, Tensor], coded: bool = False) -> list[Tensor]:
+        """The received piece in our order and dtypes; ProtocolError unless it matches our layout entry exactly and is
+        finite (refused, never averaged). ``coded``: an exchange's,
+        in our codec's wire form (a download's comes as it is)."""
+        if coded and self.codec is not None:
+            return self._as_received(tensors)  # names, shapes, dtypes and finiteness checked by the codec's decode
         if list(tensors) != self.names:
             raise ProtocolError(f"a piece of {len(tensors)} tensors where this rank holds {len(self.names)}")
-        wire = str(self.wire).removeprefix("torch.") if self.wire is not None else None
         for e, t in zip(self.entries, tensors.values()):
-            if str(t.dtype).removeprefix("torch.") not in (e.dtype, wire) or tuple(t.shape) != e.shape:
+            if str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape:
                 raise ProtocolError(f"{e.name!r} is {t.dtype} {list(t.shape)}, this rank holds {e.dtype} {list(e.shape)}")
         bad = first_non_finite(tensors)  # (one pass for all, as the averaging's own check)
         if bad is not None:
             raise ProtocolError(f"{bad!r} has non-finite values")
-        return [t if t.dtype == p.dtype else t.to(p.dtype) for t, p in zip(tensors.values(), self.params)]
+        return list(tensors.values())

@@ -24,6 +24,11 @@ calls after the same local step (FSDP2 and pipelines step in lockstep):
    piece once the merges are in (``PieceMethods``: every rank by the same
    numbers, the leader's measure of the link among them).
 
+**Automatic compression** (``gossip.compression = auto``): the leader runs
+a whole-model peer's policy (``AutoCompression``) on its own exchanges'
+times and bytes and its step time, and its level rides in the gather: every
+rank encodes at it from that safe point on.
+
 **Flow control**, as a whole-model peer's (``pairwise.steps_ahead``): past
 the leader's bound of local steps since the last merge, with an exchange of
 ours in flight, the safe point ends ``held`` on every rank alike, and every
@@ -60,11 +65,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gossiptrain.config import GossipConfig, Limits
+from gossiptrain.protocol.auto_compression import AutoCompression
+from gossiptrain.protocol.compression import AutoCodec, Codec
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.net.transport import listen
 from gossiptrain.errors import GossipError, ProtocolError
 from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
+from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
 from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
@@ -108,8 +117,9 @@ class SplitGroup:
         clock: Callable[[], float],
         limits: Limits | None = None,
         seed: int = 0,
-        wire: torch.dtype | None = None,
+        codec: Codec | None = None,
         gossip: GossipConfig | None = None,
+        steps: StepTimer | None = None,
     ) -> None:
         self.group = PeerGroup(group)
         self.rank = self.group.rank
@@ -120,7 +130,7 @@ class SplitGroup:
         if self.layout.kind == "whole":
             raise ValueError("every rank holds the whole model: a DDP peer averages through its rank 0 (Peer(group=...))")
         self.lock = threading.RLock()  # the training side's safe point and the link's network side
-        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, wire=wire)
+        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec)
         limits = limits or Limits()
         self.link = PieceLink(listen(f"tcp://{host}:0", limits), limits, self.exchanges, sender=me,
                               fingerprint=fingerprint, clock=clock, lock=self.lock)
@@ -143,6 +153,12 @@ class SplitGroup:
         # leader: when each exchange of ours started, and how long they take to be decided (what makes one late)
         self._started: dict[int, float] = {}
         self._rtt = RttEstimator(0.0, timeout)
+        # leader, with ``auto``: the level every rank encodes at, from its exchanges (bytes sent, by xid) and
+        # ``steps`` (the leader's step time)
+        self._auto = (AutoCompression(codec, self.exchanges.params, steps)
+                      if self.rank == 0 and isinstance(codec, AutoCodec) else None)
+        self._sent_bytes: dict[int, int] = {}
+        self._bound = AUTO_STEPS_AHEAD
 
     def meet(self, addr: str, timeout: float = 10.0) -> Partner:
         """Leader only, before the first exchange with a peer: swap layouts and ranks' addresses with the leader
@@ -199,6 +215,9 @@ class SplitGroup:
                 mine["round_trip_steps"] = round_trip_steps
             if hold_bound is not None and self._may_hold(now):
                 mine["hold"] = hold_bound
+            if self._auto is not None:
+                mine["level"] = self.exchanges.level
+                self._bound = hold_bound or self._bound
             wanted = self.link.take_wanted(MAX_GIVEN)
             if wanted:
                 mine["give"] = wanted
@@ -210,6 +229,8 @@ class SplitGroup:
         put_back = methods is not None and methods.judge([float(rank.get("square", 0.0)) for rank in every])
         settling = methods is not None and methods.settling
         with self.lock:
+            if "level" in leader:  # (auto) what every rank encodes at from here on
+                self.exchanges.level = leader["level"]
             if put_back:
                 aborted, answers = self.exchanges.put_back()
                 for xid in aborted:
@@ -248,6 +269,8 @@ class SplitGroup:
                 if self.rank == 0:
                     self._partners[int(xid)] = Partner(str(partner), tuple(addresses))
                     self._started[int(xid)] = now
+                    if request is not None:
+                        self._sent_bytes[int(xid)] = sum(t.numel() * t.element_size() for t in request.tensors.values())
         for answer, addr in answers:
             self.link.answer(addr, answer)
         if request is not None:
@@ -314,11 +337,14 @@ class SplitGroup:
             outcome = decide([int(rank["status"].get(str(xid), Status.FAILED)) for rank in every])
             if outcome == Outcome.WAIT:
                 continue
-            began = self._started.pop(xid, None)
+            began, nbytes = self._started.pop(xid, None), self._sent_bytes.pop(xid, 0)
             if outcome == Outcome.COMMIT:
                 self.exchanges.commit(xid)
-                if began is not None:  # (leader) how long an exchange takes to be decided, for flow control
-                    self._rtt.observe(self.clock() - began)
+                if began is not None:  # (leader) how long an exchange takes to be decided: flow control, compression
+                    took = self.clock() - began
+                    self._rtt.observe(took)
+                    if self._auto is not None:
+                        self._auto.exchanged(took, nbytes, self._bound)
             else:
                 self.exchanges.abort(xid)
             partner = self._partners.pop(xid, None)

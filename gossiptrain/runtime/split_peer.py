@@ -46,9 +46,9 @@ together, ``finish()`` and ``close()`` at the end.
 Not built yet, and said where it matters: the optimizer's state and the
 step count in that download, resuming a download cut short (it is
 started over, by a peer started again), a merged model that averages
-every member's pieces, quasi-global momentum per piece,
-compression other than fp16 and bf16 (``piece_wire``), a secure swarm (the ranks' links are not CURVE-secured) and
-peers behind NAT.
+every member's pieces, quasi-global momentum per piece, top-k compression
+(``piece_codec``), a secure swarm (the ranks' links are not
+CURVE-secured) and peers behind NAT.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ import torch
 
 from gossiptrain.errors import ConfigError, GossipError
 from gossiptrain.net.addressing import advertised_host, parse_hostport, plain_address
+from gossiptrain.protocol.compression import Codec, get_codec
 from gossiptrain.protocol.finish import Announce
 from gossiptrain.protocol.param_spec import ParamSpec
 from gossiptrain.protocol.pieces import PieceLayout, split_spec
@@ -84,19 +85,20 @@ log = logging.getLogger(__name__)
 DONORS_TRIED, HELLO_WAIT = 3, 10.0
 
 
-#: ``gossip.compression`` codecs a split peer's pieces travel in (the others: uncompressed, said once).
-PIECE_CODECS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: ``gossip.compression`` codecs a split peer's pieces travel in (top-k, which needs per-edge references: uncompressed,
+#: said once).
+PIECE_CODECS = ("auto", "fp16", "bf16", "int8")
 
 
-def piece_wire(peer_config: Any, *, say: bool = False) -> torch.dtype | None:
-    """The dtype a split peer's pieces travel in: ``gossip.compression`` fp16 or bf16; none otherwise (``auto``
-    measures the link for a whole model's exchanges, which split peers do not do yet; int8 and top-k are not built
-    for pieces). ``say``: log a codec asked for and not used."""
-    codec = peer_config.gossip.compression.strip().partition(":")[0]
-    if say and codec not in PIECE_CODECS and codec not in ("none", "auto"):
+def piece_codec(peer_config: Any, *, say: bool = False) -> Codec | None:
+    """The codec a split peer's pieces travel in (``gossip.compression``: auto, fp16, bf16, int8; None: as they
+    are). ``say``: log a codec asked for and not used."""
+    spec = peer_config.gossip.compression
+    name = spec.strip().partition(":")[0]
+    if say and name not in PIECE_CODECS and name != "none":
         log.warning("split peers send their pieces uncompressed: gossip.compression=%s is not built for pieces "
-                    "(fp16 and bf16 are)", peer_config.gossip.compression)
-    return PIECE_CODECS.get(codec)
+                    "(auto, fp16, bf16 and int8 are)", spec)
+    return get_codec(spec) if name in PIECE_CODECS else None
 
 
 def exchange_timeout(peer_config: Any) -> float:
@@ -170,7 +172,8 @@ class SplitLeaderRank:
         self._pieces = pieces = SplitGroup(
             self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
             timeout=exchange_timeout(self.config), clock=self._clock.now, limits=self.config.limits,
-            seed=self._rng.getrandbits(32), wire=piece_wire(self.config, say=True), gossip=self.config.gossip,
+            seed=self._rng.getrandbits(32), codec=piece_codec(self.config, say=True), gossip=self.config.gossip,
+            steps=self._step_timer,
         )
         if self._optimizer_mode == "given":
             self._found(self.optimizer, given=True)
@@ -381,7 +384,7 @@ class SplitWorkerRank(WorkerRank):
             self._pieces = SplitGroup(
                 self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
                 timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
-                seed=random.getrandbits(32), wire=piece_wire(self.config), gossip=self.config.gossip,
+                seed=random.getrandbits(32), codec=piece_codec(self.config), gossip=self.config.gossip,
             )
             self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donor, if any
         except BaseException:
@@ -451,7 +454,7 @@ def piece_counts(pieces: SplitGroup) -> dict[str, Any]:
     s = pieces.stats
     methods = pieces.methods.stats() if pieces.methods is not None else {}
     return {"completed": s.committed, "served": s.applied, **{f"piece_{k}": v for k, v in vars(s).items()}, **methods,
-            "waits": pieces.waits, "waited_s": round(pieces.waited_s, 3)}
+            "waits": pieces.waits, "waited_s": round(pieces.waited_s, 3), "compression_level": pieces.exchanges.level}
 
 
 def bind_piece_optimizer(pieces: SplitGroup, optimizer: torch.optim.Optimizer) -> str:
