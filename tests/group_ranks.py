@@ -143,10 +143,15 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
     dist.destroy_process_group()
 
 
+#: ``newcomer``'s run: a newcomer goes on from the donor's step count (a swarm-wide field: the coordinator's too).
+NEWCOMER_RUN: dict[str, object] = {**SPLIT_RUN, "state.transfer_step": True}
+
+
 def newcomer(role: str, rank: int, join: str, init: str, out: str, marker: str) -> None:
     """A split peer's state download: the ``donor`` (FSDP2, seed 1) trains 30 steps, writes its pieces, then takes
     safe points without local steps until the ``newcomer`` (seed 2) has joined, downloaded (the ``Peer`` call) and
-    written its pieces and ``marker``. Both then finish; each writes its transfer summary."""
+    written its pieces and ``marker``. Both then finish; each writes its transfer summary and the steps it counted
+    from (the newcomer: the donor's, ``state.transfer_step``)."""
     from safetensors.torch import save_file
 
     from gossiptrain.protocol.pieces import local_piece
@@ -158,7 +163,8 @@ def newcomer(role: str, rank: int, join: str, init: str, out: str, marker: str) 
     def save(tag: str) -> None:
         save_file({n: t.detach().clone().contiguous() for n, t in local_piece(model).items()}, f"{out}.{tag}.safetensors")
 
-    with Peer(model, join=join, bind="127.0.0.1:0", config=fast_config(**SPLIT_RUN), group=dist.group.WORLD) as peer:
+    with Peer(model, join=join, bind="127.0.0.1:0", config=fast_config(**NEWCOMER_RUN), group=dist.group.WORLD) as peer:
+        steps_at_start = peer.steps
         if role == "donor":
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             gen = torch.Generator().manual_seed(rank)
@@ -177,7 +183,7 @@ def newcomer(role: str, rank: int, join: str, init: str, out: str, marker: str) 
             if rank == 0:
                 Path(marker).write_text("")
         peer.finish("budget")
-        summary = peer.transfer_summary()
+        summary = {**peer.transfer_summary(), "steps_at_start": steps_at_start}
     Path(out).write_text(json.dumps(summary))
     dist.destroy_process_group()
 

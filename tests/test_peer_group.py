@@ -17,7 +17,7 @@ from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.train.peer_workers import Workers
 
 from .conftest import fast_config
-from .group_ranks import SPLIT_RUN
+from .group_ranks import NEWCOMER_RUN, SPLIT_RUN
 from .swarm import Procs
 
 
@@ -121,8 +121,9 @@ def test_a_split_newcomer_downloads_every_ranks_piece_from_a_split_donor(
     procs: Procs, coordinator_factory: Any, tmp_path: Path
 ) -> None:
     """A 2-rank FSDP2 peer that trained; a 2-rank newcomer with another initial model joins it: each of its ranks
-    holds, bit for bit, the piece of the donor's rank of its index (the donor takes no local step meanwhile)."""
-    coord = coordinator_factory(fast_config(**SPLIT_RUN))
+    holds, bit for bit, the piece of the donor's rank of its index (the donor takes no local step meanwhile), and
+    with ``state.transfer_step`` counts on from the donor's steps."""
+    coord = coordinator_factory(fast_config(**NEWCOMER_RUN))
     join = coord.address.removeprefix("tcp://")
     marker = tmp_path / "joined"
     out = {(role, r): tmp_path / f"{role}{r}" for role in ("donor", "newcomer") for r in range(2)}
@@ -137,6 +138,7 @@ def test_a_split_newcomer_downloads_every_ranks_piece_from_a_split_donor(
     assert [p.wait(120) for p in procs_] == [0] * 4, [p.output()[-2000:] for p in procs_]
     summary = json.loads(out[("newcomer", 0)].read_text())
     assert summary["state_transfer"] == "complete" and len(summary["state_donors"]) == 1, summary
+    assert summary["steps_at_start"] >= 30, summary  # state.transfer_step: the donor's count (it trained 30 steps)
     for r in range(2):
         trained = load_file(f"{out[('donor', r)]}.trained.safetensors")
         joined = load_file(f"{out[('newcomer', r)]}.joined.safetensors")

@@ -68,6 +68,7 @@ class PieceLink(Endpoint):
         self._welcomed = threading.Condition(self.lock)
         self._wanted: dict[int, tuple[str, list[str]]] = {}  # leader: tag -> (newcomer, its ranks' addresses)
         self._awaited: dict[int, tuple[str, dict[str, Tensor] | None]] = {}  # tag -> (the donor, its piece once here)
+        self.piece_step = 0  # the donor's step at the piece awaited (``XPPIECE``'s ``step``)
         self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome,
                          XPHELLO: self._on_hello, XPWELCOME: self._on_welcome, XPSTATE: self._on_want,
                          XPPIECE: self._on_piece}
@@ -139,14 +140,16 @@ class PieceLink(Endpoint):
             tags = list(self._wanted)[:most]
             return [(tag, *self._wanted.pop(tag)) for tag in tags]
 
-    def give(self, addr: str, tag: int, piece: Mapping[str, Tensor]) -> None:
-        """Donor's rank to the newcomer's rank at ``addr``: our piece as of this safe point, from any thread."""
-        self._post(addr, XPPIECE, {"tag": tag}, piece)
+    def give(self, addr: str, tag: int, piece: Mapping[str, Tensor], step: int = 0) -> None:
+        """Donor's rank to the newcomer's rank at ``addr``: our piece as of this safe point (the donor's ``step``
+        then), from any thread."""
+        self._post(addr, XPPIECE, {"tag": tag, "step": step}, piece)
 
     def await_piece(self, tag: int, donor: str) -> None:
         """From now on, keep ``donor``'s piece of ``tag`` (``XPPIECE``) for ``wait_piece``; any other is dropped."""
         with self.lock:
             self._awaited = {tag: (donor, None)}
+            self.piece_step = 0
 
     def wait_piece(self, tag: int, timeout: float) -> dict[str, Tensor] | None:
         """The piece awaited (``await_piece``), or None if it has not come within ``timeout`` seconds."""
@@ -222,6 +225,8 @@ class PieceLink(Endpoint):
                 self.stats.unexpected += 1
                 return
             self._awaited[tag] = (msg.sender, dict(msg.tensors))
+            step = msg.body.get("step", 0) if isinstance(msg.body, dict) else 0
+            self.piece_step = step if type(step) is int and 0 <= step <= _XID_MAX else 0  # the donor's, for its leader
             self._welcomed.notify_all()
 
     def _on_welcome(self, msg: Message, frames: Sequence[object]) -> None:

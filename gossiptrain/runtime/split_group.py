@@ -148,6 +148,7 @@ class SplitGroup:
         self._partners: dict[int, Partner] = {}  # leader: the partner of each exchange we asked for, to tell it
         # Flow control, alike on every rank: local steps since a merge last landed, and the last safe point's verdict
         self._since_merge, self._merges_seen = 0, 0
+        self.downloaded_step = 0  # the donor's step at the pieces downloaded (``download``)
         self.held = False
         self.waits, self.waited_s = 0, 0.0  # holds (of one or more safe points without a local step), and their time
         # leader: when each exchange of ours started, and how long they take to be decided (what makes one late)
@@ -275,8 +276,9 @@ class SplitGroup:
             self.link.answer(addr, answer)
         if request is not None:
             self.link.ask(request, addresses[self.rank])
+        step = int(leader.get("news", {}).get("steps", 0))  # the leader's count, for a newcomer that takes it
         for tag, _newcomer, where in leader.get("give", []):  # every rank its piece as of this safe point: one model
-            self.link.give(where[self.rank], int(tag), given)
+            self.link.give(where[self.rank], int(tag), given, step)
         told = dict(leader.get("news", {}))
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
@@ -307,7 +309,8 @@ class SplitGroup:
         """A newcomer's state download, on every rank (a collective; only the leader's ``donor`` counts): each rank
         asks for, and installs, the piece of the donor's rank of its index, all of them as of one safe point of the
         donor; installed on every rank or on none (a piece that did not come, or does not fit, on any rank: each
-        keeps its own). Before the first exchange. True if installed."""
+        keeps its own). Before the first exchange. True if installed; ``downloaded_step`` is then the donor's step
+        at that safe point."""
         plan = [self._rng.getrandbits(62), donor.id, list(donor.addresses)] if self.rank == 0 and donor else None
         plan = self.group.all_json(plan)[0]
         if plan is None:
@@ -328,6 +331,7 @@ class SplitGroup:
         with self.lock:
             assert piece is not None
             self.exchanges.install(piece)
+        self.downloaded_step = self.link.piece_step
         return True
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:

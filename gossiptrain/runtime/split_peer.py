@@ -43,8 +43,9 @@ together, ``finish()`` and ``close()`` at the end.
   model's norm, by numbers the group agrees on (``piece_methods``); and
   flow control holds every rank alike (``SplitGroup.hold``).
 
-Not built yet, and said where it matters: the optimizer's state and the
-step count in that download, resuming a download cut short (it is
+With ``state.transfer_step`` the newcomer goes on from the donor's step
+count. Not built yet, and said where it matters: the optimizer's state in
+that download (``state.transfer_optimizer``), resuming a download cut short (it is
 started over, by a peer started again), a merged model that averages
 every member's pieces, quasi-global momentum per piece, top-k compression
 (``piece_codec``), a secure swarm (the ranks' links are not
@@ -185,7 +186,9 @@ class SplitLeaderRank:
         if donor is not None:
             self._piece_transfer = ("complete" if got else "failed", [donor.id])
             if got:
-                log.info("downloaded every rank's piece from %s", donor.id)
+                log.info("downloaded every rank's piece from %s (its step %d)", donor.id, pieces.downloaded_step)
+                if self.config.state.transfer_step:  # the donor's step count goes on here (state.transfer_step)
+                    self.resume_at(pieces.downloaded_step)
             else:
                 log.warning("could not download the pieces from %s within state.max_seconds=%g: this peer starts from "
                             "its own model, and its exchanges bring it to the swarm's", donor.id,
