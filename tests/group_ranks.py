@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gossiptrain.config import SecurityConfig
 from gossiptrain.runtime.peer import Peer
 
 from .conftest import fast_config
@@ -81,12 +82,14 @@ def split_model(kind: str, rank: int, seed: int) -> torch.nn.Module:
     return model[:2] if rank == 0 else model[2:]  # pipeline stages: rank 0 the first layers, rank 1 the last
 
 
-def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps: int, die_at: int = 0) -> None:
+def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps: int, die_at: int = 0,
+          secret: str = "", allow: str = "") -> None:
     """One rank of a peer of two ranks whose model FSDP2 sharded or cut into pipeline stages: it joins, trains
     ``steps`` steps on its own batches (a pipeline: GPipe over the two stages) and finishes, rank 0 writing the
     merged model (``OUT.merged.safetensors``); it writes its piece at the start and the end, what ``Peer`` made of
     it, and its counts. A join refused is written as the error.
-    ``die_at``: rank 1 dies (``os._exit``) at that step, and rank 0 writes the error its next collective raised."""
+    ``die_at``: rank 1 dies (``os._exit``) at that step, and rank 0 writes the error its next collective raised.
+    ``secret``, ``allow``: a secure swarm's keys (every rank is given the peer's)."""
     import os
 
     from safetensors.torch import save_file
@@ -98,6 +101,7 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     model = split_model(kind, rank, seed)
     config = fast_config(**SPLIT_RUN)
+    security = SecurityConfig(secret, allow) if secret else None
 
     def save(tag: str) -> None:
         save_file({n: t.detach().clone().contiguous() for n, t in local_piece(model).items()}, f"{out}.{tag}.safetensors")
@@ -105,7 +109,7 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
     save("start")
     result: dict[str, object] = {}
     try:
-        with Peer(model, join=join, bind="127.0.0.1:0", config=config, group=dist.group.WORLD) as peer:
+        with Peer(model, join=join, bind="127.0.0.1:0", config=config, group=dist.group.WORLD, security=security) as peer:
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             gen = torch.Generator().manual_seed(100 * seed + rank)
             schedule = None
@@ -130,7 +134,8 @@ def split(kind: str, rank: int, join: str, init: str, out: str, seed: int, steps
                     os._exit(3)
                 peer.step()
             report = peer.finish("budget", final_model=f"{out}.merged.safetensors" if rank == 0 else None)
-            result = {"kind": type(peer).__name__, "id": peer.id, "stats": peer.stats(), "final": report.to_record()}
+            result = {"kind": type(peer).__name__, "id": peer.id, "stats": peer.stats(), "final": report.to_record(),
+                      "piece_address": peer.piece_address}
     except GossipError as e:
         result = {"error": str(e)}
     except RuntimeError as e:  # gloo's, at the collective after a rank died
@@ -222,7 +227,7 @@ def solo(join: str, steps: int) -> None:
         peer.finish("budget")
 
 
-if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT SEED STEPS [DIE_AT] | newcomer ROLE RANK JOIN INIT OUT MARKER | whole JOIN OUT | solo JOIN STEPS
+if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT OUT STEPS | split KIND RANK JOIN INIT OUT SEED STEPS [DIE_AT [SECRET ALLOW]] | newcomer ROLE RANK JOIN INIT OUT MARKER | whole JOIN OUT | solo JOIN STEPS
     import sys
 
     what, *rest = sys.argv[1:]
@@ -233,6 +238,6 @@ if __name__ == "__main__":  # python -m tests.group_ranks train RANK JOIN INIT O
     elif what == "whole":
         whole(rest[0], rest[1])
     elif what == "split":
-        split(rest[0], int(rest[1]), rest[2], rest[3], rest[4], int(rest[5]), int(rest[6]), *map(int, rest[7:8]))
+        split(rest[0], int(rest[1]), rest[2], rest[3], rest[4], int(rest[5]), int(rest[6]), *map(int, rest[7:8]), *rest[8:10])
     else:
         solo(rest[0], int(rest[1]))

@@ -330,6 +330,33 @@ def test_allowed_members_join_and_exchange_over_curve(ring: Keyring, coordinator
     assert coord.coordinator.stats.joins_answered == 2
 
 
+def test_split_peers_average_their_pieces_over_curve(ring: Keyring, coordinators: Any, procs: Procs, tmp_path: Path) -> None:
+    """Two peers of 2 FSDP2 ranks in a secure swarm, every rank given its peer's keys (``tests/group_ranks.py``):
+    both join, every rank's own link is CURVE-secured, and their pieces average (every rank counts the same
+    exchanges) with no handshake failing."""
+    from gossiptrain.net.addressing import free_loopback_port
+
+    from .group_ranks import SPLIT_RUN
+
+    coord = coordinators(fast_config(**SPLIT_RUN), security=ring.security("coordinator"))
+    outs = {(p, r): tmp_path / f"{p}{r}.json" for p in ("alice", "bob") for r in range(2)}
+    ranks = []
+    for seed, name in ((1, "alice"), (2, "bob")):
+        init = f"tcp://127.0.0.1:{free_loopback_port()}"
+        ranks += [procs.start("split", "fsdp", str(r), join_of(coord), init, str(outs[(name, r)]), str(seed), "60", "0",
+                              str(ring.keys / f"{name}.key_secret"), str(ring.allow), name=f"{name}{r}",
+                              module="tests.group_ranks") for r in range(2)]
+    assert [p.wait(120) for p in ranks] == [0] * 4, [p.output()[-2000:] for p in ranks]
+    for name in ("alice", "bob"):
+        leader, worker = (json.loads(outs[(name, r)].read_text()) for r in range(2))
+        assert leader.get("kind") == "SplitPeer", leader
+        counts = [{k: v for k, v in x["stats"].items() if k in ("completed", "served")} for x in (leader, worker)]
+        assert counts[0] == counts[1] and sum(counts[0].values()) > 0, counts
+        assert leader["stats"]["handshake_failures"] == 0, leader["stats"]
+        public = read_public_key(ring.keys / f"{name}.key", "test")
+        assert all(split_curve_address(x["piece_address"])[1] == public for x in (leader, worker))  # CURVE, its keys
+
+
 def test_a_secure_members_id_is_its_keys_and_nobody_speaks_for_another(ring: Keyring, coordinators: Any) -> None:
     """Ids are derived from keys, CURVE proves each connection's key: alice can neither send as carol nor move her."""
     ring.make("carol")

@@ -64,7 +64,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gossiptrain.config import GossipConfig, Limits
+from gossiptrain.config import GossipConfig, Limits, SecurityConfig
 from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.compression import AutoCodec, Codec
 from gossiptrain.protocol.step_timer import StepTimer
@@ -120,6 +120,7 @@ class SplitGroup:
         codec: Codec | None = None,
         gossip: GossipConfig | None = None,
         steps: StepTimer | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.group = PeerGroup(group)
         self.rank = self.group.rank
@@ -132,7 +133,9 @@ class SplitGroup:
         self.lock = threading.RLock()  # the training side's safe point and the link's network side
         self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec)
         limits = limits or Limits()
-        self.link = PieceLink(listen(f"tcp://{host}:0", limits), limits, self.exchanges, sender=me,
+        # (security: CURVE with the peer's keys, every rank alike: partners' ranks dial the addresses, keys in them,
+        # that the leaders swap)
+        self.link = PieceLink(listen(f"tcp://{host}:0", limits, security=security), limits, self.exchanges, sender=me,
                               fingerprint=fingerprint, clock=clock, lock=self.lock)
         loop.run(self.link.start(timeout=10), timeout=15)
         # Every rank's address, and whether its piece of the model keeps running statistics (one rank's BatchNorm

@@ -44,12 +44,15 @@ together, ``finish()`` and ``close()`` at the end.
   flow control holds every rank alike (``SplitGroup.hold``).
 
 With ``state.transfer_step`` the newcomer goes on from the donor's step
-count. Not built yet, and said where it matters: the optimizer's state in
-that download (``state.transfer_optimizer``), resuming a download cut short (it is
-started over, by a peer started again), a merged model that averages
+count. In a secure swarm every rank is given the peer's keys
+(``security=``, the same on every rank) and its own link is CURVE-secured
+with them.
+
+Not built yet, and said where it matters: the optimizer's state in the
+download (``state.transfer_optimizer``), resuming a download cut short (it
+is started over, by a peer started again), a merged model that averages
 every member's pieces, quasi-global momentum per piece, top-k compression
-(``piece_codec``), a secure swarm (the ranks' links are not
-CURVE-secured) and peers behind NAT.
+(``piece_codec``) and peers behind NAT.
 """
 
 from __future__ import annotations
@@ -118,11 +121,8 @@ class SplitLeaderRank:
     _split_model = True
 
     def __init__(self, model: torch.nn.Module, join: str, **kwargs: Any) -> None:
-        if kwargs.get("security") is not None:
-            problem = ("a split peer in a secure swarm is not built yet: its ranks' own links are not CURVE-secured; "
-                       "run it in an open swarm on a trusted network, or as DDP inside the peer")
-            self._tell_workers(kwargs.get("group"), problem)
-            raise ConfigError(problem)
+        # In a secure swarm every rank's link is CURVE-secured with this peer's keys (every rank is given them)
+        self._piece_security = kwargs.get("security")
         self._pieces: SplitGroup | None = None
         self._partners: PartnerBook | None = None
         self._download_wanted = False
@@ -142,6 +142,12 @@ class SplitLeaderRank:
         """What each rank of this peer holds (``gossiptrain.protocol.pieces``)."""
         assert self._pieces is not None
         return self._pieces.layout
+
+    @property
+    def piece_address(self) -> str:
+        """Where this rank's own link listens (in a secure swarm the address carries its CURVE key)."""
+        assert self._pieces is not None
+        return self._pieces.link.address
 
     # -- joining ---------------------------------------------------------------------------------
 
@@ -174,7 +180,7 @@ class SplitLeaderRank:
             self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
             timeout=exchange_timeout(self.config), clock=self._clock.now, limits=self.config.limits,
             seed=self._rng.getrandbits(32), codec=piece_codec(self.config, say=True), gossip=self.config.gossip,
-            steps=self._step_timer,
+            steps=self._step_timer, security=self._piece_security,
         )
         if self._optimizer_mode == "given":
             self._found(self.optimizer, given=True)
@@ -388,6 +394,7 @@ class SplitWorkerRank(WorkerRank):
                 self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
                 timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
                 seed=random.getrandbits(32), codec=piece_codec(self.config), gossip=self.config.gossip,
+                security=member_only.get("security"),
             )
             self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donor, if any
         except BaseException:
@@ -408,6 +415,10 @@ class SplitWorkerRank(WorkerRank):
     @property
     def layout(self) -> PieceLayout:
         return self._pieces.layout
+
+    @property
+    def piece_address(self) -> str:
+        return self._pieces.link.address
 
     def _follow(self) -> None:
         """The group's safe point, the leader's news with it, and flow control's hold where the leader's word says."""
