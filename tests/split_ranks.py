@@ -15,7 +15,8 @@ rank of A takes an SGD step before each safe point and A's leader asks for
 flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 100 ms
 between its safe points (where it answers); A's ranks write how many local
 steps they took between merges; pieces travel with ``auto`` compression,
-at the level each peer's leader sets.
+at the level each peer's leader sets. With ``download``, A downloads B's
+pieces, its leader naming first a donor that never answers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pieces import local_piece
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
-from gossiptrain.runtime.split_group import SplitGroup
+from gossiptrain.net.addressing import free_loopback_port
+from gossiptrain.runtime.split_group import Partner, SplitGroup
 
 FLOW_BOUND = 4
 
@@ -86,6 +88,12 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             time.sleep(0.02)
         partner = group.meet(json.loads(other.read_text())[0])
         assert partner.id == "B" and partner.addresses == tuple(json.loads(other.read_text()))
+    if mode == "download":
+        newcomer(peer, rank, group, partner, net, out)
+        group.close()
+        loop.stop()
+        dist.destroy_process_group()
+        return
     kill, flow = mode == "kill", mode == "flow"
     train = mode in ("train", "flow")
     bound = FLOW_BOUND if flow and (peer, rank) == ("A", 0) else None  # the leader's word holds every rank
@@ -136,6 +144,28 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     group.close()
     loop.stop()
     dist.destroy_process_group()
+
+
+def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, net: nn.Module, out: Path) -> None:
+    """``download``: A downloads B's pieces, its leader naming first a donor that never answers (nobody listens at
+    its ranks' addresses), then B; B takes safe points (where it answers) until A is done."""
+    if peer == "A":
+        candidates: list[Partner] = []
+        if rank == 0:
+            assert partner is not None
+            gone = tuple(f"tcp://127.0.0.{65 + r}:{free_loopback_port()}" for r in range(2))
+            candidates = [Partner("gone", gone, steps=1), partner]
+        got = group.download((lambda: candidates.pop(0) if candidates else None) if rank == 0 else None, timeout=6.0)
+        (out / f"A-{rank}.stats.json").write_text(json.dumps({"got": got}))
+        if all(group.group.all_json(True)) and rank == 0:
+            (out / "A.done").write_text("")
+    else:
+        while True:
+            group.safe_point(None)
+            if all(group.group.all_json((out / "A.done").exists())):
+                break
+            time.sleep(0.01)
+    save_piece(net, out / f"{peer}-{rank}.after.safetensors")
 
 
 if __name__ == "__main__":

@@ -123,3 +123,20 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
     between = sorted(a[0]["between"])
     assert len(between) >= 6 and a[0]["waits"] >= 3, a[0]
     assert between[len(between) // 2] <= FLOW_BOUND, between  # without the hold: dozens of steps a merge
+
+
+def test_a_newcomer_whose_first_donor_never_answers_downloads_from_the_next(procs: Procs, tmp_path: Path) -> None:
+    """A's leader names a donor nobody answers for, then B (``tests/split_ranks.py download``): every rank of A gives
+    up on the first within half the time allowed, together, and then holds B's piece of its index, bit for bit."""
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
+    ranks = [
+        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), "0", "download", name=f"{peer}{rank}",
+                    module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    ]
+    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"A-{r}.stats.json").read_text()) == {"got": "B"}
+        a, b = (load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")) for peer in "AB")
+        before = load_file(str(tmp_path / f"A-{r}.before.safetensors"))
+        assert all(torch.equal(a[k], b[k]) and not torch.equal(before[k], b[k]) for k in a)

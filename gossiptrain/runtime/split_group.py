@@ -308,34 +308,44 @@ class SplitGroup:
         self.waited_s += time.monotonic() - began
         return news
 
-    def download(self, donor: Partner | None, timeout: float) -> bool:
-        """A newcomer's state download, on every rank (a collective; only the leader's ``donor`` counts): each rank
-        asks for, and installs, the piece of the donor's rank of its index, all of them as of one safe point of the
-        donor; installed on every rank or on none (a piece that did not come, or does not fit, on any rank: each
-        keeps its own). Before the first exchange. True if installed; ``downloaded_step`` is then the donor's step
-        at that safe point."""
-        plan = [self._rng.getrandbits(62), donor.id, list(donor.addresses)] if self.rank == 0 and donor else None
-        plan = self.group.all_json(plan)[0]
-        if plan is None:
-            return False
-        tag, donor_id, addresses = int(plan[0]), str(plan[1]), plan[2]
-        self.link.await_piece(tag, donor_id)
-        if self.rank == 0:
-            self.link.want(addresses[0], tag, self.addresses)
-        piece = self.link.wait_piece(tag, timeout)
-        with self.lock:
-            try:
-                fits = piece is not None and self.exchanges.fits(piece)
-            except (ProtocolError, ValueError) as e:
-                log.warning("state download: rank %d's piece from %s does not go in: %s", self.rank, donor_id, e)
-                fits = False
-        if not all(self.group.all_json(fits)):
-            return False
-        with self.lock:
-            assert piece is not None
-            self.exchanges.install(piece)
-        self.downloaded_step = self.link.piece_step
-        return True
+    def download(self, next_donor: Callable[[], Partner | None] | None, timeout: float) -> str | None:
+        """A newcomer's state download, on every rank (a collective; only the leader's ``next_donor`` counts: the
+        next member to try, None when there is none): each rank asks for, and installs, the piece of the donor's
+        rank of its index, all of them as of one safe point of the donor; installed on every rank or on none (a
+        piece that did not come, or does not fit, on any rank: the next donor is asked, from the start). Within
+        ``timeout`` seconds in all, a donor given at most half of what is left (so that one that never answers
+        leaves time for another). Before the first exchange. The id of the donor installed (``downloaded_step``:
+        its step then), or None (each rank keeps its own piece)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            plan = None
+            left = deadline - time.monotonic()
+            if self.rank == 0 and next_donor is not None and left > 0:
+                donor = next_donor()
+                if donor is not None:
+                    plan = [self._rng.getrandbits(62), donor.id, list(donor.addresses), left / 2]
+            plan = self.group.all_json(plan)[0]
+            if plan is None:
+                return None
+            tag, donor_id, addresses, wait = int(plan[0]), str(plan[1]), plan[2], float(plan[3])
+            self.link.await_piece(tag, donor_id)
+            if self.rank == 0:
+                self.link.want(addresses[0], tag, self.addresses)
+            piece = self.link.wait_piece(tag, wait)
+            with self.lock:
+                try:
+                    fits = piece is not None and self.exchanges.fits(piece)
+                except (ProtocolError, ValueError) as e:
+                    log.warning("state download: rank %d's piece from %s does not go in: %s", self.rank, donor_id, e)
+                    fits = False
+            if all(self.group.all_json(fits)):
+                with self.lock:
+                    assert piece is not None
+                    self.exchanges.install(piece)
+                self.downloaded_step = self.link.piece_step
+                return donor_id
+            if self.rank == 0:
+                log.warning("state download: %s's pieces did not all come in time, or do not fit", donor_id)
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""

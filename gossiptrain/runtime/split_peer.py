@@ -35,7 +35,8 @@ together, ``finish()`` and ``close()`` at the end.
   its leader meets one (at random, so newcomers spread over the swarm), and
   every rank gets the piece of the donor's rank of its index, all of them
   as of one safe point of the donor (``SplitGroup.download``); installed
-  on every rank or on none.
+  on every rank or on none. A donor whose pieces do not all come in time is
+  left for the next (up to ``DONORS_TRIED``), the download started over.
 
 - **Beyond plain averaging**, every rank runs the drift correction on its
   piece, the square-root rate rule on its optimizer (given on every rank,
@@ -187,17 +188,18 @@ class SplitLeaderRank:
         self._partners = PartnerBook(pieces.link, pieces.layout, pieces.addresses, clock=self._clock.now, rng=self._rng)
         node = self._node
         log.info("split peer: %s; each rank averages its piece", pieces.layout.describe())
-        donor = self._pick_donor(node) if self._download_wanted else None
-        got = pieces.download(donor, timeout=self.config.state.max_seconds)  # every rank, alike
-        if donor is not None:
-            self._piece_transfer = ("complete" if got else "failed", [donor.id])
+        tried: list[str] = []
+        donors = self._donors(node, tried) if self._download_wanted else None
+        got = pieces.download(donors, timeout=self.config.state.max_seconds)  # every rank, alike
+        if tried:
+            self._piece_transfer = ("complete" if got else "failed", tried)
             if got:
-                log.info("downloaded every rank's piece from %s (its step %d)", donor.id, pieces.downloaded_step)
+                log.info("downloaded every rank's piece from %s (its step %d)", got, pieces.downloaded_step)
                 if self.config.state.transfer_step:  # the donor's step count goes on here (state.transfer_step)
                     self.resume_at(pieces.downloaded_step)
             else:
                 log.warning("could not download the pieces from %s within state.max_seconds=%g: this peer starts from "
-                            "its own model, and its exchanges bring it to the swarm's", donor.id,
+                            "its own model, and its exchanges bring it to the swarm's", ", ".join(tried),
                             self.config.state.max_seconds)
 
         async def ready() -> None:  # past the download: partners may meet us, and the rendezvous count us
@@ -206,21 +208,35 @@ class SplitLeaderRank:
 
         self._loop.run(ready(), timeout=10)
 
-    def _pick_donor(self, node: PeerNode) -> Partner | None:
-        """A live member to download from, met (its ranks' addresses): a few tried in random order, so that
-        newcomers spread over the swarm instead of all asking the same member."""
+    def _donors(self, node: PeerNode, tried: list[str]) -> Callable[[], Partner | None]:
+        """The next live member to download from, met when asked for (its ranks' addresses), each added to
+        ``tried``: up to ``DONORS_TRIED`` in random order, so that newcomers spread over the swarm instead of all
+        asking the same member, and another is asked where one's pieces do not all come. None once they are
+        spent, or where the first to answer has not trained (a fresh swarm: nothing to download)."""
         assert self._pieces is not None and self._partners is not None
         members = list(self._live(node))
         self._rng.shuffle(members)
-        for mid, addr in members[:DONORS_TRIED]:
-            try:
-                partner = self._pieces.meet(addr, timeout=min(HELLO_WAIT, self.config.state.max_seconds))
-            except GossipError as e:
-                log.warning("state download: %s", e)
-                continue
-            self._partners.met[mid] = partner
-            return partner if partner.steps > 0 else None  # a fresh swarm: nothing trained to download
-        return None
+        queue = members[:DONORS_TRIED]
+
+        def next_donor() -> Partner | None:
+            assert self._pieces is not None and self._partners is not None
+            while queue:
+                mid, addr = queue.pop(0)
+                try:
+                    partner = self._pieces.meet(addr, timeout=min(HELLO_WAIT, self.config.state.max_seconds))
+                except GossipError as e:
+                    log.warning("state download: %s", e)
+                    continue
+                self._partners.met[mid] = partner
+                if partner.steps == 0:
+                    if not tried:  # the first to answer never trained: a fresh swarm
+                        return None
+                    continue
+                tried.append(mid)
+                return partner
+            return None
+
+        return next_donor
 
     def transfer_summary(self) -> dict[str, Any]:
         status, donors = self._piece_transfer
@@ -396,7 +412,7 @@ class SplitWorkerRank(WorkerRank):
                 seed=random.getrandbits(32), codec=piece_codec(self.config), gossip=self.config.gossip,
                 security=member_only.get("security"),
             )
-            self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donor, if any
+            self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donors, if any
         except BaseException:
             self._loop.stop()
             raise
