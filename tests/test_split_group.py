@@ -28,18 +28,23 @@ from .swarm import Procs
 EXCHANGES = 3
 
 
+def run_pair(procs: Procs, tmp_path: Path, kind: str, exchanges: int, mode: str = "") -> None:
+    """Peers A and B of 2 ranks each (``tests/split_ranks.py``, 4 processes) to their end, every one exiting 0."""
+    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
+    ranks = [
+        procs.start(peer, str(rank), str(ports[peer]), kind, str(tmp_path), str(exchanges), *([mode] if mode else []),
+                    name=f"{peer}{rank}", module="tests.split_ranks")
+        for peer in ("A", "B") for rank in (0, 1)
+    ]
+    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+
+
 
 @pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
 def test_split_peers_average_piece_by_piece_over_their_ranks_own_sockets(
     procs: Procs, tmp_path: Path, kind: str
 ) -> None:
-    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
-    ranks = [
-        procs.start(peer, str(rank), str(ports[peer]), kind, str(tmp_path), str(EXCHANGES), name=f"{peer}{rank}",
-                    module="tests.split_ranks")
-        for peer in ("A", "B") for rank in (0, 1)
-    ]
-    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    run_pair(procs, tmp_path, kind, EXCHANGES)
     stats = {(peer, r): json.loads((tmp_path / f"{peer}-{r}.stats.json").read_text()) for peer in "AB" for r in (0, 1)}
     assert all(stats[("A", r)]["committed"] == EXCHANGES and stats[("B", r)]["applied"] == EXCHANGES for r in (0, 1)), stats
     assert stats[("A", 0)]["aborted"] == stats[("A", 1)]["aborted"]  # all or none: every rank saw the same outcomes
@@ -81,13 +86,7 @@ def test_a_rank_of_the_server_that_dies_leaves_no_half_applied_exchange(procs: P
 def test_fsdp2_computes_with_the_shards_the_exchanges_wrote_while_both_peers_train(procs: Procs, tmp_path: Path) -> None:
     """Local steps between safe points, as a training loop takes them: the exchanges write each rank's shard, and
     FSDP2's next forward gathers those; the pieces, put together, are the model FSDP2 runs."""
-    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
-    ranks = [
-        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), str(EXCHANGES), "train", name=f"{peer}{rank}",
-                    module="tests.split_ranks")
-        for peer in ("A", "B") for rank in (0, 1)
-    ]
-    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    run_pair(procs, tmp_path, "fsdp", EXCHANGES, "train")
     stats = [json.loads((tmp_path / f"A-{r}.stats.json").read_text()) for r in (0, 1)]
     assert stats[0]["committed"] == stats[1]["committed"] == EXCHANGES, stats
     for peer in "AB":
@@ -109,13 +108,7 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
     for: under load a few may)."""
     from .split_ranks import FLOW_BOUND
 
-    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
-    ranks = [
-        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), "6", "flow", name=f"{peer}{rank}",
-                    module="tests.split_ranks")
-        for peer in ("A", "B") for rank in (0, 1)
-    ]
-    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    run_pair(procs, tmp_path, "fsdp", 6, "flow")
     a = [json.loads((tmp_path / f"A-{r}.stats.json").read_text()) for r in (0, 1)]
     assert a[0]["between"] == a[1]["between"] and a[0]["waits"] == a[1]["waits"], a  # every rank held alike
     b = [json.loads((tmp_path / f"B-{r}.stats.json").read_text()) for r in (0, 1)]
@@ -128,13 +121,7 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
 def test_a_newcomer_whose_first_donor_never_answers_downloads_from_the_next(procs: Procs, tmp_path: Path) -> None:
     """A's leader names a donor nobody answers for, then B (``tests/split_ranks.py download``): every rank of A gives
     up on the first within half the time allowed, together, and then holds B's piece of its index, bit for bit."""
-    ports = {"A": free_loopback_port(), "B": free_loopback_port()}
-    ranks = [
-        procs.start(peer, str(rank), str(ports[peer]), "fsdp", str(tmp_path), "0", "download", name=f"{peer}{rank}",
-                    module="tests.split_ranks")
-        for peer in ("A", "B") for rank in (0, 1)
-    ]
-    assert [p.wait(120) for p in ranks] == [0, 0, 0, 0], [p.output()[-3000:] for p in ranks]
+    run_pair(procs, tmp_path, "fsdp", 0, "download")
     for r in (0, 1):
         assert json.loads((tmp_path / f"A-{r}.stats.json").read_text()) == {"got": "B"}
         a, b = (load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")) for peer in "AB")
