@@ -16,7 +16,8 @@ same samples per round, AdamW, a coordinator each; at equal samples (a fixed
 number of steps) and at equal time (a fixed number of seconds), each peer's
 model gathered from its pieces and evaluated on the validation text here.
 
-    python experiments/model_parallel.py [--part memory|loss|both] [--quick] [--seeds N] [--steps N] [--seconds S] [--out DIR]
+    python experiments/model_parallel.py [--part memory|loss|both] [--quick] [--seeds N] [--steps N] [--seconds S]
+        [--modes samples,time] [--defaults] [--out DIR]
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def memory_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[st
 
 
 ARMS = ("fsdp", "pipeline", "ddp", "single")
+MODES = ("samples", "time")
 ARM_WORDS = {"fsdp": "2 peers x 2 FSDP2 ranks", "pipeline": "2 peers x 2 pipeline stages",
              "ddp": "2 peers x 2 DDP ranks", "single": "4 peers x 1 rank"}
 
@@ -204,7 +206,7 @@ ARM_WORDS = {"fsdp": "2 peers x 2 FSDP2 ranks", "pipeline": "2 peers x 2 pipelin
 def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One swarm of ``arm`` (``experiments/model_parallel_ranks.py``) to a number of steps or of seconds; each peer's
     model gathered from its pieces and evaluated here. Returns the run's row."""
-    from experiments.model_parallel_ranks import PEERS, RUN
+    from experiments.model_parallel_ranks import PEERS, run_fields
     from gossiptrain.protocol.pieces import WHOLE, PieceEntry, PieceLayout, gather
     from gossiptrain.train.workload import load_workload
     from safetensors.torch import load_file
@@ -212,13 +214,13 @@ def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Pat
     steps, seconds = (args.steps, 0.0) if mode == "samples" else (0, args.seconds)
     ranks = 1 if arm == "single" else 2
     with harness.Procs(work) as procs:
-        join = harness.start_coordinator(procs, {**RUN, "train.shards": PEERS[arm]})
+        join = harness.start_coordinator(procs, run_fields(arm, args.defaults))
         for peer in range(PEERS[arm]):
             init = f"tcp://127.0.0.1:{free_loopback_port()}"
             for rank in range(ranks):
                 procs.start(f"p{peer}r{rank}", harness.python_m(
                     "experiments.model_parallel_ranks", arm, peer, rank, join, init, work / f"p{peer}r{rank}.json", seed,
-                    steps, seconds, args.batch, args.lr))
+                    steps, seconds, args.batch, args.lr, *(["defaults"] if args.defaults else [])))
         deadline = time.monotonic() + 600
         names = [f"p{p}r{r}" for p in range(PEERS[arm]) for r in range(ranks)]
         while not all((work / f"{n}.json").exists() for n in names):
@@ -251,7 +253,8 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         args.steps, args.seconds = min(args.steps, 4), min(args.seconds, 3.0)
     started = time.monotonic()
     runs = []
-    for mode in ("samples", "time"):
+    modes = harness.chosen(args.modes, MODES, "mode")
+    for mode in modes:
         for arm in arms:
             for seed in range(seeds):
                 work = out / "runs" / "loss" / f"{arm}-{mode}-seed{seed}"
@@ -264,7 +267,7 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
                       f"{r['seconds']:.1f} s, {r['exchanges']:.0f} exchanges per peer", flush=True)
     harness.write_csv(out / "loss_runs.csv", [{k: v for k, v in r.items() if k != "peer_losses"} for r in runs])
     rows, medians = [], {}
-    for mode in ("samples", "time"):
+    for mode in modes:
         for arm in arms:
             mine = [r for r in runs if r["arm"] == arm and r["mode"] == mode]
             med = statistics.median(r["val_loss"] for r in mine)
@@ -284,10 +287,13 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         f"(weight decay 0.01), every swarm 4 processes on this 2-core machine and {4 * args.batch} windows of 64 bytes "
         f"per round of steps (a rank of FSDP2 or DDP: {args.batch}; a pipeline peer: {2 * args.batch} in 2 "
         f"micro-batches; a single worker: {args.batch}). Equal samples: {args.steps} steps per peer; equal time: "
-        f"{args.seconds:g} s of training. Every arm runs plain averaging (`gossip.lr_scaling=none`, "
-        "`gossip.drift_gain=0`, `gossip.compression=none`, `gossip.momentum_mode=local`, `gossip.guard=false`), so that "
-        "only the layout differs (split peers run drift correction and the square-root rule too since 2026-12-07; the "
-        "stability guard, quasi-global momentum and automatic compression not yet). Validation loss (nats per byte) of each "
+        f"{args.seconds:g} s of training. "
+        + ("Every arm runs the defaults (`--defaults`): split peers run drift correction, the square-root rule, the "
+           "stability guard, flow control and automatic compression per piece, as whole-model peers run them for the "
+           "whole model. " if args.defaults else
+           "Every arm runs plain averaging (`gossip.lr_scaling=none`, `gossip.drift_gain=0`, `gossip.compression=none`, "
+           "`gossip.momentum_mode=local`, `gossip.guard=false`), so that only the layout differs. ")
+        + "Validation loss (nats per byte) of each "
         "peer's model after the final phase, gathered from its pieces, averaged over the peers; medians over "
         f"{seeds} seed(s). Exchanges: per peer, those it asked for and applied (a peer also applies those it served).",
         "",
@@ -310,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="loss: windows per rank and step (default 8)")
     parser.add_argument("--lr", type=float, default=1e-3, help="loss: AdamW's rate (default 0.001)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"loss: comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="loss: comma-separated, of samples (equal samples), time (equal time) (default both)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="loss: every arm runs the defaults, not plain averaging (default: plain, only the layout differs)")
     parser.add_argument("--out", type=Path, help="output folder (default experiments/results/model_parallel)")
     parser.add_argument("--rank", nargs=3, metavar=("PEER", "RANK", "PORT"), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args(argv)

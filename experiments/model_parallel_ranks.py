@@ -31,22 +31,27 @@ from typing import Any
 import torch
 
 WORKLOAD = "peers.charlm:transformer"
-#: What every arm runs: the whole-model peers' added methods off, so that only the layout differs (a split peer
-#: averages its pieces plainly); a dead partner's exchange aborts within 10 s.
-RUN = {"gossip.lr_scaling": "none", "gossip.drift_gain": 0.0, "gossip.compression": "none",
-       "gossip.momentum_mode": "local", "gossip.guard": False, "train.workload": WORKLOAD,
-       "train.max_steps": 0, "train.max_seconds": 3600}
+#: What every arm runs: the workload, budgets from the driver.
+RUN = {"train.workload": WORKLOAD, "train.max_steps": 0, "train.max_seconds": 3600}
+#: ...and, unless the defaults are asked for (``--defaults``), the added methods off, so that only the layout differs.
+PLAIN = {"gossip.lr_scaling": "none", "gossip.drift_gain": 0.0, "gossip.compression": "none",
+         "gossip.momentum_mode": "local", "gossip.guard": False}
 PEERS = {"fsdp": 2, "pipeline": 2, "ddp": 2, "single": 4}
 
 
-def run_config(arm: str) -> Any:
+def run_fields(arm: str, defaults: bool) -> dict[str, Any]:
+    """The swarm's run (the coordinator's and every peer's): plain averaging, or the defaults."""
+    return {**RUN, **({} if defaults else PLAIN), "train.shards": PEERS[arm]}
+
+
+def run_config(arm: str, defaults: bool) -> Any:
     from gossiptrain.config import RunConfig
 
-    return RunConfig().with_overrides({**RUN, "train.shards": PEERS[arm]})
+    return RunConfig().with_overrides(run_fields(arm, defaults))
 
 
 def main(arm: str, peer: int, rank: int, join: str, init: str, out: Path, seed: int, steps: int, seconds: float,
-         batch: int, lr: float) -> None:
+         batch: int, lr: float, defaults: bool = False) -> None:
     import torch.distributed as dist
 
     from gossiptrain.protocol.pieces import local_piece
@@ -78,7 +83,7 @@ def main(arm: str, peer: int, rank: int, join: str, init: str, out: Path, seed: 
     per_step = 2 * batch if arm == "pipeline" else batch
     record: dict[str, Any] = {"arm": arm, "peer": peer, "rank": rank}
     bind = f"127.0.0.{80 + 2 * peer + rank}:0"
-    with Peer(model, join=join, bind=bind, config=run_config(arm), group=dist.group.WORLD if grouped else None) as p:
+    with Peer(model, join=join, bind=bind, config=run_config(arm, defaults), group=dist.group.WORLD if grouped else None) as p:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         forward: Any = model
         schedule = None
@@ -128,4 +133,5 @@ def main(arm: str, peer: int, rank: int, join: str, init: str, out: Path, seed: 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], int(a[1]), int(a[2]), a[3], a[4], Path(a[5]), int(a[6]), int(a[7]), float(a[8]), int(a[9]), float(a[10]))
+    main(a[0], int(a[1]), int(a[2]), a[3], a[4], Path(a[5]), int(a[6]), int(a[7]), float(a[8]), int(a[9]), float(a[10]),
+         a[11:12] == ["defaults"])
