@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.piece_exchange import welcome_addresses
@@ -45,9 +45,11 @@ class PartnerBook:
         self.asking: dict[str, tuple[str, float]] = {}  # member id -> (the address asked, when)
         self.refused: dict[str, str] = {}  # member id -> why (its words), never asked again
 
-    def pick(self, candidates: Sequence[tuple[str, str]]) -> Partner | None:
-        """A partner met among ``candidates`` (id, member address: the live members but us), at random; hellos to
-        those not met yet. Members gone from ``candidates`` are forgotten (a rejoined one is met again)."""
+    def pick(self, candidates: Sequence[tuple[str, str]], among: Collection[str] | None = None) -> Partner | None:
+        """A partner met among ``candidates`` (id, member address: the live members but us), at random, and among
+        ``among`` where given (the topology's neighbours this round); hellos to the candidates not met yet, so that
+        a neighbour of a later round is met by then. Members gone from ``candidates`` are forgotten (a rejoined one
+        is met again)."""
         now = self.clock()
         live = dict(candidates)
         for mid in [m for m in self.met if m not in live]:
@@ -65,7 +67,8 @@ class PartnerBook:
             if mid not in self.met and mid not in self.asking and mid not in self.refused:
                 self.asking[mid] = (addr, now)
                 self.link.hello(addr, self.layout, self.addresses)
-        usable = [self.met[mid] for mid, _ in candidates if mid in self.met]
+        wanted = set(among) if among is not None else None
+        usable = [self.met[mid] for mid, _ in candidates if mid in self.met and (wanted is None or mid in wanted)]
         return self.rng.choice(usable) if usable else None
 
     def _answered(self, mid: str, body: dict[str, object]) -> None:

@@ -65,6 +65,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from gossiptrain.config import GossipConfig
 from gossiptrain.errors import ConfigError, GossipError
 from gossiptrain.net.addressing import advertised_host, parse_hostport, plain_address
 from gossiptrain.protocol.compression import Codec, get_codec
@@ -104,6 +105,24 @@ def piece_codec(peer_config: Any, *, say: bool = False) -> Codec | None:
         log.warning("split peers send their pieces uncompressed: gossip.compression=%s is not built for pieces "
                     "(auto, fp16, bf16 and int8 are)", spec)
     return get_codec(spec) if name in PIECE_CODECS else None
+
+
+def unbuilt(gossip: GossipConfig) -> tuple[list[str], list[str]]:
+    """The swarm's settings a split peer cannot honour: (refused: it would average otherwise than the swarm asked,
+    or unprotected; said and run without: the rest), each in one sentence naming the field."""
+    refused, unrun = [], []
+    if gossip.algorithm != "pairwise":
+        refused.append(f"gossip.algorithm={gossip.algorithm}: split peers average pairwise, piece by piece "
+                       "(push-sum, neighbor and local-sgd are not built for pieces)")
+    if gossip.robust:
+        refused.append("gossip.robust: robust aggregation is not built for pieces")
+    if gossip.momentum_mode == "quasi-global":
+        unrun.append("gossip.momentum_mode=quasi-global (the optimizer's own momentum runs)")
+    if gossip.staleness_weighting != "constant" or gossip.staleness_bound:
+        unrun.append("staleness weights and bounds (an exchange is applied whole, at the weight it was asked at)")
+    if gossip.exchanges_in_flight > 1:
+        unrun.append(f"gossip.exchanges_in_flight={gossip.exchanges_in_flight} (one at a time)")
+    return refused, unrun
 
 
 def exchange_timeout(peer_config: Any) -> float:
@@ -175,6 +194,13 @@ class SplitLeaderRank:
                        "at their own addresses")
             self._group.share(None, error=problem)
             raise GossipError(problem)
+        refused, unrun = unbuilt(self.config.gossip)
+        if refused:
+            problem = "this swarm's run asks what split peers do not do: " + "; ".join(refused)
+            self._group.share(None, error=problem)
+            raise ConfigError(problem)
+        if unrun:
+            log.warning("split peer: not run for pieces: %s", "; ".join(unrun))
         self._group.share(welcome)
         host = parse_hostport(plain_address(self.address))[0]
         self._pieces = pieces = SplitGroup(
@@ -266,7 +292,10 @@ class SplitLeaderRank:
         pieces, partners = self._pieces, self._partners
         assert pieces is not None and partners is not None
         node.step = step
-        partner = partners.pick(self._live(node))
+        every = self.config.gossip.exchange_every_steps
+        # The topology's neighbours this round (rounds: the exchanges started), met among every live member
+        neighbours = node.partners(pieces.stats.started)
+        partner = partners.pick(self._live(node), among=neighbours) if step % every == 0 else None
         news = dict(zip(CONTROL_FIELDS, (float(self.finish_requested), float(self.members), float(self._step))))
         if local_step:  # the step's time, holds left out
             self._step_timer.at_step(step, self._clock.now(), pieces.waited_s)
