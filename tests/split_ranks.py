@@ -36,6 +36,7 @@ from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pieces import local_piece
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
+from gossiptrain.config import GossipConfig
 from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.runtime.split_group import Partner, SplitGroup
 
@@ -73,8 +74,13 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     net = split(model(1 if peer == "A" else 2), kind, rank)
     loop = LoopThread(f"split-{peer}{rank}").start()
     codec = get_codec("auto") if mode == "flow" else None  # (flow: the leader's compression level too)
+    gossip = GossipConfig() if mode == "flow" else None  # (flow: the default methods, the drift correction's pace)
     group = SplitGroup(dist.group.WORLD, net, me=peer, host=HOSTS[(peer, rank)], fingerprint="split-test",
-                       loop=loop, timeout=2.0, clock=time.monotonic, codec=codec, steps=StepTimer())
+                       loop=loop, timeout=2.0, clock=time.monotonic, codec=codec, steps=StepTimer(), gossip=gossip)
+    corrections: list[int] = []
+    if gossip is not None and group.methods is not None and group.methods.drift is not None:
+        drift_after = group.methods.drift.after  # counted: once per local step, however many safe points it held
+        group.methods.drift.after = lambda **kw: (corrections.append(1), drift_after(**kw))[1]  # type: ignore[method-assign]
     save_piece(net, out / f"{peer}-{rank}.before.safetensors")
     if rank == 0:
         tmp = out / f".{peer}.json"
@@ -97,13 +103,14 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     kill, flow = mode == "kill", mode == "flow"
     train = mode in ("train", "flow")
     bound = FLOW_BOUND if flow and (peer, rank) == ("A", 0) else None  # the leader's word holds every rank
-    steps, merges, between = 0, 0, []
+    steps, merges, between, local_steps = 0, 0, [], 0
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * (peer == "B") + rank))  # each rank its batch
     done = out / "A.done"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if train:  # a local step between safe points, as a training loop takes
+            local_steps += 1
             opt.zero_grad()
             net(x).square().mean().backward()
             opt.step()
@@ -140,7 +147,8 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
         if rank == 0:
             save_file({"probe": probe, "out": y.detach().clone()}, str(out / f"{peer}-probe.safetensors"))
     (out / f"{peer}-{rank}.stats.json").write_text(json.dumps({**group.stats.__dict__, "between": between,
-                                                                 "waits": group.waits, "level": group.exchanges.level}))
+                                                                 "waits": group.waits, "level": group.exchanges.level,
+                                                                 "corrections": len(corrections), "steps": local_steps}))
     group.close()
     loop.stop()
     dist.destroy_process_group()

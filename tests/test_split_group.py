@@ -113,6 +113,7 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
     assert a[0]["between"] == a[1]["between"] and a[0]["waits"] == a[1]["waits"], a  # every rank held alike
     b = [json.loads((tmp_path / f"B-{r}.stats.json").read_text()) for r in (0, 1)]
     assert a[0]["level"] == a[1]["level"] and b[0]["level"] == b[1]["level"], (a, b)  # auto: the leader's level
+    assert all(x["corrections"] == x["steps"] > 0 for x in a), a  # the drift correction: once a step, holds or not
     between = sorted(a[0]["between"])
     assert len(between) >= 6 and a[0]["waits"] >= 3, a[0]
     assert between[len(between) // 2] <= FLOW_BOUND, between  # without the hold: dozens of steps a merge

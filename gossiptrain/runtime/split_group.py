@@ -36,7 +36,10 @@ rank runs another, without a local step, until the exchange is decided. The
 leader asks for a hold only while the exchange is younger than its link
 makes a reply late (``RttEstimator.late_after``: two typical round trips,
 ``FIRST_HOLD`` before any was measured), so a dead or slow partner holds
-the group that long, not for the exchange's whole timeout.
+the group that long, not for the exchange's whole timeout. The drift
+correction and the guard count local steps, not a hold's safe points: the
+correction measures every merge of a step's safe points and corrects once,
+at the last; the guard judges once a step.
 
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
@@ -205,8 +208,9 @@ class SplitGroup:
                 "expired": self.exchanges.expired(now),
                 "waiting": self.exchanges.waiting(now),
             }
-        square = methods.piece_square() if methods is not None else None
-        if square is not None:  # the stability guard's share of this rank (the whole model's norm: every rank's)
+        # The stability guard's share of this rank (the whole model's norm: every rank's), once per local step
+        square = methods.piece_square() if methods is not None and local_step else None
+        if square is not None:
             mine["square"] = square
         if self.rank == 0:
             told = self.link.take_outcomes()
@@ -230,7 +234,7 @@ class SplitGroup:
         answers, request = [], None
         # The guard first, on every rank alike: a piece put back makes every merge computed from the one it replaced
         # void, before any of them is decided (our exchanges aborted, the partners told; held merges dropped).
-        put_back = methods is not None and methods.judge([float(rank.get("square", 0.0)) for rank in every])
+        put_back = methods is not None and local_step and methods.judge([float(rank.get("square", 0.0)) for rank in every])
         settling = methods is not None and methods.settling
         with self.lock:
             if "level" in leader:  # (auto) what every rank encodes at from here on
@@ -243,8 +247,8 @@ class SplitGroup:
                         self.link.tell(partner.addresses[0], xid, Outcome.ABORT)
             elif settling:  # the guard lets a sign settle: neither ask nor serve (a blow-up is neither given nor taken)
                 answers = self.exchanges.refuse_waiting()
-            if methods is not None:
-                methods.before()
+            if methods is not None and local_step:  # the drift correction measures every merge of this step's safe
+                methods.before()  # points, its hold's included, and corrects once, at the last (as a whole model's)
             self._decide(every)
             for xid, requester, outcome in leader.get("told", []):
                 self.exchanges.settle(int(xid), Outcome(outcome), str(requester))
@@ -257,7 +261,7 @@ class SplitGroup:
             self._merges_seen = merges
             # Flow control's verdict, from what every rank holds alike (decided before any new start)
             self.held = "hold" in leader and bool(self.exchanges.in_flight) and self._since_merge >= leader["hold"]
-            if methods is not None:  # partners are answered from the piece apply() took: merged, not corrected
+            if methods is not None and not self.held:  # answered from the piece apply() took: merged, not corrected
                 methods.after(leader.get("round_trip_steps"))
             # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
             # each rank's request came. (One some rank lacks waits; the requester gives up on it at its deadline.)
