@@ -71,6 +71,7 @@ def split_model(kind: str, rank: int, seed: int) -> torch.nn.Module:
     """A small MLP, FSDP2-sharded over the group or cut into 2 pipeline stages (parameter names as unsplit)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model[0].register_buffer("scratch", torch.zeros(3), persistent=False)  # not state: never in a merged model
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

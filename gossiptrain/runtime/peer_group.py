@@ -133,10 +133,12 @@ class PeerGroup:
 
     def whole_state(self, model: torch.nn.Module, layout: PieceLayout) -> dict[str, torch.Tensor] | None:
         """The unsplit model's state_dict on the leader, from every rank's piece and buffers (a collective; other
-        ranks get None): the parameters put together as ``layout`` says (``pieces.gather``), each buffer as the
-        first rank that holds it has it (FSDP2 leaves buffers whole on every rank; a pipeline stage's are its own)."""
+        ranks get None): the parameters put together as ``layout`` says (``pieces.gather``), each persistent buffer as
+        the first rank that holds it has it (FSDP2 leaves buffers whole on every rank; a pipeline stage's are its
+        own)."""
         mine = {f"p{name}": t for name, t in local_piece(model).items()}
-        mine.update({f"b{name}": b for name, b in model.named_buffers()})
+        persistent = set(model.state_dict())  # (a buffer registered persistent=False is not the model's state)
+        mine.update({f"b{name}": b for name, b in model.named_buffers() if name in persistent})
         every = self.gather_on_leader(mine)
         if every is None:
             return None
