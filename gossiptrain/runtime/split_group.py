@@ -68,16 +68,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gossiptrain.config import GossipConfig, Limits, SecurityConfig
-from gossiptrain.protocol.auto_compression import AutoCompression
-from gossiptrain.protocol.compression import AutoCodec, Codec
-from gossiptrain.protocol.step_timer import StepTimer
-from gossiptrain.net.transport import listen
 from gossiptrain.errors import GossipError, ProtocolError
+from gossiptrain.net.transport import listen
+from gossiptrain.protocol.auto_compression import AutoCompression
+from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
+from gossiptrain.protocol.compression import AutoCodec, Codec
 from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
-from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
 from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
@@ -269,7 +269,8 @@ class SplitGroup:
             for xid, _requester in sorted(held_by_all if not (put_back or settling) else ()):
                 answers.append(self.exchanges.serve_waiting(xid, now))
             given = self.exchanges.snapshot() if "give" in leader else {}
-            if "start" in leader and not self.exchanges.in_flight and not (put_back or settling or self.held):  # ours decided (alike on every rank): the next
+            # The next exchange once ours is decided (alike on every rank), unless the guard or flow control holds
+            if "start" in leader and not self.exchanges.in_flight and not (put_back or settling or self.held):
                 xid, partner, addresses = leader["start"]
                 if len(addresses) != len(self.addresses):
                     raise ValueError(f"partner {partner} has {len(addresses)} ranks, this peer {len(self.addresses)}")
