@@ -179,10 +179,7 @@ def main() -> int:
     torch.set_num_threads(1)  # the chunk owners are scored in small tensor ops: one thread is fastest
     sizes = [32] if args.quick else [int(x) for x in args.members.split(",")]
     seeds = 1 if args.quick else args.seeds
-    settings = [s for s in args.settings.split(",") if s]
-    unknown = set(settings) - set(SETTINGS)
-    if unknown:
-        raise SystemExit(f"unknown settings {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+    settings = harness.chosen(args.settings, SETTINGS, "setting")
     out = harness.results_dir("lease_scale", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

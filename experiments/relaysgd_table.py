@@ -211,10 +211,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 rows, alphas 0.1 and 0.01, 1 seed, 2 epochs (a smoke test)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    names = ["allreduce", "dpsgd_ring"] if args.quick else [n for n in args.rows.split(",") if n]
-    unknown = set(names) - set(ROWS)
-    if unknown:
-        raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
+    names = ["allreduce", "dpsgd_ring"] if args.quick else harness.chosen(args.rows, ROWS, "row")
     alphas = [0.1, 0.01] if args.quick else [float(a) for a in args.alphas.split(",")]
     seeds, epochs = (1, 2.0) if args.quick else (args.seeds, args.epochs)
     out = harness.results_dir("relaysgd_table", args.out, args.quick)

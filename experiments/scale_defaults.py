@@ -89,10 +89,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     peers, seeds = (16, 1) if args.quick else (args.peers, args.seeds)
-    conditions = ["10gbit"] if args.quick else [c for c in args.conditions.split(",") if c]
-    unknown = set(conditions) - set(scale.CONDITIONS)
-    if unknown:
-        raise SystemExit(f"unknown conditions {sorted(unknown)}; choose from {', '.join(scale.CONDITIONS)}")
+    conditions = ["10gbit"] if args.quick else harness.chosen(args.conditions, scale.CONDITIONS, "condition")
     out = harness.results_dir("scale_defaults", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(c, v, peers, s) for c in conditions for s in range(seeds) for v in VARIANTS]

@@ -405,10 +405,7 @@ def code_version() -> str:
 
 def chosen_cells(names: str | None, quick: bool) -> list[Cell]:
     if names:
-        unknown = [n for n in names.split(",") if n not in BY_NAME]
-        if unknown:
-            raise SystemExit(f"zoo: unknown cells {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
-        picked = [BY_NAME[n] for n in names.split(",")]
+        picked = [BY_NAME[n] for n in harness.chosen(names, list(BY_NAME), "cell")]
     else:
         picked = [BY_NAME[n] for n in QUICK] if quick else list(CELLS)
     return [replace(c, horizon=c.horizon * QUICK_SHARE) for c in picked] if quick else picked
@@ -425,9 +422,7 @@ def main() -> int:
     command = "python experiments/zoo.py" + "".join(f" {shlex.quote(a)}" for a in sys.argv[1:])
     version = code_version()  # now: the modules this run imports are the tree as it is now, whatever lands meanwhile
     cells = chosen_cells(args.cells, args.quick)
-    arms = [a for a in args.arms.split(",") if a]
-    if unknown := [a for a in arms if a not in ARMS]:
-        raise SystemExit(f"zoo: unknown arms {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    arms = harness.chosen(args.arms, ARMS, "arm")
     seeds = 1 if args.quick else args.seeds
     out = harness.results_dir("zoo", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
