@@ -207,7 +207,7 @@ def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Pat
     """One swarm of ``arm`` (``experiments/model_parallel_ranks.py``) to a number of steps or of seconds; each peer's
     model gathered from its pieces and evaluated here. Returns the run's row."""
     from experiments.model_parallel_ranks import PEERS, run_fields
-    from gossiptrain.protocol.pieces import WHOLE, PieceEntry, PieceLayout, gather
+    from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
     from gossiptrain.train.workload import load_workload
     from safetensors.torch import load_file
 
@@ -232,10 +232,11 @@ def loss_run(arm: str, mode: str, seed: int, args: argparse.Namespace, work: Pat
     workload = load_workload(WORKLOAD)
     losses, records = [], [json.loads((work / f"{n}.json").read_text()) for n in names]
     for peer in range(PEERS[arm]):
-        files = [load_file(str(work / f"p{peer}r{r}.json.safetensors")) for r in range(ranks if arm in ("fsdp", "pipeline") else 1)]
-        kind = arm if arm in ("fsdp", "pipeline") else "whole"
-        layout = PieceLayout(kind, tuple(tuple(PieceEntry(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                                          0 if kind == "fsdp" else WHOLE) for n, t in f.items()) for f in files))
+        held = range(ranks if arm in ("fsdp", "pipeline") else 1)  # the ranks whose pieces make the model
+        files = [load_file(str(work / f"p{peer}r{r}.json.safetensors")) for r in held]
+        by_rank = {(x["peer"], x["rank"]): x for x in records}
+        layout = PieceLayout(arm if arm in ("fsdp", "pipeline") else "whole", tuple(  # as each rank wrote its piece
+            tuple(PieceEntry(e[0], e[1], tuple(e[2]), e[3]) for e in by_rank[(peer, r)]["entries"]) for r in held))
         model = workload.build_model(seed)
         model.load_state_dict(gather(layout, files))
         losses.append(workload.evaluate(model).loss)

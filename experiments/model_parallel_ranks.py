@@ -54,7 +54,7 @@ def main(arm: str, peer: int, rank: int, join: str, init: str, out: Path, seed: 
          batch: int, lr: float, defaults: bool = False) -> None:
     import torch.distributed as dist
 
-    from gossiptrain.protocol.pieces import local_piece
+    from gossiptrain.protocol.pieces import local_piece, piece_entries
     from gossiptrain.runtime.peer import Peer
     from gossiptrain.train.workload import load_workload
     from safetensors.torch import save_file
@@ -124,6 +124,7 @@ def main(arm: str, peer: int, rank: int, join: str, init: str, out: Path, seed: 
                       kind=type(p).__name__, id=p.id)
         if rank == 0 or arm in ("fsdp", "pipeline"):
             save_file({n: t.detach().clone().contiguous() for n, t in local_piece(model).items()}, f"{out}.safetensors")
+            record["entries"] = [e.to_wire() for e in piece_entries(model)]  # how the driver puts the pieces together
         if arm == "ddp":
             del forward  # DDP's reducer before its process group (it hung at exit otherwise)
     Path(out).write_text(json.dumps(record))
