@@ -56,7 +56,8 @@ def describe(procs: "list[Proc]") -> str:
 
 
 class Proc:
-    """A gossiptrain CLI process (``python -m module args``) with its output captured to a file."""
+    """A gossiptrain CLI process (``python -m module args``; ``python module args`` for a path ending in .py) with
+    its output captured to a file."""
 
     def __init__(self, args: list[str], workdir: Path, name: str, module: str = "gossiptrain") -> None:
         self.name = name
@@ -68,8 +69,9 @@ class Proc:
         if zygote.enabled():  # forked from a process that has imported torch already (tests/zygote.py)
             self.popen = zygote.ForkedProcess(module, args, self.log, env, ROOT)
         else:
+            command = [module] if module.endswith(".py") else ["-m", module]
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+                [sys.executable, *command, *args], stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT
             )
 
     def output(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -20,7 +19,7 @@ from gossiptrain.net.addressing import free_loopback_port
 from peers.digits import DigitsWorkload
 
 from .conftest import fast_config
-from .swarm import ROOT, Procs, next_host, run_in_session, wait_for
+from .swarm import ROOT, Procs, next_host, run_forked, run_in_session, wait_for
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -40,8 +39,9 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--workload", "no_such_module:Workload"], "train.workload"),
     ],
 )
-def test_invalid_configuration_fails_at_start_naming_the_field(args: list[str], field: str) -> None:
-    result = run_cli("coordinator", "--bind", f"{next_host()}:0", *args)
+def test_invalid_configuration_fails_at_start_naming_the_field(args: list[str], field: str, tmp_path: Path) -> None:
+    # Forked from the process that imported torch already (tests/zygote.py): the checks, not the imports.
+    result = run_forked(["coordinator", "--bind", f"{next_host()}:0", *args], 60, "gossiptrain coordinator", tmp_path)
     assert result.returncode == 2, result
     assert field in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -54,12 +54,13 @@ def test_invalid_toml_file_is_named(tmp_path: Path) -> None:
     assert result.returncode == 2 and "train.lr" in result.stderr, result.stderr
 
 
-def test_unreachable_join_address_gives_up_with_a_clear_message() -> None:
+def test_unreachable_join_address_gives_up_with_a_clear_message(tmp_path: Path) -> None:
     host = next_host()
     with socket.socket() as s:  # bound but not listening: connections are refused, and nobody can take the port
         s.bind((host, 0))
         port = s.getsockname()[1]
-        result = run_cli("peer", "--join", f"{host}:{port}", "--join-attempts", "2", "--bind", f"{next_host()}:0", timeout=60)
+        result = run_forked(["peer", "--join", f"{host}:{port}", "--join-attempts", "2", "--bind", f"{next_host()}:0"], 60,
+                            "gossiptrain peer", tmp_path)
     assert result.returncode == 2, result
     assert f"cannot join tcp://{host}:{port}: connection refused, nothing listens there (2 attempts over" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -159,18 +160,13 @@ def test_readme_python_api_example_runs(tmp_path: Path, procs: Procs) -> None:
     out = wait_for(lambda: "join with:" in coordinator.output() and coordinator.output(), 30, "the coordinator")
     join = re.search(r'join with: gossiptrain\.Peer\(model, join="([^"]+)"\)', out).group(1)  # type: ignore[union-attr]
     assert "gossiptrain peer" not in out.replace("`gossiptrain peer` has none", "")  # no CLI peer can train it
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runs = [
-        subprocess.Popen([sys.executable, str(example), join], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for _ in range(2)
-    ]
-    try:
-        outputs = [r.communicate(timeout=120)[0] for r in runs]
-    finally:
-        for r in runs:
-            r.kill()
-    for r, out in zip(runs, outputs):
-        assert r.returncode == 0, out
+    # `python example.py JOIN`, forked from the process that imported torch already (tests/zygote.py): the example's
+    # code runs whole in a process of its own; the interpreter's start is the demo test's to exercise.
+    runs = [procs.start(join, name=f"example{i}", module=str(example)) for i in range(2)]
+    codes = [r.wait(120) for r in runs]
+    for r, code in zip(runs, codes):
+        out = r.output()
+        assert code == 0, out
         found = re.search(r"accuracy ([0-9.]+), (\d+) exchanges", out)
         assert found, out
         assert float(found.group(1)) > 0.8 and int(found.group(2)) > 0, out
@@ -187,8 +183,10 @@ def test_config_command_lists_every_field() -> None:
     ("flag", "value", "message"),
     [("--slowdown", "0.5", "--slowdown"), ("--threads", "0", "--threads"), ("--wait-for", "-1", "--wait-for")],
 )
-def test_bad_local_peer_flags_name_the_flag_before_joining(flag: str, value: str, message: str) -> None:
+def test_bad_local_peer_flags_name_the_flag_before_joining(flag: str, value: str, message: str, tmp_path: Path) -> None:
     # Nothing listens at the join address (a port 0 socket, closed): the flag must be refused before any join.
-    result = run_cli("peer", "--join", f"127.0.0.1:{free_loopback_port()}", flag, value, "--quiet", timeout=60)
+    # Forked from the process that imported torch already (tests/zygote.py): the peer's checks, not its imports.
+    result = run_forked(["peer", "--join", f"127.0.0.1:{free_loopback_port()}", flag, value, "--quiet"], 60,
+                        "gossiptrain peer", tmp_path)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

@@ -69,8 +69,8 @@ def _enter_netns(name: str) -> None:
 def _run_module(
     module: str, args: list[str], log: str, env: dict[str, str], cwd: str, netns: str | None = None, err_log: str | None = None
 ) -> None:
-    """In the forked child: become ``python -m module args`` writing to ``log`` (its stderr to ``err_log``, if named;
-    inside ``netns``, if named)."""
+    """In the forked child: become ``python -m module args`` (``python module args`` where ``module`` is a path
+    ending in .py) writing to ``log`` (its stderr to ``err_log``, if named; inside ``netns``, if named)."""
     import runpy
     import sys
 
@@ -91,7 +91,11 @@ def _run_module(
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = [module, *args]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):  # a script: its folder first on sys.path, as the interpreter puts it
+            sys.path.insert(0, os.path.dirname(os.path.abspath(module)))
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:  # sys.exit(n) in the module: n is the exit status, as for a real interpreter
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         sys.stdout.flush()
