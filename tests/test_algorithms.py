@@ -339,13 +339,26 @@ def test_bad_algorithm_and_compression_settings_name_the_field() -> None:
 # -- top-k with per-edge references (CHOCO) --------------------------------------------------
 
 
-@pytest.mark.parametrize("algorithm", ["neighbor", "local-sgd"])
-@pytest.mark.parametrize("topology", ["ring", "torus", "hypercube"])
+# Without training (local_steps 1), local SGD mixes exactly as neighbour averaging does: the same distances, round
+# by round. So local SGD runs on the ring alone in the default run; its torus and hypercube runs are in the slow set.
+@pytest.mark.parametrize(
+    ("algorithm", "topology"),
+    [
+        ("neighbor", "ring"), ("local-sgd", "ring"), ("neighbor", "torus"), ("neighbor", "hypercube"),
+        # test_topk_with_edge_references_reaches_consensus_and_keeps_the_mean[neighbor-torus] covers it, same numbers
+        pytest.param("local-sgd", "torus", marks=pytest.mark.slow),
+        # test_topk_with_edge_references_reaches_consensus_and_keeps_the_mean[neighbor-hypercube] covers it, same numbers
+        pytest.param("local-sgd", "hypercube", marks=pytest.mark.slow),
+    ],
+)
 def test_topk_with_edge_references_reaches_consensus_and_keeps_the_mean(algorithm: str, topology: str) -> None:
-    """With the automatic consensus step (2 x ratio); at step 1, ratio 0.1 diverges on a ring."""
+    """With the automatic consensus step (2 x ratio); at step 1, ratio 0.1 diverges on a ring.
+
+    On 8 peers the distance falls below 1% of its start in 90 rounds on the ring, 39 on the torus and 38 on the
+    hypercube (seed 2); 150 rounds leave the ring a margin of 60."""
     start = initial(8, 50, 2)
     sim = Lockstep(start, gossip(algorithm, topology, compression="topk:ratio=0.1"), 2)
-    d = sim.run(300)
+    d = sim.run(150)
     assert d[-1] < 1e-2 * d[0]
     # Mixing uses references both ends hold identically, so on an undirected graph the terms cancel in pairs.
     torch.testing.assert_close(sim.values().mean(dim=0), start.mean(dim=0), rtol=1e-9, atol=1e-9)
