@@ -25,12 +25,12 @@ def members_only(**overrides: Any) -> RunConfig:
 
 
 def test_same_seed_same_run_other_seed_other_run() -> None:
-    config = SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=3, step_time=0.01, seed=7)
+    config = SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=2, step_time=0.01, seed=7)
     first, second = simulate(config), simulate(config)
     assert first.rows and first.rows == second.rows
-    other = simulate(SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=3, step_time=0.01, seed=8))
+    other = simulate(SimConfig(peers=4, run=logreg(**{"train.shards": 4}), duration=2, step_time=0.01, seed=8))
     assert other.rows != first.rows
-    assert first.summary["mean_test_acc"] > 0.8  # real learning happened, in virtual time
+    assert first.summary["mean_test_acc"] > 0.8  # real learning happened, in virtual time (0.957 at 2 s)
 
 
 def steps_by_peer(rows: list[dict[str, Any]]) -> dict[int, int]:
@@ -39,7 +39,8 @@ def steps_by_peer(rows: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def test_a_straggler_slows_only_itself_under_pairwise_averaging() -> None:
-    base = dict(peers=6, run=logreg(**{"train.shards": 6}), duration=4, step_time=0.01, seed=1, join_spread=0.1)
+    # At 2.5 virtual s the others run at 1.005x their even pace and the straggler at 0.264x theirs (4 s: 1.003, 0.259).
+    base = dict(peers=6, run=logreg(**{"train.shards": 6}), duration=2.5, step_time=0.01, seed=1, join_spread=0.1)
     even = steps_by_peer(simulate(SimConfig(**base)).rows)
     uneven = steps_by_peer(simulate(SimConfig(**base, speeds=(4.0, 1, 1, 1, 1, 1))).rows)
     fast = [uneven[p] for p in range(1, 6)]
@@ -85,9 +86,11 @@ def test_a_crashed_peer_is_removed_from_every_view_and_readmitted_after_rejoinin
 
 
 def test_churn_from_a_rate_is_reproducible_and_training_goes_on() -> None:
-    # The same expected churn as 20 virtual s at 0.3/s (about six crashes, each back 3 s later) in 8 s: seeds 0-3
-    # give 5-7 crashes and a mean accuracy of 0.947-0.957 (20 s: 4-7 and 0.953-0.960), at a fraction of the wall time.
-    config = SimConfig(peers=6, run=logreg(**{"train.shards": 6}), duration=8, step_time=0.01, churn_rate=0.75, churn_downtime=3)
+    # The same expected churn as 20 virtual s at 0.3/s (about six crashes, each peer down for 3/8 of the run) in 4 s,
+    # each crash back 1.5 s later: seeds 0-3 give 5-7 crashes and a mean accuracy of 0.952-0.956 (8 s at 0.75/s, back
+    # after 3 s: 5-7 and 0.952-0.957; 20 s: 4-7 and 0.953-0.960), at a fraction of the wall time.
+    config = SimConfig(peers=6, run=logreg(**{"train.shards": 6}), duration=4, step_time=0.01, churn_rate=1.5,
+                       churn_downtime=1.5)
     a, b = simulate(config), simulate(config)
     assert a.summary["crashes"] > 0 and a.rows == b.rows
     assert a.summary["mean_test_acc"] > 0.8
@@ -105,13 +108,13 @@ def test_invalid_simulation_settings_name_the_field() -> None:
 def test_simulate_command_prints_a_json_summary(tmp_path: Any) -> None:
     out = tmp_path / "series.csv"
     result = run_cli(
-        "simulate", "--peers", "4", "--workload", "logreg", "--duration", "5", "--step-time", "0.01",
+        "simulate", "--peers", "4", "--workload", "logreg", "--duration", "2", "--step-time", "0.01",
         "--stragglers", "0.25:4", "--wait-for", "4", "--eval-time", "0.002", "--step-jitter", "0.2", "--out", str(out), "--json",
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["peers"] == 4 and summary["virtual_seconds"] == pytest.approx(5.0)
+    assert summary["peers"] == 4 and summary["virtual_seconds"] == pytest.approx(2.0)
     header = out.read_text().splitlines()[0].split(",")
     assert {"time", "peer", "step", "test_acc", "consensus_distance", "bytes_sent", "staleness_mean", "started", "refused"} <= set(header)
 
@@ -156,7 +159,8 @@ def test_a_topology_that_cannot_exist_at_this_size_is_refused_before_anything_st
 
 def test_with_wait_for_no_peer_trains_before_the_swarm_is_complete() -> None:
     # Peers join over 2 virtual s; with the start line each waits for all four, as `peer --wait-for 4` does.
-    base = dict(peers=4, run=logreg(**{"train.shards": 4}), duration=4, step_time=0.01, seed=2, join_spread=2.0, sample_every=0.25)
+    base = dict(peers=4, run=logreg(**{"train.shards": 4}), duration=2.5, step_time=0.01, seed=2, join_spread=2.0,
+                sample_every=0.25)
     free = simulate(SimConfig(**base)).rows
     lined = simulate(SimConfig(**base, wait_for=4)).rows
     starts_free = {r["peer"]: r["started"] for r in free if "started" in r}
