@@ -74,13 +74,14 @@ def test_adam_lowers_the_validation_bits_per_character() -> None:
     optimizer = make_optimizer(TrainConfig(optimizer="adam", lr=0.003), model)
     assert isinstance(optimizer, torch.optim.Adam)
     stream = batches(*workload.train_shard(0, 1, seed=0), 32, seed=0)
-    for _ in range(150):
+    for _ in range(100):
         x, y = next(stream)
         optimizer.zero_grad()
         workload.loss(model, x, y).backward()
         optimizer.step()
     after = workload.evaluate(model)
-    assert after.bits_per_char < 3.7 and after.accuracy > 0.2, after  # measured: 3.4 and 0.3 (8.0 and 0.01 before)
+    # measured: 3.53 and 0.41 (8.0 and 0.01 before; 3.34 and 0.45 after 150 steps)
+    assert after.bits_per_char < 3.7 and after.accuracy > 0.2, after
 
 
 def test_an_unknown_optimizer_is_refused_by_name() -> None:
