@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import os
+import pty
 import queue
 import re
 import signal
@@ -67,12 +68,31 @@ def test_ctrl_c_writes_the_series_so_far_and_a_summary_marked_interrupted(tmp_pa
         sys.executable, "-m", "gossiptrain", "simulate", "--peers", "3", "--workload", "logreg",
         "--duration", "100000", "--sample-every", "0.5", "--out", str(out), "--json",
     ]
+    # Its stderr is a terminal, as where Ctrl+C is typed: the live line shows every sample as it comes. (On a pipe
+    # it would print at most every 10 s, and a loaded machine's slow start takes that print for "starting peers".)
+    terminal, child_end = pty.openpty()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        cmd, stdout=subprocess.PIPE, stderr=child_end, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_default_sigint,
     )
+    os.close(child_end)
     stderr: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [stderr.put(line) for line in proc.stderr or ()], daemon=True)
+
+    def read_terminal() -> None:
+        pending = ""
+        while True:
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # EIO: the simulation's end of the terminal is closed
+                break
+            if not chunk:
+                break
+            *lines, pending = re.split(r"[\r\n]", pending + chunk.decode(errors="replace"))
+            for line in lines:
+                if line.strip():
+                    stderr.put(line)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 60
@@ -92,9 +112,10 @@ def test_ctrl_c_writes_the_series_so_far_and_a_summary_marked_interrupted(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream:
-                stream.close()
+        if proc.stdout:
+            proc.stdout.close()
+        reader.join(timeout=10)  # it ends at the EIO of a terminal whose other end has closed
+        os.close(terminal)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["interrupted"] is True
     assert 0 < summary["virtual_seconds"] < 100000 and summary["duration"] == 100000
