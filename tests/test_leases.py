@@ -241,8 +241,14 @@ def test_with_one_member_four_times_slower_every_sample_is_trained_once_an_epoch
     assert 3 * slow < fast  # the slow member trained its pace's share, not a quarter of the data
 
 
-# Two schedules in the default run (3-4 s each); two more in the slow set (`make test-slow`).
-@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+# One schedule in the default run (2-3 s); three more in the slow set (`make test-slow`).
+@pytest.mark.parametrize("seed", [
+    0,
+    # another draw of the same faults: test_under_crashes_partitions_drops_and_newcomers_no_chunk_is_left_untrained[0]
+    pytest.param(1, marks=pytest.mark.slow),
+    pytest.param(2, marks=pytest.mark.slow),
+    pytest.param(3, marks=pytest.mark.slow),
+])
 def test_under_crashes_partitions_drops_and_newcomers_no_chunk_is_left_untrained(seed: int) -> None:
     rng = random.Random(seed)
     plan = ChunkPlan(4000, 128, seed=seed)
