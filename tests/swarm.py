@@ -170,14 +170,16 @@ _forked_runs = itertools.count()
 def run_forked(
     args: list[str], timeout: float, what: str, workdir: Path, module: str = "gossiptrain"
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGS`` as ``run_in_session`` runs it (its exit status, stdout and stderr apart, failing
+    """``python -m MODULE ARGS`` (``python MODULE ARGS`` for a path ending in .py) as ``run_in_session`` runs it
+    (its exit status, stdout and stderr apart, failing
     the test on an overrun), forked from the test fork server that imported torch already (tests/zygote.py):
     for a CLI process whose own behaviour is under test, not its interpreter's start. Its output goes to files in
     ``workdir``. With GOSSIPTRAIN_TEST_EXEC=1, ``run_in_session`` itself."""
     import pytest
 
     if not zygote.enabled():
-        return run_in_session([sys.executable, "-m", module, *args], timeout, what)
+        command = [module] if module.endswith(".py") else ["-m", module]
+        return run_in_session([sys.executable, *command, *args], timeout, what)
     n = next(_forked_runs)
     out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
     out.touch()

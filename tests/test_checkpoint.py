@@ -7,8 +7,6 @@ import json
 import logging
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from peers.digits import DigitsWorkload
 from peers.logreg import LogRegWorkload
 
 from .conftest import fast_config
-from .swarm import ROOT, Procs, next_host, run_forked
+from .swarm import Procs, next_host, run_forked
 
 LOG = "gossiptrain.state.checkpoint"
 
@@ -167,17 +165,20 @@ ck.save(model, opt, step=2)
 
 
 def test_a_crash_before_the_metadata_rename_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-c", CRASH_DURING_SAVE, str(tmp_path)], cwd=ROOT, capture_output=True, timeout=120)
-    assert result.returncode == 9, result.stderr.decode()
-    left = {p.name for p in tmp_path.iterdir()}
+    script, folder = tmp_path / "crash_during_save.py", tmp_path / "checkpoints"
+    script.write_text(CRASH_DURING_SAVE)
+    # A process of its own, forked from the one that imported torch already (tests/zygote.py): the crash, not the imports.
+    result = run_forked([str(folder)], 120, "a save cut short", tmp_path, module=str(script))
+    assert result.returncode == 9, result.stderr
+    left = {p.name for p in folder.iterdir()}
     assert ".ckpt-000002-step-2.json.tmp" in left and "ckpt-000002-step-2.model.safetensors" in left
-    assert latest_good(tmp_path).info.step == 1
+    assert latest_good(folder).info.step == 1
     # The crashed process's lock died with it; the next save cleans up and never reuses its number.
-    with Checkpointer(tmp_path) as ck:
+    with Checkpointer(folder) as ck:
         meta = save(ck, torch.nn.Linear(4, 2), None, 3)
     assert meta.name == "ckpt-000003-step-3.json"
-    assert sorted(p.name for p in tmp_path.iterdir() if "-000002-" in p.name) == []
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000003-step-3.json", "ckpt-000001-step-1.json"]
+    assert sorted(p.name for p in folder.iterdir() if "-000002-" in p.name) == []
+    assert [p.name for p in list_checkpoints(folder)] == ["ckpt-000003-step-3.json", "ckpt-000001-step-1.json"]
 
 
 def test_stray_temporary_and_metadata_less_files_are_not_checkpoints(tmp_path: Path) -> None:
