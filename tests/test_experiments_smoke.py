@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from experiments.baselines import param_server
 from gossiptrain.train.local_trainer import LocalTrainer
 from gossiptrain.train.workload import load_workload
 
-from .swarm import ROOT, run_quick_experiment
+from .swarm import ROOT, run_forked, run_quick_experiment
 
 SCRIPT_TIMEOUT = 200  # seconds; the quick runs take well under a minute each on 2 idle cores
 
@@ -198,22 +197,19 @@ def test_the_exchange_benchmark_counts_the_cpu_of_both_processes() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where CUDA is absent")
-def test_gpu_check_says_in_one_line_that_there_is_no_cuda_and_exits_2() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "gpu_check.py")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+def test_gpu_check_says_in_one_line_that_there_is_no_cuda_and_exits_2(tmp_path: Path) -> None:
+    # Forked from the test fork server (tests/zygote.py): what the script says, not its interpreter's start.
+    result = run_forked([], 120, "gpu_check.py", tmp_path, module=str(ROOT / "experiments" / "gpu_check.py"))
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = result.stdout.strip().splitlines()
     assert line.startswith("gpu_check: CUDA is not available") and result.stderr == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where CUDA is absent")
-def test_the_exchange_on_cuda_says_in_one_line_that_there_is_none_and_exits_2() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "exchange.py"), "--model", "charlm-large", "--device", "cuda", "--quick"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+def test_the_exchange_on_cuda_says_in_one_line_that_there_is_none_and_exits_2(tmp_path: Path) -> None:
+    # Forked from the test fork server (tests/zygote.py): what the script says, not its interpreter's start.
+    result = run_forked(["--model", "charlm-large", "--device", "cuda", "--quick"], 120, "exchange.py", tmp_path,
+                        module=str(ROOT / "experiments" / "exchange.py"))
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = result.stdout.strip().splitlines()
     assert line.startswith("exchange: --device cuda, but CUDA is not available") and result.stderr == ""
