@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,8 +27,9 @@ from gossiptrain.sim.collectives import SharedLink, allreduce_seconds, ring_allr
 from gossiptrain.sim.compute import shared_finish_times, step_factor
 from gossiptrain.sim.synchronous import SynchronousJob
 
+from .swarm import run_forked
+
 FREE = LinkProfile(latency=0.0, bandwidth=math.inf)
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(system: str, peers: int = 2, *, steps: int = 0, **kw: object) -> SimConfig:
@@ -231,16 +229,16 @@ def test_simulated_ddp_equals_a_real_gloo_run(tmp_path: Path) -> None:
     steps, overrides = 12, {"train.workload": "digits-small", "train.partition": "classes-per-peer", "train.partition_classes": 5}
     saved = tmp_path / "ddp.safetensors"
     # In a process of its own: the rendezvous store it hosts, and its sockets, stay out of this test process
-    # (another test here counts this process's descriptors).
-    script = (
+    # (another test here counts this process's descriptors). Forked from the test fork server (tests/zygote.py);
+    # its two ranks are interpreters of their own, as always.
+    script = tmp_path / "ddp_run.py"
+    script.write_text(
         "import json, sys; from pathlib import Path; from experiments import harness; "
         "harness.run_ddp(2, 0, 1.0, None, 150, Path(sys.argv[1]), max_steps=int(sys.argv[2]), save=Path(sys.argv[3]), "
-        "eval_every=0, overrides=json.loads(sys.argv[4]))"
+        "eval_every=0, overrides=json.loads(sys.argv[4]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ddp"), str(steps), str(saved), json.dumps(overrides)],
-        cwd=ROOT, capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_forked([str(tmp_path / "ddp"), str(steps), str(saved), json.dumps(overrides)], 170, "the DDP run", tmp_path,
+                      module=str(script))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     real = load_file(str(saved))
     run = harness.run_config(2, 0, max_steps=steps).with_overrides(overrides)
