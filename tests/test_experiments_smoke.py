@@ -299,12 +299,19 @@ def test_param_server_reads_a_good_gradient() -> None:
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_relaysgd_table_quick(tmp_path: Path) -> None:
-    """Two rows of the RelaySGD table in miniature (simulated, about 5 s): every cell an accuracy."""
-    head = run_script("relaysgd_table", tmp_path)
+    """Two rows of the RelaySGD table in miniature (simulated, about 5 s): every cell an accuracy.
+
+    Simulated, it starts no process: forked from the test fork server (tests/zygote.py), the script's run, not its
+    interpreter's start and torch's import."""
+    out = tmp_path / "out"
+    done = run_forked(["--quick", "--out", str(out)], SCRIPT_TIMEOUT, "relaysgd_table.py --quick", tmp_path,
+                      module=str(ROOT / "experiments" / "relaysgd_table.py"))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    head = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(head) == {"alpha_0.1", "alpha_0.01"}
     assert all(set(cells) == {"allreduce", "dpsgd_ring"} for cells in head.values())
     assert all(0.0 <= acc <= 1.0 for cells in head.values() for acc in cells.values())
-    assert (tmp_path / "runs.csv").exists() and "| allreduce |" in (tmp_path / "summary.md").read_text()
+    assert (out / "runs.csv").exists() and "| allreduce |" in (out / "summary.md").read_text()
 
 
 @pytest.mark.slow  # four 16-peer simulations, about 20 s: `make test-slow`; test_experiment_scripts.py checks it starts
