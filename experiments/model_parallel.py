@@ -287,8 +287,9 @@ def loss_part(args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str,
         f"Part `loss` ({time.monotonic() - started:.0f} s). charlm transformer ({WORKLOAD}), AdamW lr {args.lr:g} "
         f"(weight decay 0.01), every swarm 4 processes on this 2-core machine and {4 * args.batch} windows of 64 bytes "
         f"per round of steps (a rank of FSDP2 or DDP: {args.batch}; a pipeline peer: {2 * args.batch} in 2 "
-        f"micro-batches; a single worker: {args.batch}). Equal samples: {args.steps} steps per peer; equal time: "
-        f"{args.seconds:g} s of training. "
+        f"micro-batches; a single worker: {args.batch}). "
+        + "; ".join(({"samples": f"Equal samples: {args.steps} steps per peer",
+                      "time": f"equal time: {args.seconds:g} s of training"}[m] for m in modes)) + ". "
         + ("Every arm runs the defaults (`--defaults`): split peers run drift correction, the square-root rule, the "
            "stability guard, flow control and automatic compression per piece, as whole-model peers run them for the "
            "whole model. " if args.defaults else
