@@ -35,7 +35,7 @@ from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.train.metrics import MetricsLog
 
-from .swarm import ROOT, next_host, run_in_session
+from .swarm import ROOT, next_host, run_forked, run_in_session
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -274,11 +274,12 @@ def test_a_join_host_that_cannot_be_resolved_is_one_line_and_exit_2(command: str
     assert not list(tmp_path.iterdir())
 
 
-def test_a_dashboard_that_cannot_poll_at_all_exits_2_with_one_line() -> None:
+def test_a_dashboard_that_cannot_poll_at_all_exits_2_with_one_line(tmp_path: Path) -> None:
     host = next_host()
-    argv = [sys.executable, "-m", "gossiptrain", "dashboard", "--join", f"{host}:{closed_port(host)}",
+    argv = ["dashboard", "--join", f"{host}:{closed_port(host)}",
             "--advertise", "192.0.2.1", "--listen", f"{host}:0"]  # TEST-NET-1: no address of this machine
-    done = run_in_session(argv, 30, "gossiptrain dashboard")  # a traceback, then a dead page until killed
+    # Forked from the test fork server (tests/zygote.py): the command's failure, not its interpreter's start.
+    done = run_forked(argv, 30, "gossiptrain dashboard", tmp_path)  # a traceback, then a dead page until killed
     assert done.returncode == EXIT_USAGE, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gossiptrain dashboard: error: cannot listen on tcp://192.0.2.1:0"), lines
