@@ -351,8 +351,8 @@ class RankExchanges:
         if 0 < share <= 0.5 and committed + share <= 1.0 and xid not in self._held and not again:
             try:
                 sent = self._sent(self._base, at_least=level)
-            except ProtocolError:  # our piece does not encode (non-finite): nothing to answer with
-                sent = None
+            except ProtocolError:  # our piece does not encode (non-finite): nothing to answer with, refused
+                pass
         if sent is None:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)

@@ -51,7 +51,7 @@ with them.
 
 Not built yet, and said where it matters: the optimizer's state in the
 download (``state.transfer_optimizer``), resuming a download cut short (it
-is started over, by a peer started again), a merged model that averages
+is started over, from the next donor), a merged model that averages
 every member's pieces, quasi-global momentum per piece, top-k compression
 (``piece_codec``) and peers behind NAT.
 """
@@ -150,12 +150,6 @@ class SplitLeaderRank:
         self._candidates: tuple[tuple[str, ...], list[tuple[str, str]]] = ((), [])  # (view, its (id, address) pairs)
         self._step_timer = StepTimer()  # the local step's time, for the link's round trip in steps
         super().__init__(model, join, **kwargs)
-
-    @staticmethod
-    def _tell_workers(group: Any, problem: str) -> None:
-        from gossiptrain.runtime.peer_group import PeerGroup
-
-        PeerGroup(group).share(None, error=problem)  # the workers wait for our welcome: tell them why there is none
 
     @property
     def layout(self) -> PieceLayout:
