@@ -1,21 +1,22 @@
 """Every experiment script starts: its imports resolve and its flags parse (cheap; the full --quick runs of the
 heaviest scripts are in the slow set, `make test-slow`).
 
-All the scripts run ``--help`` in one fresh process, one after the other as
-``__main__``: the imports they share (torch above all) load once, where a
-process per script spent about 30 s of the default run on them.
+All the scripts run ``--help`` in one process of their own, one after the
+other as ``__main__``: the imports they share (torch above all) load once,
+where a process per script spent about 30 s of the default run on them. That
+process is forked from the test fork server (tests/zygote.py), which has
+imported torch already.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .swarm import run_forked
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ("harness", "lying_member", "model_parallel_ranks")  # modules the scripts run or import, not experiments
@@ -47,11 +48,11 @@ print(json.dumps(shown))
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, "-c", HELP_EACH, *SCRIPTS],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+def helps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("helps")
+    script = work / "help_each.py"
+    script.write_text(HELP_EACH)
+    result = run_forked(SCRIPTS, 300, "every experiment script --help", work, module=str(script))
     assert result.returncode == 0, result.stdout + result.stderr
     shown: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     return shown
