@@ -16,7 +16,11 @@ flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 100 ms
 between its safe points (where it answers); A's ranks write how many local
 steps they took between merges; pieces travel with ``auto`` compression,
 at the level each peer's leader sets. With ``download``, A downloads B's
-pieces, its leader naming first a donor that never answers.
+pieces (of a wider model, ``DOWNLOAD_HIDDEN``, in ``state.chunk_bytes`` of
+1 KiB: several chunks a rank), its leader naming a donor that never
+answers as well as B, and each rank of B stops answering the first session
+it serves after ``STALL_AFTER`` chunks: A's ranks must resume with another
+session, from the chunks they had.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,18 +41,21 @@ from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pieces import local_piece
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
-from gossiptrain.config import GossipConfig
+from gossiptrain.config import GossipConfig, StateConfig
+from gossiptrain.net.kinds import SREQ
 from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.runtime.split_group import Partner, SplitGroup
 
 FLOW_BOUND = 4
+DOWNLOAD_HIDDEN, STALL_AFTER = 300, 3
+DOWNLOAD_STATE = StateConfig(chunk_bytes=1024, request_timeout=1.0, max_seconds=30.0)
 
 HOSTS = {("A", 0): "127.0.0.61", ("A", 1): "127.0.0.62", ("B", 0): "127.0.0.63", ("B", 1): "127.0.0.64"}
 
 
-def model(seed: int) -> nn.Module:
+def model(seed: int, hidden: int = 17) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 17), nn.ReLU(), nn.Linear(17, 5))
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 5))
 
 
 def split(net: nn.Module, kind: str, rank: int) -> nn.Module:
@@ -71,12 +79,13 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    net = split(model(1 if peer == "A" else 2), kind, rank)
+    net = split(model(1 if peer == "A" else 2, DOWNLOAD_HIDDEN if mode == "download" else 17), kind, rank)
     loop = LoopThread(f"split-{peer}{rank}").start()
     codec = get_codec("auto") if mode == "flow" else None  # (flow: the leader's compression level too)
     gossip = GossipConfig() if mode == "flow" else None  # (flow: the default methods, the drift correction's pace)
     group = SplitGroup(dist.group.WORLD, net, me=peer, host=HOSTS[(peer, rank)], fingerprint="split-test",
-                       loop=loop, timeout=2.0, clock=time.monotonic, codec=codec, steps=StepTimer(), gossip=gossip)
+                       loop=loop, timeout=2.0, clock=time.monotonic, codec=codec, steps=StepTimer(), gossip=gossip,
+                       state=DOWNLOAD_STATE if mode == "download" else None)
     corrections: list[int] = []
     if gossip is not None and group.methods is not None and group.methods.drift is not None:
         drift_after = group.methods.drift.after  # counted: once per local step, however many safe points it held
@@ -155,25 +164,47 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
 
 
 def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, net: nn.Module, out: Path) -> None:
-    """``download``: A downloads B's pieces, its leader naming first a donor that never answers (nobody listens at
-    its ranks' addresses), then B; B takes safe points (where it answers) until A is done."""
+    """``download``: A downloads B's pieces, its leader naming a donor that never answers (nobody listens at its
+    ranks' addresses) and B, whose ranks each stall the first session they serve; B takes safe points (where it
+    copies its piece for the sessions) until A is done."""
     if peer == "A":
         candidates: list[Partner] = []
         if rank == 0:
             assert partner is not None
             gone = tuple(f"tcp://127.0.0.{65 + r}:{free_loopback_port()}" for r in range(2))
             candidates = [Partner("gone", gone, steps=1), partner]
-        got = group.download((lambda: candidates.pop(0) if candidates else None) if rank == 0 else None, timeout=6.0)
-        (out / f"A-{rank}.stats.json").write_text(json.dumps({"got": got}))
+        got = group.download((lambda: candidates.pop(0) if candidates else None) if rank == 0 else None, timeout=25.0)
+        (out / f"A-{rank}.stats.json").write_text(json.dumps({"got": got, **group.transfer.transfer.to_dict()}))
         if all(group.group.all_json(True)) and rank == 0:
             (out / "A.done").write_text("")
     else:
+        group.download(None, timeout=1.0)  # no donor: a peer of the swarm's first, its pieces worth giving from now
+        stall_first_session(group)
         while True:
             group.safe_point(None)
             if all(group.group.all_json((out / "A.done").exists())):
                 break
             time.sleep(0.01)
     save_piece(net, out / f"{peer}-{rank}.after.safetensors")
+
+
+def stall_first_session(group: SplitGroup) -> None:
+    """A donor rank that stops answering mid-download: the first session's requests past ``STALL_AFTER`` dropped."""
+    first: list[int] = []
+    answered = [0]
+    on_message = group.transfer.on_message
+
+    def stalling(msg: Any) -> None:
+        if msg.kind == SREQ and isinstance(msg.body, dict):
+            if not first:
+                first.append(msg.body.get("sid"))
+            if msg.body.get("sid") == first[0]:
+                answered[0] += 1
+                if answered[0] > STALL_AFTER:
+                    return
+        on_message(msg)
+
+    group.transfer.on_message = stalling  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

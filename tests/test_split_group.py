@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from gossiptrain.net.addressing import free_loopback_port
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
 
-from .split_ranks import model
+from .split_ranks import DOWNLOAD_STATE, STALL_AFTER, model
 from .swarm import Procs
 
 EXCHANGES = 3
@@ -119,12 +119,17 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
     assert between[len(between) // 2] <= FLOW_BOUND, between  # without the hold: dozens of steps a merge
 
 
-def test_a_newcomer_whose_first_donor_never_answers_downloads_from_the_next(procs: Procs, tmp_path: Path) -> None:
-    """A's leader names a donor nobody answers for, then B (``tests/split_ranks.py download``): every rank of A gives
-    up on the first within half the time allowed, together, and then holds B's piece of its index, bit for bit."""
+def test_a_newcomer_downloads_its_pieces_in_chunks_and_resumes_where_a_donor_stalled(procs: Procs, tmp_path: Path) -> None:
+    """A's leader names a donor nobody answers for and B, whose ranks each stop answering the first session they serve
+    after a few chunks (``tests/split_ranks.py download``): every rank of A leaves the silent donors, asks B again for
+    the chunks it lacks (none twice), and holds B's piece of its index, bit for bit."""
     run_pair(procs, tmp_path, "fsdp", 0, "download")
     for r in (0, 1):
-        assert json.loads((tmp_path / f"A-{r}.stats.json").read_text()) == {"got": "B"}
+        stats = json.loads((tmp_path / f"A-{r}.stats.json").read_text())
         a, b = (load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")) for peer in "AB")
         before = load_file(str(tmp_path / f"A-{r}.before.safetensors"))
         assert all(torch.equal(a[k], b[k]) and not torch.equal(before[k], b[k]) for k in a)
+        chunks = -(-sum(t.numel() * t.element_size() for t in b.values()) // DOWNLOAD_STATE.chunk_bytes)
+        assert chunks > STALL_AFTER + 1, chunks
+        assert stats["got"] == "B" and stats["state_chunks_received"] == chunks, stats  # resumed, not started over
+        assert stats["state_donors_tried"] >= 2 and stats["state_timeouts"] >= 1, stats

@@ -24,10 +24,7 @@ XACK = "xack"  # a push's receipt, no tensors: the pusher's link is free again (
 # hello that swaps layouts and ranks' addresses before the first exchange (or refuses another layout).
 XPREQ, XPREP, XPNAK, XPEND = "xpreq", "xprep", "xpnak", "xpend"
 XPHELLO, XPWELCOME = "xphello", "xpwelcome"
-# A split newcomer's state download: its leader asks a donor's leader for the pieces (XPSTATE), and each rank of the
-# donor sends its piece, as of one safe point of the whole donor, to the same rank of the newcomer (XPPIECE).
-XPSTATE, XPPIECE = "xpstate", "xppiece"
-# State transfer to newcomers (gossiptrain.protocol.state_transfer).
+# State transfer to newcomers (gossiptrain.protocol.state_transfer; a split peer's ranks speak it rank by rank).
 SREQ, SREP, SNAK, SACK = "sreq", "srep", "snak", "sack"
 # A rendezvous: the members ready to train (gossiptrain.protocol.rendezvous).
 READY = "ready"
@@ -41,7 +38,7 @@ STATUS_ASK, STATUS = "status-ask", "status"
 JOINING = (JOIN, WELCOME, REFUSE, REACH)
 MEMBERSHIP = (GOSSIP, SYNC, LEAVE, PING, PING_REQ, ACK)
 EXCHANGE = (XREQ, XREP, XNAK, XPUSH, XACK)
-PIECES = (XPREQ, XPREP, XPNAK, XPEND, XPHELLO, XPWELCOME, XPSTATE, XPPIECE)
+PIECES = (XPREQ, XPREP, XPNAK, XPEND, XPHELLO, XPWELCOME)
 STATE = (SREQ, SREP, SNAK, SACK)
 RENDEZVOUS = (READY,)
 LEASES = (LEASE,)

@@ -8,9 +8,14 @@ once: a request is checked and kept until the group's next safe point, where
 every rank that holds it answers it from the piece that safe point took
 (``gossiptrain.runtime.split_group``). The group's rank 0 also carries the leaders'
 word: the outcome of each exchange (``XPEND``), kept until its next safe
-point hands it to every rank (``take_outcomes``), and newcomers' asks for
-the pieces (``XPSTATE``, ``take_wanted``). A newcomer's rank takes only the
-piece it awaits (``await_piece``: ``XPPIECE`` of that tag, from the donor).
+point hands it to every rank (``take_outcomes``).
+
+State transfer runs rank by rank over the same sockets: the messages of
+``gossiptrain.protocol.state_transfer`` (``SREQ``, ``SREP``, ``SACK``,
+``SNAK``) go to the rank's ``StateEndpoint`` (``transfer``), which serves
+its piece to the same rank of newcomers in verified chunks and, on a
+newcomer, downloads its piece from the same rank of donors
+(``gossiptrain.runtime.split_group``'s ``download``).
 
 Bodies are small and checked (``xid``, ``a``, ``outcome``); a malformed one
 is a ``ProtocolError``, which the endpoint counts and drops. The training
@@ -24,16 +29,16 @@ import logging
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from torch import Tensor
-
 from gossiptrain.config import Limits
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPPIECE, XPREP, XPREQ, XPSTATE, XPWELCOME
+from gossiptrain.net import kinds
+from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
 from gossiptrain.net.transport import Transport
 from gossiptrain.net.wire import Message
-from gossiptrain.protocol.piece_exchange import MAX_ADDRESS, Outcome, RankExchanges, Send, hello_answer
+from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Send, hello_answer
 from gossiptrain.protocol.pieces import PieceLayout
 from gossiptrain.runtime.endpoint import Endpoint
+from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +59,12 @@ class PieceLink(Endpoint):
         sender: str,
         fingerprint: str,
         clock: Callable[[], float],
+        transfer: StateEndpoint | None = None,
         lock: threading.Lock | threading.RLock | None = None,
     ) -> None:
         super().__init__(transport, limits, sender=sender, fingerprint=fingerprint)
         self.exchanges = exchanges
+        self.transfer = transfer  # this rank's side of state transfer (its piece), on this link's loop; None: none
         self.clock = clock
         self.lock = lock if lock is not None else threading.RLock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the network thread's, once started
@@ -66,12 +73,9 @@ class PieceLink(Endpoint):
         self.introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
         self._welcomes: dict[str, tuple[str, dict[str, Any]]] = {}  # addr asked -> (its id, its answer)
         self._welcomed = threading.Condition(self.lock)
-        self._wanted: dict[int, tuple[str, list[str]]] = {}  # leader: tag -> (newcomer, its ranks' addresses)
-        self._awaited: dict[int, tuple[str, dict[str, Tensor] | None]] = {}  # tag -> (the donor, its piece once here)
-        self.piece_step = 0  # the donor's step at the piece awaited (``XPPIECE``'s ``step``)
         self.handlers = {XPREQ: self._on_request, XPREP: self._on_reply, XPNAK: self._on_refusal, XPEND: self._on_outcome,
-                         XPHELLO: self._on_hello, XPWELCOME: self._on_welcome, XPSTATE: self._on_want,
-                         XPPIECE: self._on_piece}
+                         XPHELLO: self._on_hello, XPWELCOME: self._on_welcome,
+                         **dict.fromkeys(kinds.STATE, self._on_state)}
 
     @property
     def address(self) -> str:
@@ -82,6 +86,9 @@ class PieceLink(Endpoint):
         self._loop = asyncio.get_running_loop()
         await self.transport.start(timeout=10)  # ours alone: started and closed with the link
         await super()._start()
+        if self.transfer is not None:  # snapshots hashed in a worker thread: the exchanges' messages do not wait
+            self.transfer.offload = True
+            self.spawn(self.transfer.run(), "state snapshots")
 
     async def _close(self) -> None:
         await self.transport.close("piece link closed")
@@ -106,9 +113,7 @@ class PieceLink(Endpoint):
         self._post(addr, XPEND, {"xid": xid, "outcome": int(outcome)})
 
     def _post(self, addr: str, kind: str, body: dict[str, Any], tensors: Mapping[str, Any] | None = None) -> None:
-        if self._loop is None:
-            raise RuntimeError("the piece link is not started")
-        self._loop.call_soon_threadsafe(self.send, addr, kind, body, tensors)
+        self._call(self.send, addr, kind, body, tensors)
 
     def hello(self, addr: str, layout: PieceLayout, addresses: tuple[str, ...]) -> None:
         """Leader to leader, from any thread: our layout and ranks' addresses to the leader at ``addr`` (its piece
@@ -130,32 +135,21 @@ class PieceLink(Endpoint):
                 raise TimeoutError(f"no answer from the piece link at {addr} within {timeout} s")
             return self._welcomes.pop(addr)
 
-    def want(self, addr: str, tag: int, addresses: Sequence[str]) -> None:
-        """Newcomer's leader to the donor's leader at ``addr``: send each of our ranks (at ``addresses``) its piece."""
-        self._post(addr, XPSTATE, {"tag": tag, "addresses": list(addresses)})
+    def offer(self, copy: StateCopy) -> None:
+        """Our piece as a safe point left it, for the newcomers' sessions waiting for one, from any thread."""
+        assert self.transfer is not None
+        self._call(self.transfer.offer_snapshot, copy)
 
-    def take_wanted(self, most: int) -> list[tuple[int, str, list[str]]]:
-        """(tag, newcomer, its ranks' addresses) asked of us since the last call, at most ``most`` (the rest wait)."""
-        with self.lock:
-            tags = list(self._wanted)[:most]
-            return [(tag, *self._wanted.pop(tag)) for tag in tags]
+    def expire(self, now: float) -> None:
+        """Drop newcomers' sessions idle past ``state.session_timeout``, from any thread."""
+        assert self.transfer is not None
+        self._call(self.transfer.tick, now)
 
-    def give(self, addr: str, tag: int, piece: Mapping[str, Tensor], step: int = 0) -> None:
-        """Donor's rank to the newcomer's rank at ``addr``: our piece as of this safe point (the donor's ``step``
-        then), from any thread."""
-        self._post(addr, XPPIECE, {"tag": tag, "step": step}, piece)
-
-    def await_piece(self, tag: int, donor: str) -> None:
-        """From now on, keep ``donor``'s piece of ``tag`` (``XPPIECE``) for ``wait_piece``; any other is dropped."""
-        with self.lock:
-            self._awaited = {tag: (donor, None)}
-            self.piece_step = 0
-
-    def wait_piece(self, tag: int, timeout: float) -> dict[str, Tensor] | None:
-        """The piece awaited (``await_piece``), or None if it has not come within ``timeout`` seconds."""
-        with self._welcomed:
-            self._welcomed.wait_for(lambda: self._awaited.get(tag, ("", None))[1] is not None, timeout)
-            return self._awaited.pop(tag, ("", None))[1]
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on the network thread, soon, from any thread."""
+        if self._loop is None:
+            raise RuntimeError("the piece link is not started")
+        self._loop.call_soon_threadsafe(fn, *args)
 
     def take_outcomes(self) -> dict[int, tuple[str, Outcome]]:
         """xid -> (requester, outcome) that partners' leaders told us since the last call (the leader hands them
@@ -205,29 +199,11 @@ class PieceLink(Endpoint):
             log.warning("refused %s's hello: %s", msg.sender, answer["refused"])
         self.send(msg.addr, XPWELCOME, answer)
 
-    def _on_want(self, msg: Message, frames: Sequence[object]) -> None:
-        tag, addresses = _tag(msg.body), msg.body.get("addresses")
-        if self.introduction is None:
-            self.stats.unexpected += 1  # only a leader gives its peer's pieces
+    def _on_state(self, msg: Message, frames: Sequence[object]) -> None:
+        if self.transfer is None:
+            self.stats.unexpected += 1
             return
-        if not (isinstance(addresses, list) and len(addresses) == len(self.introduction[1])
-                and all(type(a) is str and 0 < len(a) <= MAX_ADDRESS for a in addresses)):
-            raise ProtocolError("a state ask names one address (a string) for each of our ranks")
-        with self.lock:
-            if len(self._wanted) < MAX_OUTCOMES:
-                self._wanted[tag] = (msg.sender, addresses)
-
-    def _on_piece(self, msg: Message, frames: Sequence[object]) -> None:
-        tag = _tag(msg.body)
-        with self._welcomed:
-            awaited = self._awaited.get(tag)
-            if awaited is None or awaited[0] != msg.sender or awaited[1] is not None:
-                self.stats.unexpected += 1
-                return
-            self._awaited[tag] = (msg.sender, dict(msg.tensors))
-            step = msg.body.get("step", 0) if isinstance(msg.body, dict) else 0
-            self.piece_step = step if type(step) is int and 0 <= step <= _XID_MAX else 0  # the donor's, for its leader
-            self._welcomed.notify_all()
+        self.transfer.on_message(msg)
 
     def _on_welcome(self, msg: Message, frames: Sequence[object]) -> None:
         with self._welcomed:
@@ -242,9 +218,3 @@ def _xid(body: Any) -> int:
         raise ProtocolError("a piece message names its exchange by an integer 'xid'")
     return xid
 
-
-def _tag(body: Any) -> int:
-    tag = body.get("tag") if isinstance(body, dict) else None
-    if type(tag) is not int or not 0 <= tag <= _XID_MAX:
-        raise ProtocolError("a piece download names itself by an integer 'tag'")
-    return tag

@@ -41,6 +41,20 @@ correction and the guard count local steps, not a hold's safe points: the
 correction measures every merge of a step's safe points and corrects once,
 at the last; the guard judges once a step.
 
+**State transfer** runs rank by rank with the protocol whole-model peers
+use (``gossiptrain.protocol.state_transfer``) over each rank's own socket:
+every rank is a donor of its piece (a copy taken at the safe point after
+a newcomer's session opened, hashed on the network thread, served in
+``state.chunk_bytes`` chunks), and a newcomer's rank downloads its piece
+from the same rank of the donors its leader met (``download``). So a
+piece of any size travels in bounded messages, every chunk is checked
+against the donor's manifest, and a donor that stops answering costs its
+timeout and no chunk already verified: the next donor is asked for the
+rest. The pieces of one download come from the safe points where each
+donor rank's session opened: one safe point, or a few steps apart where
+the requests crossed a step; a resumed download joins two donors'
+snapshots, as a whole-model peer's does (gossip keeps them close).
+
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
 makes the group's next collective fail on the others (gloo: the connection
@@ -62,12 +76,12 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
-from gossiptrain.config import GossipConfig, Limits, SecurityConfig
+from gossiptrain.config import GossipConfig, Limits, RunConfig, SecurityConfig, StateConfig
 from gossiptrain.errors import GossipError, ProtocolError
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.auto_compression import AutoCompression
@@ -77,18 +91,22 @@ from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.protocol.step_timer import StepTimer
+from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 from gossiptrain.runtime.piece_methods import PieceMethods
+from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
+from gossiptrain.state.snapshot import decode_state, entries_of, flatten, state_nbytes, table_layout
 
 log = logging.getLogger(__name__)
 
 #: The weight of a piece exchange (one in flight at a time: pairwise averaging's 1/2).
 SHARE = 0.5
-#: Newcomers given their pieces at one safe point, at most (each costs a copy of the piece on the wire).
-MAX_GIVEN = 2
+#: Donors a newcomer's leader meets (and every rank may download from), at most.
+DONORS = 3
 #: Flow control: how long the group holds for an exchange before any reply was measured (seconds).
 FIRST_HOLD = 2.0
 
@@ -124,6 +142,7 @@ class SplitGroup:
         gossip: GossipConfig | None = None,
         steps: StepTimer | None = None,
         security: SecurityConfig | None = None,
+        state: StateConfig | None = None,
     ) -> None:
         self.group = PeerGroup(group)
         self.rank = self.group.rank
@@ -136,10 +155,17 @@ class SplitGroup:
         self.lock = threading.RLock()  # the training side's safe point and the link's network side
         self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec)
         limits = limits or Limits()
+        # State transfer, rank by rank and in real time: this rank serves its piece to the same rank of newcomers,
+        # and as a newcomer downloads it from the same rank of donors (``download``)
+        self.transfer = StateEndpoint(RunConfig(limits=limits, state=state or StateConfig()), send=self._send_state,
+                                      address_of=self._donor_address, clock=REAL_CLOCK)
+        self._donor_addresses: dict[str, str] = {}  # while downloading: each donor's rank of our index
+        self._snapshot_asked = 0  # the last of the donor's ``wanted`` serials a copy of our piece was taken for
+        self._local_steps = 0
         # (security: CURVE with the peer's keys, every rank alike: partners' ranks dial the addresses, keys in them,
         # that the leaders swap)
         self.link = PieceLink(listen(f"tcp://{host}:0", limits, security=security), limits, self.exchanges, sender=me,
-                              fingerprint=fingerprint, clock=clock, lock=self.lock)
+                              fingerprint=fingerprint, clock=clock, transfer=self.transfer, lock=self.lock)
         loop.run(self.link.start(timeout=10), timeout=15)
         # Every rank's address, and whether its piece of the model keeps running statistics (one rank's BatchNorm
         # turns the drift correction off on every rank: the gain is the model's)
@@ -226,9 +252,6 @@ class SplitGroup:
             if self._auto is not None:
                 mine["level"] = self.exchanges.level
                 self._bound = hold_bound or self._bound
-            wanted = self.link.take_wanted(MAX_GIVEN)
-            if wanted:
-                mine["give"] = wanted
         every = self.group.all_json(mine)  # the one collective: every rank now decides alike
         leader = every[0]
         answers, request = [], None
@@ -268,7 +291,6 @@ class SplitGroup:
             held_by_all = set.intersection(*({(int(x), str(r)) for x, r in rank["waiting"]} for rank in every))
             for xid, _requester in sorted(held_by_all if not (put_back or settling) else ()):
                 answers.append(self.exchanges.serve_waiting(xid, now))
-            given = self.exchanges.snapshot() if "give" in leader else {}
             # The next exchange once ours is decided (alike on every rank), unless the guard or flow control holds
             if "start" in leader and not self.exchanges.in_flight and not (put_back or settling or self.held):
                 xid, partner, addresses = leader["start"]
@@ -284,9 +306,8 @@ class SplitGroup:
             self.link.answer(addr, answer)
         if request is not None:
             self.link.ask(request, addresses[self.rank])
-        step = int(leader.get("news", {}).get("steps", 0))  # the leader's count, for a newcomer that takes it
-        for tag, _newcomer, where in leader.get("give", []):  # every rank its piece as of this safe point: one model
-            self.link.give(where[self.rank], int(tag), given, step)
+        if local_step:  # the leader's step count: a newcomer's with state.transfer_step
+            self._donate(int(leader.get("news", {}).get("steps", self._local_steps + 1)))
         told = dict(leader.get("news", {}))
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
@@ -315,42 +336,96 @@ class SplitGroup:
 
     def download(self, next_donor: Callable[[], Partner | None] | None, timeout: float) -> str | None:
         """A newcomer's state download, on every rank (a collective; only the leader's ``next_donor`` counts: the
-        next member to try, None when there is none): each rank asks for, and installs, the piece of the donor's
-        rank of its index, all of them as of one safe point of the donor; installed on every rank or on none (a
-        piece that did not come, or does not fit, on any rank: the next donor is asked, from the start). Within
-        ``timeout`` seconds in all, a donor given at most half of what is left (so that one that never answers
-        leaves time for another). Before the first exchange. The id of the donor installed (``downloaded_step``:
-        its step then), or None (each rank keeps its own piece)."""
+        next member to download from, None when there is none). The leader meets up to ``DONORS`` donors; every
+        rank then downloads its piece from the same rank of one of them, in verified chunks, as a whole-model peer
+        downloads its state (``Fetcher``: a donor that stops answering or refuses is left for another, and the
+        download resumes from the chunks already verified; all ranks start with the same donor). Installed on every
+        rank or on none, within ``timeout`` seconds in all. Before the first exchange. Who gave the chunks (",
+        "-joined; ``downloaded_step``: the leader's donor's step then), or None (each rank keeps its own piece)."""
         deadline = time.monotonic() + timeout
-        while True:
-            plan = None
-            left = deadline - time.monotonic()
-            if self.rank == 0 and next_donor is not None and left > 0:
-                donor = next_donor()
-                if donor is not None:
-                    plan = [self._rng.getrandbits(62), donor.id, list(donor.addresses), left / 2]
-            plan = self.group.all_json(plan)[0]
+        donors: list[list[Any]] = []
+        while self.rank == 0 and next_donor is not None and len(donors) < DONORS and time.monotonic() < deadline:
+            donor = next_donor()
+            if donor is None:
+                break
+            donors.append([donor.id, list(donor.addresses)])
+        plan = self.group.all_json([self._rng.getrandbits(62), donors] if donors else None)[0]
+        try:
             if plan is None:
                 return None
-            tag, donor_id, addresses, wait = int(plan[0]), str(plan[1]), plan[2], float(plan[3])
-            self.link.await_piece(tag, donor_id)
-            if self.rank == 0:
-                self.link.want(addresses[0], tag, self.addresses)
-            piece = self.link.wait_piece(tag, wait)
+            seed, donors = int(plan[0]), plan[1]
+            result = self._fetch(random.Random(seed), {str(d): str(where[self.rank]) for d, where in donors}, deadline)
+            verdicts = self.group.all_json(None if result is None else [result[1], result[2]])
+            if not all(verdicts):
+                if self.rank == 0:
+                    log.warning("state download: not every rank's piece came, or fits: each keeps its own")
+                return None
             with self.lock:
-                try:
-                    fits = piece is not None and self.exchanges.fits(piece)
-                except (ProtocolError, ValueError) as e:
-                    log.warning("state download: rank %d's piece from %s does not go in: %s", self.rank, donor_id, e)
-                    fits = False
-            if all(self.group.all_json(fits)):
+                assert result is not None
+                self.exchanges.install(result[0])
+            self.downloaded_step = int(verdicts[0][0])
+            return ", ".join(sorted({d for v in verdicts for d in v[1]}))
+        finally:
+            self.transfer.mark_ready()  # our piece is worth giving from now on
+
+    def _fetch(self, rng: random.Random, donors: dict[str, str], deadline: float
+               ) -> tuple[dict[str, torch.Tensor], int, list[str]] | None:
+        """This rank's piece downloaded from the same rank of ``donors`` (id -> that rank's address) before
+        ``deadline``: (the piece by name, the donor's step, who gave its chunks), or None (logged)."""
+        with self.lock:
+            piece = self.exchanges.snapshot()
+        like = list(piece.values())
+        table = entries_of(piece.items())
+        seconds = max(0.001, deadline - time.monotonic())
+        fetcher = Fetcher(replace(self.transfer.config, max_seconds=seconds), me=self.me, size=state_nbytes(like),
+                          layout=table_layout(table), rng=rng, now=REAL_CLOCK.now(), tensors=table)
+        self._donor_addresses = donors
+        try:
+            while True:
+                result = self.loop.run(self.transfer.download(fetcher, lambda: list(donors)), timeout=seconds + 10)
+                if not result.ok:
+                    log.warning("state download: rank %d's piece: %s", self.rank, result.reason)
+                    return None
+                assert result.data is not None
+                values = decode_state(like, result.data)
+                if isinstance(values, str):
+                    fetcher.reject(values)  # fetched again from other donors, within the same bounds
+                    continue
                 with self.lock:
-                    assert piece is not None
-                    self.exchanges.install(piece)
-                self.downloaded_step = self.link.piece_step
-                return donor_id
-            if self.rank == 0:
-                log.warning("state download: %s's pieces did not all come in time, or do not fit", donor_id)
+                    got = dict(zip(piece, values))
+                    self.exchanges.fits(got)
+                return got, result.step, list(result.donors)
+        except (ProtocolError, ValueError, TimeoutError) as e:
+            log.warning("state download: rank %d's piece does not go in: %s", self.rank, e)
+            return None
+        finally:
+            self._donor_addresses = {}
+
+    def _donor_address(self, member: str) -> str | None:
+        """Where a donor's rank of our index listens, while we download (the transfer's ``address_of``)."""
+        return self._donor_addresses.get(member)
+
+    def _send_state(self, addr: str, kind: str, body: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return self.link.send(addr, kind, body, tensors)
+
+    def _donate(self, step: int) -> None:
+        """Donor, at every local step's safe point: our piece as it now is, copied for the newcomers' sessions that
+        wait for one (``Donor.wanted``; hashed and served on the network thread). ``step``: the leader's count."""
+        self._local_steps += 1
+        donor = self.transfer.donor
+        now = REAL_CLOCK.now()
+        donor.stepped(self._local_steps, now)
+        if donor.sessions:
+            self.link.expire(now)
+        wanted = donor.wanted
+        if wanted == self._snapshot_asked:
+            return
+        self._snapshot_asked = wanted
+        with self.lock:
+            piece = self.exchanges.snapshot()
+            data = flatten(list(piece.values()))
+        table = entries_of(piece.items())
+        self.link.offer(StateCopy(data, step, wanted, table, len(table), data.numel()))
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""

@@ -31,12 +31,13 @@ together, ``finish()`` and ``close()`` at the end.
   after the consensus rounds, where a whole-model peer downloads and
   averages every member's.
 
-- **A newcomer** downloads a live member's pieces before its first step:
-  its leader meets one (at random, so newcomers spread over the swarm), and
-  every rank gets the piece of the donor's rank of its index, all of them
-  as of one safe point of the donor (``SplitGroup.download``); installed
-  on every rank or on none. A donor whose pieces do not all come in time is
-  left for the next (up to ``DONORS_TRIED``), the download started over.
+- **A newcomer** downloads live members' pieces before its first step:
+  its leader meets a few (at random, so newcomers spread over the swarm),
+  and every rank downloads the piece of the donor's rank of its index in
+  verified chunks, as a whole-model peer downloads its state: a donor that
+  stops answering is left for another and the download resumes from the
+  chunks already verified (``SplitGroup.download``); installed on every
+  rank or on none.
 
 - **Beyond plain averaging**, every rank runs the drift correction on its
   piece, the square-root rate rule on its optimizer (given on every rank,
@@ -50,8 +51,7 @@ count. In a secure swarm every rank is given the peer's keys
 with them.
 
 Not built yet, and said where it matters: the optimizer's state in the
-download (``state.transfer_optimizer``), resuming a download cut short (it
-is started over, from the next donor), a merged model that averages
+download (``state.transfer_optimizer``), a merged model that averages
 every member's pieces, quasi-global momentum per piece, top-k compression
 (``piece_codec``) and peers behind NAT.
 """
@@ -87,8 +87,8 @@ from gossiptrain.runtime.split_partners import PartnerBook
 
 log = logging.getLogger(__name__)
 
-#: Members a split newcomer tries to download from, at most, and how long it waits for each one's hello.
-DONORS_TRIED, HELLO_WAIT = 3, 10.0
+#: How long a split newcomer waits for the hello of a member it would download from.
+HELLO_WAIT = 10.0
 
 
 #: ``gossip.compression`` codecs a split peer's pieces travel in (top-k, which needs per-edge references: uncompressed,
@@ -201,7 +201,7 @@ class SplitLeaderRank:
             self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
             timeout=exchange_timeout(self.config), clock=self._clock.now, limits=self.config.limits,
             seed=self._rng.getrandbits(32), codec=piece_codec(self.config, say=True), gossip=self.config.gossip,
-            steps=self._step_timer, security=self._piece_security,
+            steps=self._step_timer, security=self._piece_security, state=self.config.state,
         )
         if self._optimizer_mode == "given":
             self._found(self.optimizer, given=True)
@@ -211,10 +211,10 @@ class SplitLeaderRank:
         tried: list[str] = []
         donors = self._donors(node, tried) if self._download_wanted else None
         got = pieces.download(donors, timeout=self.config.state.max_seconds)  # every rank, alike
-        if tried:
-            self._piece_transfer = ("complete" if got else "failed", tried)
+        if tried:  # (the donors met; those whose chunks we kept, when it came)
+            self._piece_transfer = ("complete", got.split(", ")) if got else ("failed", tried)
             if got:
-                log.info("downloaded every rank's piece from %s (its step %d)", got, pieces.downloaded_step)
+                log.info("downloaded every rank's piece from %s (step %d)", got, pieces.downloaded_step)
                 if self.config.state.transfer_step:  # the donor's step count goes on here (state.transfer_step)
                     self.resume_at(pieces.downloaded_step)
             else:
@@ -230,13 +230,13 @@ class SplitLeaderRank:
 
     def _donors(self, node: PeerNode, tried: list[str]) -> Callable[[], Partner | None]:
         """The next live member to download from, met when asked for (its ranks' addresses), each added to
-        ``tried``: up to ``DONORS_TRIED`` in random order, so that newcomers spread over the swarm instead of all
-        asking the same member, and another is asked where one's pieces do not all come. None once they are
+        ``tried``: in random order, so that newcomers spread over the swarm instead of all asking the same member
+        (``SplitGroup.download`` meets a few, and leaves one that stops answering for another). None once they are
         spent, or where the first to answer has not trained (a fresh swarm: nothing to download)."""
         assert self._pieces is not None and self._partners is not None
         members = list(self._live(node))
         self._rng.shuffle(members)
-        queue = members[:DONORS_TRIED]
+        queue = members
 
         def next_donor() -> Partner | None:
             assert self._pieces is not None and self._partners is not None
@@ -433,7 +433,7 @@ class SplitWorkerRank(WorkerRank):
                 self._group.group, self.model, me=self.id, host=host, fingerprint=self.fingerprint, loop=self._loop,
                 timeout=exchange_timeout(self.config), clock=time.monotonic, limits=self.config.limits,
                 seed=random.getrandbits(32), codec=piece_codec(self.config), gossip=self.config.gossip,
-                security=member_only.get("security"),
+                security=member_only.get("security"), state=self.config.state,
             )
             self._pieces.download(None, timeout=self.config.state.max_seconds)  # the leader's donors, if any
         except BaseException:
