@@ -12,6 +12,7 @@ an exchange is applied on every rank of both peers or on none.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from gossiptrain.protocol.piece_exchange import (
     decide,
 )
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout, gather
+from gossiptrain.protocol.staleness import StalenessPolicy
 
 CONFIG = GossipConfig(compression="none", exchange_timeout_min=0.5, exchange_timeout_max=4.0)
 RANKS = 2
@@ -59,11 +61,12 @@ def layout_of(pieces: list[dict[str, torch.Tensor]]) -> PieceLayout:
 class SplitPeer:
     """A peer of RANKS ranks: its pieces, one RankExchanges per rank, and the leader's bookkeeping."""
 
-    def __init__(self, name: str, seed: int) -> None:
+    def __init__(self, name: str, seed: int, staleness: StalenessPolicy | None = None) -> None:
         self.name = name
         self.pieces = split(whole_model(seed))
         self.layout = layout_of(self.pieces)
-        self.ranks = [RankExchanges(p, self.layout.pieces[r], timeout=TIMEOUT) for r, p in enumerate(self.pieces)]
+        self.ranks = [RankExchanges(p, self.layout.pieces[r], timeout=TIMEOUT, staleness=staleness)
+                      for r, p in enumerate(self.pieces)]
         self.outcomes: dict[int, tuple[str, Outcome]] = {}  # leader: partners' word, handed out at our safe point
 
     def gathered(self) -> dict[str, torch.Tensor]:
@@ -165,6 +168,58 @@ def test_averaging_piece_by_piece_is_averaging_of_the_whole_bit_for_bit_with_a_r
     aborted = sum(r.stats.aborted for r in sa.ranks)
     dropped = sum(r.stats.dropped for r in sb.ranks)
     assert committed == 6 * RANKS and aborted == 2 * RANKS and dropped == RANKS + 1  # round 2: rank 1 held nothing
+
+
+def test_staleness_weights_per_piece_are_the_whole_models_bit_for_bit_and_past_the_bound_every_rank_refuses() -> None:
+    """A at step 2 asks B at step 10, polynomial weights (exponent 1/2), bound 10: every rank of B serves at 1/2 times
+    1/3 and says so, every rank of A applies that, and the models are what unsplit pairwise peers with the same policy
+    hold, bit for bit. Then B at step 20: past the bound, every rank of B refuses and nothing moves."""
+    config = replace(CONFIG, staleness_weighting="polynomial", staleness_exponent=0.5, staleness_bound=10)
+    policy = StalenessPolicy("polynomial", 0.5, 10)
+    sa, sb = SplitPeer("A", 1, policy), SplitPeer("B", 2, policy)
+    ua, ub = whole_model(1), whole_model(2)
+    pa, pb = PairwiseAveraging(ua, config, random.Random(1)), PairwiseAveraging(ub, config, random.Random(2))
+    pb.handle(AtSafePoint(step=10, partners=[]), 0.0)
+    (req,) = pa.handle(AtSafePoint(step=2, partners=["B"]), 0.0)
+    (rep,) = pb.handle(Received("A", XREQ, req.xid, req.tensors, meta=dict(req.meta), step=2), 0.0)
+    assert rep.kind == XREP and rep.meta["a"] == 0.5 * (1 + 8) ** -0.5
+    pa.handle(Received("B", XREP, rep.xid, rep.tensors, meta=dict(rep.meta), step=10), 0.0)
+    pa.handle(AtSafePoint(step=3, partners=[]), 0.1), pb.handle(AtSafePoint(step=11, partners=[]), 0.1)
+    for rank in sa.ranks:
+        rank.step = 2
+    for rank in sb.ranks:
+        rank.step = 10
+    for r in range(RANKS):
+        sent = sa.ranks[r].start(7, "B", 0.5, 0.0)
+        assert sent is not None and sent.meta["step"] == 2
+        answer = sb.ranks[r].serve("A", 7, sent.tensors, sent.meta, 0.0)
+        assert answer.kind == XPREP and answer.meta["a"] == rep.meta["a"]
+        sa.ranks[r].reply("B", 7, answer.tensors, answer.meta["a"])
+    sa.safe_point(0.1, sb), sb.safe_point(0.1)
+    for split_peer, whole in ((sa, ua), (sb, ub)):
+        got = split_peer.gathered()
+        assert all(torch.equal(got[k], whole[k]) for k in whole)  # bit for bit
+    before = sa.gathered(), sb.gathered()
+    for rank in sb.ranks:
+        rank.step = 20  # 18 steps apart: past the bound
+    for r in range(RANKS):
+        sent = sa.ranks[r].start(8, "B", 0.5, 0.2)
+        assert sent is not None
+        assert sb.ranks[r].serve("A", 8, sent.tensors, sent.meta, 0.2).kind == XPNAK
+        sa.ranks[r].refused("B", 8)
+    sa.safe_point(0.3, sb), sb.safe_point(0.3)
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(before, (sa.gathered(), sb.gathered())) for k in x)
+    assert [rank.stats.stale_dropped for rank in sb.ranks] == [1] * RANKS
+    assert all(rank.stats.aborted == 1 and rank.stats.committed == 1 for rank in sa.ranks)
+
+
+def test_a_reply_at_a_weight_above_the_one_asked_for_fails_the_exchange() -> None:
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    sent = sa.ranks[0].start(3, "B", 0.25, 0.0)
+    assert sent is not None
+    answer = sb.ranks[0].serve("A", 3, sent.tensors, sent.meta, 0.0)
+    sa.ranks[0].reply("B", 3, answer.tensors, 0.5)  # more than asked: a partner that got it wrong
+    assert sa.ranks[0].status(3, 0.0) == Status.FAILED
 
 
 def test_the_sum_of_the_two_models_moves_only_by_local_steps_whatever_fails() -> None:

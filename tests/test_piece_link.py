@@ -21,6 +21,7 @@ from gossiptrain.net.transport import listen
 from gossiptrain.errors import ProtocolError
 from gossiptrain.protocol.piece_exchange import Outcome, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
+from gossiptrain.protocol.staleness import StalenessPolicy
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.piece_link import PieceLink
 
@@ -31,13 +32,14 @@ TIMEOUT = 1.0
 class LinkedPeer:
     """A peer of 2 ranks, each with its piece, its RankExchanges and its own PieceLink."""
 
-    def __init__(self, name: str, seed: int, loop: LoopThread) -> None:
+    def __init__(self, name: str, seed: int, loop: LoopThread, staleness: StalenessPolicy | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.name = name
         self.pieces = [{"w": torch.randn(3, 4, generator=g), "b": torch.randn(2, generator=g)} for _ in range(2)]
         self.locks = [threading.RLock() for _ in range(2)]
         self.ranks = [
-            RankExchanges(p, tuple(PieceEntry(k, "float32", tuple(t.shape), 0) for k, t in p.items()), timeout=TIMEOUT)
+            RankExchanges(p, tuple(PieceEntry(k, "float32", tuple(t.shape), 0) for k, t in p.items()), timeout=TIMEOUT,
+                          staleness=staleness)
             for p in self.pieces
         ]
         self.links = [
@@ -109,8 +111,15 @@ def loop() -> Iterator[LoopThread]:
     thread.stop()
 
 
-def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopThread) -> None:
-    a, b = LinkedPeer("A", 1, loop), LinkedPeer("B", 2, loop)
+@pytest.mark.parametrize("apart", [0, 8])
+def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopThread, apart: int) -> None:
+    """``apart``: B's step ahead of A's, polynomial staleness weights (exponent 1/2): B serves at 1/2 times
+    (1 + apart)^-1/2, says so in its reply, and A applies that."""
+    policy = StalenessPolicy("polynomial", 0.5)
+    a, b = LinkedPeer("A", 1, loop, policy), LinkedPeer("B", 2, loop, policy)
+    for rank in b.ranks:
+        rank.step = apart
+    share = 0.5 * (1 + apart) ** -0.5
     try:
         before_a, before_b = a.snapshot(), b.snapshot()
         a.ask(b, 7)
@@ -130,9 +139,9 @@ def test_two_split_peers_average_rank_by_rank_over_their_own_sockets(loop: LoopT
         wait_for(settled, 10, "A's word at B's leader", interval=0.01)
         for r in range(2):
             for k in ("w", "b"):
-                mean = (before_a[r][k] + before_b[r][k]) / 2
-                torch.testing.assert_close(a.pieces[r][k], mean)
-                torch.testing.assert_close(b.pieces[r][k], mean)
+                difference = before_b[r][k] - before_a[r][k]
+                torch.testing.assert_close(a.pieces[r][k], before_a[r][k] + share * difference)
+                torch.testing.assert_close(b.pieces[r][k], before_b[r][k] - share * difference)
         assert [r.stats.applied for r in b.ranks] == [1, 1] and [r.stats.committed for r in a.ranks] == [1, 1]
     finally:
         a.close(loop), b.close(loop)

@@ -48,7 +48,15 @@ values that travelled, decoded (its own piece as the partner reads it), so
 what one side's merge adds the other's removes: nothing is made or lost. A
 piece that does not encode (non-finite) fails its exchange on every rank;
 one that arrives non-finite is refused.
-Downloads (``snapshot``, ``install``) travel as they are. With ``auto``
+Downloads (``snapshot``, ``install``) travel as they are.
+
+**Staleness weights** (``gossip.staleness_weighting``, ``staleness_bound``),
+as a whole-model peer's pairwise averaging runs them: a request carries
+the requester's step, the server scales the weight it serves at by the
+policy's factor for the two peers' step difference (or refuses a request
+past the bound), and the reply carries that weight, which the requester
+applies. Every rank of a peer is at the same step (the group's), so every
+rank serves and applies one exchange at the same weight. With ``auto``
 (``AutoCodec``) the group's leader sets the level every rank encodes at
 (``level``); a reply is at least as lossy as its request, as a whole-model
 peer's is, so that a requester's measure is of its own level.
@@ -72,6 +80,7 @@ from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
 from gossiptrain.protocol.compression import AutoCodec, Codec, first_non_finite
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
+from gossiptrain.protocol.staleness import StalenessPolicy
 from gossiptrain.state.host_buffers import BufferPool
 
 #: A held merge is dropped this many exchange timeouts after it was served without an outcome. The requester
@@ -191,6 +200,7 @@ class _Waiting:
     share: float
     deadline: float
     level: int = 0  # the request's compression level (``auto``): the answer is at least as lossy
+    step: int | None = None  # the requester's step when it asked (None: not said, no staleness weight)
 
 
 @dataclass
@@ -203,7 +213,8 @@ class PieceStats:
     served: int = 0  # requests answered and held
     applied: int = 0  # held merges applied (the requester committed)
     dropped: int = 0  # held merges dropped (the requester aborted, or no outcome by the deadline)
-    refused: int = 0  # requests refused (busy, malformed)
+    refused: int = 0  # requests refused (busy, malformed, or past the staleness bound)
+    stale_dropped: int = 0  # ...of which past the staleness bound (``gossip.staleness_bound``)
 
 
 class RankExchanges:
@@ -215,7 +226,7 @@ class RankExchanges:
     """
 
     def __init__(self, piece: Mapping[str, Tensor], entries: Sequence[PieceEntry], *, timeout: float,
-                 codec: Codec | None = None) -> None:
+                 codec: Codec | None = None, staleness: StalenessPolicy | None = None) -> None:
         if [e.name for e in entries] != list(piece):
             raise ValueError("a rank's piece and its layout entries name the same tensors in the same order")
         if not timeout > 0:
@@ -227,6 +238,9 @@ class RankExchanges:
         # Pieces travel encoded so (None: as they are). Both sides then average the values that travelled (our own as
         # the partner decodes it), so what one side's merge adds the other's removes.
         self.codec = codec
+        # The weight of a served request by how many steps apart the two peers are (constant: 1, the default)
+        self.staleness = staleness or StalenessPolicy()
+        self.step = 0  # the group's step, set by the driver at each safe point (the same on every rank)
         self.stats = PieceStats()
         self._pool = BufferPool()
         self._pending = PendingMerges(self.params, self._pool)
@@ -255,14 +269,20 @@ class RankExchanges:
             return None
         snapshot = self._as_received(sent)  # what the partner will average with
         self._asked[xid] = _Asked(partner, share, snapshot, now + self.timeout)
-        return Send(partner, XPREQ, xid, sent, {"a": share})
+        return Send(partner, XPREQ, xid, sent, {"a": share, "step": self.step})
 
-    def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor]) -> None:
-        """The partner rank answered: kept until the group decides (one to an exchange we do not know is ignored; a
-        malformed one makes the exchange fail, and nothing of it is ever applied)."""
+    def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor], a: float | None = None) -> None:
+        """The partner rank answered, at weight ``a`` (None: the one we asked for; a staleness weight makes it less):
+        kept until the group decides (one to an exchange we do not know is ignored; a malformed one, or one at a
+        weight above what we asked for, makes the exchange fail, and nothing of it is ever applied)."""
         asked = self._asked.get(xid)
         if asked is None or asked.partner != sender or asked.remote is not None or asked.failed:
             return
+        if a is not None:
+            if not 0 < a <= asked.share:
+                asked.failed = True
+                return
+            asked.share = a
         try:
             asked.remote = self._checked(tensors, coded=True)
         except ProtocolError:
@@ -315,7 +335,9 @@ class RankExchanges:
         if remote is None or not 0 < share <= 0.5 or xid in self._waiting or len(self._waiting) >= MAX_WAITING:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout, self._level_of(tensors))
+        step = meta.get("step")
+        self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout, self._level_of(tensors),
+                                      int(step) if step is not None else None)
         return None
 
     def waiting(self, now: float) -> list[tuple[int, str]]:
@@ -329,7 +351,7 @@ class RankExchanges:
         """At a safe point, after ``apply``: answer a kept request (``serve``'s rules, from the piece just taken),
         and the address the answer goes to. Every rank of the group calls it for the same xids."""
         w = self._waiting.pop(xid)
-        return self._serve(w.requester, xid, w.remote, w.share, now, w.level), w.addr
+        return self._serve(w.requester, xid, w.remote, w.share, now, w.level, w.step), w.addr
 
     def serve(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float) -> Send:
         """Answer a request with our piece and hold its merge until the requester's outcome; refuse when busy
@@ -339,9 +361,19 @@ class RankExchanges:
         except ProtocolError:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now, self._level_of(tensors))
+        step = meta.get("step")
+        return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now, self._level_of(tensors),
+                           int(step) if step is not None else None)
 
-    def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float, level: int = 0) -> Send:
+    def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float, level: int = 0,
+               step: int | None = None) -> Send:
+        if step is not None:  # the staleness weight: both ends must agree, so the step difference either way
+            weight = self.staleness.weight(abs(self.step - step))
+            if weight is None:
+                self.stats.refused += 1
+                self.stats.stale_dropped += 1
+                return Send(sender, XPNAK, xid)
+            share *= weight
         committed = sum(x.share for x in self._asked.values()) + sum(h.share for h in self._held.values())
         # One held exchange per requester: its next request already carries what our answer to the last one did
         # to it, while our piece does not yet (a held merge is applied only on the requester's word), so the two
@@ -359,7 +391,7 @@ class RankExchanges:
         delta = self._pending.difference(remote, self._as_received(sent))
         self._held[xid] = _Held(sender, delta, share, now + HOLD_TIMEOUTS * self.timeout)
         self.stats.served += 1
-        return Send(sender, XPREP, xid, sent)
+        return Send(sender, XPREP, xid, sent, {"a": share})
 
     def settle(self, xid: int, outcome: Outcome, requester: str) -> None:
         """``requester``'s outcome, as the leader handed it to every rank: the held merge applied or dropped. The

@@ -17,7 +17,7 @@ its piece to the same rank of newcomers in verified chunks and, on a
 newcomer, downloads its piece from the same rank of donors
 (``gossiptrain.runtime.split_group``'s ``download``).
 
-Bodies are small and checked (``xid``, ``a``, ``outcome``); a malformed one
+Bodies are small and checked (``xid``, ``a``, ``step``, ``outcome``); a malformed one
 is a ``ProtocolError``, which the endpoint counts and drops. The training
 side and this network side call the rank's machine under one lock.
 """
@@ -99,12 +99,16 @@ class PieceLink(Endpoint):
         """Send a request ``RankExchanges.start`` made to the partner rank at ``addr``, from any thread (it leaves
         from the network thread). One that cannot leave gets no reply: its status turns failed at its deadline,
         and the group aborts the exchange."""
-        self._post(addr, XPREQ, {"xid": request.xid, "a": float(request.meta["a"])}, request.tensors)
+        self._post(addr, XPREQ, {"xid": request.xid, "a": float(request.meta["a"]), "step": int(request.meta["step"])},
+                   request.tensors)
 
     def answer(self, addr: str, answer: Send) -> None:
         """A request's answer (``RankExchanges.serve_waiting``: our piece, or a refusal) to the rank at ``addr``, from
         any thread."""
-        self._post(addr, answer.kind, {"xid": answer.xid}, answer.tensors)
+        body: dict[str, Any] = {"xid": answer.xid}
+        if "a" in answer.meta:  # a reply's weight (a staleness weight may have made it less than asked)
+            body["a"] = float(answer.meta["a"])
+        self._post(addr, answer.kind, body, answer.tensors)
 
     def tell(self, addr: str, xid: int, outcome: Outcome) -> None:
         """Leader to leader, from any thread: exchange ``xid``'s outcome, for every rank of the partner (``XPEND``)."""
@@ -162,18 +166,24 @@ class PieceLink(Endpoint):
 
     def _on_request(self, msg: Message, frames: Sequence[object]) -> None:
         xid = _xid(msg.body)
-        a = msg.body.get("a")
+        a, step = msg.body.get("a"), msg.body.get("step")
         if type(a) is not float:
             raise ProtocolError("a piece request's weight 'a' is a float")
+        if step is not None and (type(step) is not int or not 0 <= step <= _XID_MAX):
+            raise ProtocolError("a piece request's 'step' is a non-negative integer")
+        meta = {"a": a} if step is None else {"a": a, "step": step}  # (the requester's step: staleness weights)
         with self.lock:  # kept for the group's next safe point (every rank answers from the same one), or refused
-            refusal = self.exchanges.receive(msg.sender, xid, msg.tensors, {"a": a}, self.clock(), msg.addr)
+            refusal = self.exchanges.receive(msg.sender, xid, msg.tensors, meta, self.clock(), msg.addr)
         if refusal is not None:
             self.send(msg.addr, refusal.kind, {"xid": xid})
 
     def _on_reply(self, msg: Message, frames: Sequence[object]) -> None:
         xid = _xid(msg.body)
+        a = msg.body.get("a")
+        if a is not None and type(a) is not float:
+            raise ProtocolError("a piece reply's weight 'a' is a float")
         with self.lock:
-            self.exchanges.reply(msg.sender, xid, msg.tensors)
+            self.exchanges.reply(msg.sender, xid, msg.tensors, a)
 
     def _on_refusal(self, msg: Message, frames: Sequence[object]) -> None:
         xid = _xid(msg.body)

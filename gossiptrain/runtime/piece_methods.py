@@ -28,10 +28,10 @@ every rank. The group agrees on each of them:
 Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
 given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
 (``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
-quasi-global momentum (off by default: ``gossip.momentum_mode = auto``), the
-guard's refusal of a partner whose model's norm is far from ours, staleness
-weights and automatic compression (flow control is the group's:
-``SplitGroup``).
+quasi-global momentum (off by default: ``gossip.momentum_mode = auto``) and
+the guard's refusal of a partner whose model's norm is far from ours.
+Automatic compression and flow control are the group's (``SplitGroup``);
+staleness weights the exchanges' own (``piece_exchange``).
 """
 
 from __future__ import annotations

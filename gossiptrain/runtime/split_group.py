@@ -91,6 +91,7 @@ from gossiptrain.protocol.drift import keeps_running_stats
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.protocol.rtt import RttEstimator
+from gossiptrain.protocol.staleness import StalenessPolicy
 from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.clock import REAL_CLOCK
@@ -153,7 +154,10 @@ class SplitGroup:
         if self.layout.kind == "whole":
             raise ValueError("every rank holds the whole model: a DDP peer averages through its rank 0 (Peer(group=...))")
         self.lock = threading.RLock()  # the training side's safe point and the link's network side
-        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec)
+        staleness = (StalenessPolicy(gossip.staleness_weighting, gossip.staleness_exponent, gossip.staleness_bound)
+                     if gossip is not None else None)
+        self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec,
+                                       staleness=staleness)
         limits = limits or Limits()
         # State transfer, rank by rank and in real time: this rank serves its piece to the same rank of newcomers,
         # and as a newcomer downloads it from the same rank of donors (``download``)
@@ -228,6 +232,7 @@ class SplitGroup:
         safe points of a hold (``held``: the caller runs another until it is False, every rank alike)."""
         now = self.clock()
         methods = self.methods
+        self._local_steps += int(local_step)
         with self.lock:
             mine = {
                 "status": {str(xid): int(self.exchanges.status(xid, now)) for xid in self.exchanges.in_flight},
@@ -259,7 +264,10 @@ class SplitGroup:
         # void, before any of them is decided (our exchanges aborted, the partners told; held merges dropped).
         put_back = methods is not None and local_step and methods.judge([float(rank.get("square", 0.0)) for rank in every])
         settling = methods is not None and methods.settling
+        # The group's step (the leader's count, else ours: alike on every rank), for staleness weights and donations
+        step = int(leader.get("news", {}).get("steps", self._local_steps))
         with self.lock:
+            self.exchanges.step = step
             if "level" in leader:  # (auto) what every rank encodes at from here on
                 self.exchanges.level = leader["level"]
             if put_back:
@@ -306,8 +314,8 @@ class SplitGroup:
             self.link.answer(addr, answer)
         if request is not None:
             self.link.ask(request, addresses[self.rank])
-        if local_step:  # the leader's step count: a newcomer's with state.transfer_step
-            self._donate(int(leader.get("news", {}).get("steps", self._local_steps + 1)))
+        if local_step:  # (the leader's step count: a newcomer's with state.transfer_step)
+            self._donate(step)
         told = dict(leader.get("news", {}))
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
@@ -411,7 +419,6 @@ class SplitGroup:
     def _donate(self, step: int) -> None:
         """Donor, at every local step's safe point: our piece as it now is, copied for the newcomers' sessions that
         wait for one (``Donor.wanted``; hashed and served on the network thread). ``step``: the leader's count."""
-        self._local_steps += 1
         donor = self.transfer.donor
         now = REAL_CLOCK.now()
         donor.stepped(self._local_steps, now)

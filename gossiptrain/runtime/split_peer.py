@@ -118,8 +118,6 @@ def unbuilt(gossip: GossipConfig) -> tuple[list[str], list[str]]:
         refused.append("gossip.robust: robust aggregation is not built for pieces")
     if gossip.momentum_mode == "quasi-global":
         unrun.append("gossip.momentum_mode=quasi-global (the optimizer's own momentum runs)")
-    if gossip.staleness_weighting != "constant" or gossip.staleness_bound:
-        unrun.append("staleness weights and bounds (an exchange is applied whole, at the weight it was asked at)")
     if gossip.exchanges_in_flight > 1:
         unrun.append(f"gossip.exchanges_in_flight={gossip.exchanges_in_flight} (one at a time)")
     return refused, unrun
