@@ -31,6 +31,7 @@ import torch
 from gossiptrain.net.transport import listen
 from gossiptrain.net.transport.sim import SimNetwork
 from gossiptrain.runtime.coordinator import Coordinator, coordinator_limits
+from gossiptrain.sim.batched_steps import StepBatcher
 from gossiptrain.sim.compute import measure_step_time
 from gossiptrain.sim.faults import PartitionSpec, churn_events
 from gossiptrain.sim.log_gate import LogGate
@@ -93,6 +94,8 @@ class Cluster:
         self.swarm_acc: float | None = None  # the averaged model's accuracy at the last sample
         self.reached = 0.0  # virtual time the run got to (its end, or where it was interrupted)
         self.log_gate = LogGate()  # the peers' warnings: counted for the summary, each logged only with -v
+        # The peers' local steps computed in stacked calls (gossiptrain.sim.batched_steps), where asked for
+        self.batcher = StepBatcher() if config.batch_steps and not config.membership_only else None
         self._wall_start: float | None = None
 
     # -- peers -----------------------------------------------------------------------------
@@ -125,6 +128,7 @@ class Cluster:
             workload=self.workload,
             make_model=None if self.config.membership_only else self._make_model,
             seed=self.rng.getrandbits(32),
+            batcher=self.batcher,
         )
         self.peers[slot] = peer
         self.tasks[slot] = asyncio.get_running_loop().create_task(peer.run(), name=spec.name)
@@ -170,6 +174,8 @@ class Cluster:
     # -- sampling --------------------------------------------------------------------------
 
     def _sample(self, now: float) -> list[dict[str, Any]]:
+        if self.batcher is not None:  # every step under way into its model first: what one-by-one steps would show
+            self.batcher.flush()
         live = {s: p for s, p in self.peers.items() if p.node is not None}
         # A view may name members that no longer exist: a crashed incarnation not yet declared dead
         # (its rejoin has a new id), or an id whose join answer was lost (its peer joined again under

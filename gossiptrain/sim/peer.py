@@ -35,6 +35,7 @@ from gossiptrain.runtime.join_client import join_swarm
 from gossiptrain.runtime.peer_network import PeerNode
 from gossiptrain.runtime.safepoint import SafePoint
 from gossiptrain.runtime.state_endpoint import catch_up
+from gossiptrain.sim.batched_steps import StepBatcher
 from gossiptrain.sim.compute import step_factor
 from gossiptrain.sim.vtime import LoopClock
 from gossiptrain.train.local_trainer import LocalTrainer, budget_spent, optimizer_for
@@ -77,8 +78,10 @@ class SimPeer:
         workload: Workload | None,
         make_model: Callable[[], torch.nn.Module] | None,
         seed: int,
+        batcher: StepBatcher | None = None,
     ) -> None:
         self.spec = spec
+        self.batcher = batcher  # the cluster's: local steps computed together with other peers' (None: one by one)
         self.network = network
         self.join = join
         self.local = local
@@ -172,11 +175,18 @@ class SimPeer:
                 started = self.started_at = self.clock.now()
                 spec = self.spec
                 next_eval = started + config.train.eval_every_seconds
+                batcher = self.batcher
                 while not budget_spent(config.train, trainer.steps, self.clock.now() - started):
-                    if trainer.step() is None:  # leased data: nothing to claim now; the others' tables come meanwhile
-                        await asyncio.sleep(spec.step_time)
+                    # The step, now or (batched) by the end of the virtual time it costs: nothing reads the live
+                    # parameters meanwhile (gossiptrain.sim.batched_steps)
+                    if not (batcher.begin(trainer) if batcher is not None else trainer.step() is not None):
+                        await asyncio.sleep(spec.step_time)  # leased data: nothing to claim now; tables come meanwhile
                         continue
-                    await asyncio.sleep(spec.step_time * spec.speed * spec.contention * self._jitter())  # the virtual time it costs
+                    try:
+                        await asyncio.sleep(spec.step_time * spec.speed * spec.contention * self._jitter())  # its cost
+                    finally:  # (a crash or the end mid-step: the step is taken, as it was before the sleep unbatched)
+                        if batcher is not None:
+                            batcher.finish(trainer)
                     before = self._exchange_ops()
                     safepoint(trainer.steps)
                     snapshots(trainer.steps, trainer.samples_seen)

@@ -84,6 +84,9 @@ class SimConfig:
     behind_nat: tuple[int, ...] = ()  # peers (by index) nobody can dial: client-mode members (Transport.become_client)
     relays: tuple[int, ...] = ()  # peers (by index) that relay between clients, as `gossiptrain peer --relay`
     coordinator_relay: bool = True  # the coordinator relays between clients (`gossiptrain coordinator --no-relay`: off)
+    # Peers' local steps computed in stacked calls where their models allow (gossiptrain.sim.batched_steps): the same
+    # parameters up to float rounding; False: every step on its own, as before
+    batch_steps: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:

@@ -152,13 +152,10 @@ class LocalTrainer:
     def step(self) -> float | None:
         """One optimizer step on the next mini-batch (clipped, then scheduled, where the workload says); returns its
         loss, or None where the data is leased and no chunk can be claimed now (wait a little, then step again)."""
-        if self.leased is not None:
-            batch = self.leased.next()
-            if batch is None:
-                return None
-            x, y = batch
-        else:
-            x, y = next(self._data)  # (B, ...) inputs, (B,) targets
+        batch = self.next_batch()
+        if batch is None:
+            return None
+        x, y = batch
         if self.pipeline is not None:
             self.opt.zero_grad(set_to_none=True)
             loss = self.pipeline(x, y)  # the stages' forward and backward (gossiptrain.train.split_loop)
@@ -166,18 +163,30 @@ class LocalTrainer:
             loss = self.workload.loss(self.forward, x, y)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
+        return self.apply_gradients(loss.item(), len(y))
+
+    def next_batch(self) -> tuple[Tensor, Tensor] | None:
+        """The next mini-batch, (B, ...) inputs and (B,) targets; None where the data is leased and no chunk can be
+        claimed now. (``step`` is this, the gradient, then ``apply_gradients``; the simulator computes the gradients
+        of many peers' batches at once between the two: ``gossiptrain.sim.batched_steps``.)"""
+        if self.leased is not None:
+            return self.leased.next()
+        return next(self._data)
+
+    def apply_gradients(self, loss: float, samples: int) -> float:
+        """The gradients of a batch of ``samples`` are in the parameters' ``.grad``: clip them where the workload
+        says, step the optimizer and the schedule, and count the step; its ``loss``, returned."""
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        value = loss.item()
-        self.loss_avg = value if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * value
+        self.loss_avg = loss if math.isnan(self.loss_avg) else 0.9 * self.loss_avg + 0.1 * loss
         self.steps += 1
-        self.samples_seen += len(y)
+        self.samples_seen += samples
         if self.leased is not None:
             self.leased.commit()  # trained now: the swarm may count these samples
-        return value
+        return loss
 
     def load_state(
         self, checkpoint: Checkpoint, *, fingerprint: str | None = None, run: dict[str, Any] | None = None,
