@@ -47,6 +47,7 @@ def test_the_default_step_time_is_fixed_and_measuring_is_asked_for() -> None:
     parser = build_parser()
     default = sim_config(parser.parse_args(["simulate", "--peers", "2"]), RunConfig())
     assert default.step_time == DEFAULT_STEP_TIME == 0.05
+    assert default.batch_steps and not sim_config(parser.parse_args(["simulate", "--one-by-one-steps"]), RunConfig()).batch_steps
     measured = sim_config(parser.parse_args(["simulate", "--peers", "2", "--step-time", "measured"]), RunConfig())
     assert measured.step_time is None  # the cluster times a real step here
     assert sim_config(parser.parse_args(["simulate", "--step-time", "0.2"]), RunConfig()).step_time == 0.2

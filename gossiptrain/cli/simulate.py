@@ -94,6 +94,10 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--churn-downtime", type=float, default=5.0, metavar="SECONDS", help="how long a crashed peer stays down")
     p.add_argument("--churn-trace", metavar="CSV", help="crash/join events: lines 'time,peer,event'")
     p.add_argument("--membership-only", action="store_true", help="no training: only the membership protocol")
+    p.add_argument("--one-by-one-steps", action="store_true",
+                   help="take every peer's local step on its own (default: the steps every peer has under way are "
+                        "computed in one stacked call where the models allow, the same parameters up to float "
+                        "rounding and faster at many peers)")
     p.add_argument("--rogue", metavar="PEERS[:SCALE]", default="",
                    help="peers (comma-separated indexes) that send valid parameters scaled by SCALE (default 100)")
     p.add_argument("--behind-nat", metavar="PEERS", default="",
@@ -177,6 +181,7 @@ def sim_config(args: argparse.Namespace, run: RunConfig) -> SimConfig:
         sample_every=args.sample_every,
         membership_only=args.membership_only,
         target_accuracy=args.target,
+        batch_steps=not args.one_by_one_steps,
     )
 
 
