@@ -8,6 +8,10 @@ the gain, the drift correction's memory, the members the rate scaling counts, an
 ``guard``: the FSDP2 model takes safe points without local steps; past the guard's warmup rank 1's piece grows 10x
 (a blow-up on one rank), later rank 0's gets a NaN. Each rank writes its guard's counts after each, whether its piece
 is back to what it was, and whether its optimizer's state was forgotten.
+
+``qgm``: the FSDP2 model trains with SGD (momentum 0.9) and quasi-global momentum asked for, rank 1 binding its
+optimizer ``LATE_BIND`` steps after rank 0 (as one found late would); each rank writes the steps at which quasi-global
+momentum ran (the group's word: both ranks ready) and whether its momentum buffers are the DTensors SGD made.
 """
 
 from __future__ import annotations
@@ -99,12 +103,48 @@ def guard(rank: int, loop: LoopThread) -> dict[str, object]:
     return out
 
 
+LATE_BIND = 3
+
+
+def quasi_global(rank: int, loop: LoopThread) -> dict[str, object]:
+    from gossiptrain.protocol.momentum import WARMUP_SAFE_POINTS
+
+    net = model("fsdp", rank)
+    group = SplitGroup(dist.group.WORLD, net, me="P", host=f"127.0.0.{71 + rank}", fingerprint="qgm-test",
+                       loop=loop, timeout=2.0, clock=time.monotonic, gossip=GossipConfig(momentum_mode="quasi-global"))
+    methods = group.methods
+    assert methods is not None and methods.quasi_global
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    ran: list[int] = []
+    apply = methods.momentum_apply
+    step = 0
+
+    def counted(norm: float) -> None:
+        ran.append(step)
+        apply(norm)
+
+    methods.momentum_apply = counted  # type: ignore[method-assign]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for step in range(WARMUP_SAFE_POINTS + 20):
+        if step == LATE_BIND * rank:
+            bind_piece_optimizer(group, opt)
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        group.safe_point(None)
+    buffers = [opt.state[p].get("momentum_buffer") for p in net.parameters()]
+    out = {"ran": ran, "dtensor_buffers": all(type(b).__name__ == "DTensor" for b in buffers)}
+    group.close()
+    return out
+
+
 def main(rank: int, port: int, out: Path, mode: str = "") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     loop = LoopThread(f"methods-{rank}").start()
-    got = guard(rank, loop) if mode == "guard" else {kind: report(kind, rank, loop) for kind in ("fsdp", "pipeline")}
+    got = (guard(rank, loop) if mode == "guard" else quasi_global(rank, loop) if mode == "qgm"
+           else {kind: report(kind, rank, loop) for kind in ("fsdp", "pipeline")})
     loop.stop()
     out.write_text(json.dumps(got))
     dist.destroy_process_group()

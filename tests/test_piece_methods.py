@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,16 @@ from gossiptrain.runtime.piece_methods import PieceMethods
 from .swarm import Procs
 
 RANKS = 2
+
+
+def run_ranks(procs: Procs, tmp_path: Path, *mode: str) -> list[dict[str, Any]]:
+    """One peer of 2 ranks (``tests/piece_methods_ranks.py``, ``mode`` its last argument) to its end; each rank's report."""
+    port = str(free_loopback_port())
+    outs = [tmp_path / f"rank{r}.json" for r in range(RANKS)]
+    ranks = [procs.start(str(r), port, str(outs[r]), *mode, name=f"methods{r}", module="tests.piece_methods_ranks")
+             for r in range(RANKS)]
+    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
+    return [json.loads(o.read_text()) for o in outs]
 
 
 def test_the_drift_correction_piece_by_piece_is_the_whole_models_bit_for_bit() -> None:
@@ -65,6 +76,55 @@ def test_the_drift_correction_piece_by_piece_is_the_whole_models_bit_for_bit() -
     for i, t in enumerate(whole):
         assert torch.equal(torch.cat([p[i] for p in pieces]), t)
         assert not torch.allclose(t, plain[i])
+
+
+def test_quasi_global_momentum_piece_by_piece_is_the_whole_models_bit_for_bit() -> None:
+    """Two ranks' pieces, each with its own SGD (momentum 0.9) and ``PieceMethods`` asking for quasi-global momentum,
+    and the whole model with one SGD and ``QuasiGlobalMomentum``, through the same gradients and merges past the
+    warmup: each step the ranks agree it runs (every rank ready), measure their pieces' changes, and apply with the
+    sum of their squares, as ``SplitGroup`` gathers it. The gathered pieces and their momentum buffers are the whole
+    model's, bit for bit, and differ from the optimizer's own momentum's."""
+    from gossiptrain.protocol.momentum import WARMUP_SAFE_POINTS, QuasiGlobalMomentum
+
+    g = torch.Generator().manual_seed(3)
+    whole = [torch.randn(6, 3, generator=g).requires_grad_(), torch.randn(4, generator=g).requires_grad_()]
+    own = [t.detach().clone().requires_grad_() for t in whole]  # the optimizer's own momentum, for contrast
+    pieces = [[t.detach().chunk(RANKS, 0)[r].clone().requires_grad_() for t in whole] for r in range(RANKS)]
+    opt, own_opt = torch.optim.SGD(whole, lr=0.1, momentum=0.9), torch.optim.SGD(own, lr=0.1, momentum=0.9)
+    reference = QuasiGlobalMomentum(opt)
+    optimizers = [torch.optim.SGD(p, lr=0.1, momentum=0.9) for p in pieces]
+    methods = [PieceMethods(p, GossipConfig(momentum_mode="quasi-global", drift_gain=0.0), running_stats=False)
+               for p in pieces]
+    for m, o in zip(methods, optimizers):
+        assert m.bind(o) == ["quasi-global momentum"]
+    ran = 0
+    for step in range(WARMUP_SAFE_POINTS + 40):
+        grads = [torch.randn(t.shape, generator=g) for t in whole]
+        merge = [torch.randn(t.shape, generator=g) * 0.05 if step % 3 == 0 else torch.zeros(t.shape) for t in whole]
+        for params, o, chunk in [(whole, opt, None), (own, own_opt, None)] + [
+            (p, o, r) for r, (p, o) in enumerate(zip(pieces, optimizers))
+        ]:
+            for t, d in zip(params, grads):
+                t.grad = d.clone() if chunk is None else d.chunk(RANKS, 0)[chunk].clone()
+            o.step()
+            with torch.no_grad():
+                for t, m in zip(params, merge):
+                    t.add_(m if chunk is None else m.chunk(RANKS, 0)[chunk])
+        reference()
+        runs = all(m.momentum_ready() for m in methods)  # the group's word (every rank's, and the link keeps up)
+        squares = [m.momentum_measure(runs) for m in methods]
+        if squares[0] is not None:
+            ran += 1
+            for m in methods:
+                m.momentum_apply(math.sqrt(sum(squares)))  # type: ignore[arg-type]
+        else:
+            assert squares == [None] * RANKS
+    assert ran == 40 and reference.clipped == methods[0].momenta[0].clipped == 0
+    for i, t in enumerate(whole):
+        assert torch.equal(torch.cat([p[i] for p in pieces]), t)
+        buffers = [optimizers[r].state[pieces[r][i]]["momentum_buffer"] for r in range(RANKS)]
+        assert torch.equal(torch.cat(buffers), opt.state[t]["momentum_buffer"])
+        assert not torch.allclose(t, own[i])
 
 
 def test_the_guard_on_pieces_decides_and_puts_back_as_the_guard_of_the_whole_model() -> None:
@@ -138,18 +198,29 @@ def test_every_rank_runs_by_the_numbers_its_group_agreed(procs: Procs, tmp_path:
     """One peer of 2 ranks (``tests/piece_methods_ranks.py``): FSDP2 without running statistics gets the gain on
     both ranks; pipeline stages with a BatchNorm in the second only get none on either; the leader's round trip
     (20 steps: a memory of 300) and members (5) are every rank's, and both ranks' Adam steps are scaled alike."""
-    port = str(free_loopback_port())
-    outs = [tmp_path / f"rank{r}.json" for r in range(RANKS)]
-    ranks = [procs.start(str(r), port, str(outs[r]), name=f"methods{r}", module="tests.piece_methods_ranks")
-             for r in range(RANKS)]
-    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
-    got = [json.loads(o.read_text()) for o in outs]
+    got = run_ranks(procs, tmp_path)
     for rank in got:
         assert rank["fsdp"]["gain"] == 4.0 and rank["fsdp"]["memory"] == 300
         assert rank["pipeline"]["gain"] == 0.0 and rank["pipeline"]["memory"] is None
         for kind in ("fsdp", "pipeline"):
             assert rank[kind]["members"] == 5 and rank[kind]["told"] == {"members": 5.0}
             assert rank[kind]["lr_in_step"] == pytest.approx(0.01 * math.sqrt(5)) and rank[kind]["lr_after"] == 0.01
+
+
+def test_quasi_global_momentum_runs_on_every_rank_at_the_same_steps_once_every_rank_is_ready(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """One FSDP2 peer of 2 ranks (``tests/piece_methods_ranks.py qgm``), rank 1's optimizer bound 3 steps after rank
+    0's: quasi-global momentum runs at the same steps on both (the second gather taken by both or neither), first
+    where rank 1 is past its warmup, and SGD's buffers stay the DTensors it made (written through their shards)."""
+    from gossiptrain.protocol.momentum import WARMUP_SAFE_POINTS
+
+    from .piece_methods_ranks import LATE_BIND
+
+    got = run_ranks(procs, tmp_path, "qgm")
+    assert got[0]["ran"] == got[1]["ran"] and got[0]["ran"], got
+    assert got[0]["ran"][0] == LATE_BIND + WARMUP_SAFE_POINTS  # rank 1's 21st safe point with its optimizer
+    assert all(rank["dtensor_buffers"] for rank in got), got
 
 
 def test_the_final_phase_corrects_nothing_more() -> None:
@@ -175,12 +246,7 @@ def test_one_ranks_blow_up_backs_off_and_puts_back_every_ranks_piece_at_the_same
     1's piece grows 10x, then rank 0's gets a NaN. Each time both ranks' guards see it at the same safe point (the
     whole model's norm, summed from the pieces): the drift correction backed off on both, every piece put back to
     what it was, every rank's optimizer restarted; the NaN restores both ranks, not only the one that had it."""
-    port = str(free_loopback_port())
-    outs = [tmp_path / f"rank{r}.json" for r in range(RANKS)]
-    ranks = [procs.start(str(r), port, str(outs[r]), "guard", name=f"guard{r}", module="tests.piece_methods_ranks")
-             for r in range(RANKS)]
-    assert [p.wait(120) for p in ranks] == [0, 0], [p.output()[-3000:] for p in ranks]
-    got = [json.loads(o.read_text()) for o in outs]
+    got = run_ranks(procs, tmp_path, "guard")
     assert got[0] == got[1], got  # every rank decided alike
     grew, nan = got[0]["after_10"], got[0]["after_60"]
     assert grew == {"backoffs": 1, "restores": 0, "off": "drift correction", "back": True, "momentum": 0}, grew

@@ -119,11 +119,19 @@ def wants_quasi_global(config: GossipConfig) -> bool:
 
 
 class QuasiGlobalMomentum:
-    """Call after each safe point (the model then holds this step's merges)."""
+    """Call after each safe point (the model then holds this step's merges).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, active: Callable[[], bool] | None = None) -> None:
+    A model split across ranks runs it in halves (``gossiptrain.runtime.piece_methods``): every rank ``tick``s
+    with the group's word on whether it runs, ``measure``s its piece's change, and ``apply``s with the whole
+    model's norm of the change (the sum of every rank's squares), so that the clip is the whole model's.
+    ``local`` maps a parameter (or its buffer) to the tensor the arithmetic runs on: an FSDP2 shard's local
+    tensor (None: the tensors themselves)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, active: Callable[[], bool] | None = None,
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.optimizer = optimizer
         self.active = active  # asked at every safe point (None: always); while False the optimizer's own momentum runs
+        self.local = local
         self.enabled = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups)
         self._prev: dict[torch.Tensor, torch.Tensor] = {}  # the parameters after the last safe point
         self._m: dict[torch.Tensor, torch.Tensor] = {}  # the quasi-global momentum
@@ -131,21 +139,38 @@ class QuasiGlobalMomentum:
         self.clipped = 0
         self.safe_points = 0  # seen so far (the first WARMUP_SAFE_POINTS run the optimizer's own momentum)
         self.suspended = False  # by the stability guard (gossiptrain.protocol.stability): the optimizer's own runs
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor], float, float]] = []  # measured, to apply
 
     def __call__(self) -> None:
+        if self.tick():
+            self.apply(math.sqrt(self.measure()))
+
+    def would_run(self) -> bool:
+        """Whether the next safe point would run it, as far as this optimizer knows (the link's word apart)."""
+        return self.enabled and not self.suspended and self.safe_points + 1 > WARMUP_SAFE_POINTS
+
+    def tick(self, active: bool | None = None) -> bool:
+        """Count this safe point; whether quasi-global momentum runs at it (``active``: the caller's word on the link,
+        None: ask ``self.active``). Where it does not, our state follows the optimizer's own momentum."""
         if not self.enabled:
-            return
+            return False
         self.safe_points += 1
-        if self.suspended or self.safe_points <= WARMUP_SAFE_POINTS or (self.active is not None and not self.active()):
+        keeps_up = active if active is not None else (self.active is None or self.active())
+        if self.suspended or self.safe_points <= WARMUP_SAFE_POINTS or not keeps_up:
             self._follow()
-            return
+            return False
+        return True
+
+    def measure(self) -> float:
+        """After ``tick`` said it runs: the change since the last safe point into the references' buffers; the squared
+        norm of the change per unit of lr (what the clip judges: summed over the ranks of a split model)."""
         with torch.no_grad():
             # Per optimizer group, one foreach call per operation: a model of a few hundred tensors paid a few
             # Python-level torch calls per tensor here at every safe point (2.4 ms for 150 small tensors).
-            groups = [group for group in self._tracked() if group[0]]  # (params, prevs, lr, mu), those with a reference
+            self._groups = [group for group in self._tracked() if group[0]]  # (params, prevs, lr, mu) with a reference
             squares = 0.0  # of the changes per unit of lr
-            for params, prevs, lr, _ in groups:
-                torch._foreach_sub_(prevs, params)  # the change (prev - p), in its reference's buffer; / lr below
+            for params, prevs, lr, _ in self._groups:
+                torch._foreach_sub_(prevs, self._locals(params))  # the change (prev - p), in its reference's; / lr below
                 # In the tensors' own dtype, and scaled by 1 / lr as a number: a float64 norm cost 10x a float32
                 # one (1.27 against 0.13 ms for digits' 1.1M parameters, half of this call), and dividing the
                 # tensors by lr first was a pass of its own.
@@ -153,13 +178,19 @@ class QuasiGlobalMomentum:
                 squares += float(torch.stack(norms).double().square().sum()) / lr**2
             for p in self._params():  # the first safe point, or a replaced parameter: a reference, a change next time
                 prev = self._prev.get(p)
-                if prev is None or prev.shape != p.shape:
-                    self._prev[p] = p.detach().clone()
-            scale = self._clip_scale(math.sqrt(squares))
+                if prev is None or prev.shape != self._of(p).shape:
+                    self._prev[p] = self._of(p).detach().clone()
+        return squares
+
+    def apply(self, norm: float) -> None:
+        """The buffers from the change ``measure`` took, clipped by ``norm`` (the whole model's norm of it)."""
+        groups, self._groups = self._groups, []
+        with torch.no_grad():
+            scale = self._clip_scale(norm)
             for params, prevs, lr, mu in groups:
-                for p in params:
+                for p, mine in zip(params, self._locals(params), strict=True):
                     if p not in self._m:
-                        self._m[p] = torch.zeros_like(p)
+                        self._m[p] = torch.zeros_like(mine)
                 ms = [self._m[p] for p in params]
                 torch._foreach_mul_(ms, mu)
                 torch._foreach_add_(ms, prevs, alpha=(1 - mu) * scale / lr)  # m <- mu m + (1 - mu) (clipped change / lr)
@@ -168,13 +199,21 @@ class QuasiGlobalMomentum:
                     state = self.optimizer.state[p]
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        state["momentum_buffer"] = m.clone()
+                        if self.local is None:  # (a shard's buffer is the optimizer's to make: it has, by the warmup's end)
+                            state["momentum_buffer"] = m.clone()
                     else:
-                        buffers.append(buf)
+                        buffers.append(self._of(buf))
                         kept.append(m)
                 if buffers:
                     torch._foreach_copy_(buffers, kept)
-                torch._foreach_copy_(prevs, params)  # the reference for the next safe point
+                torch._foreach_copy_(prevs, self._locals(params))  # the reference for the next safe point
+
+    def _of(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor the arithmetic runs on: ``t`` itself, or its local shard."""
+        return t if self.local is None else self.local(t)
+
+    def _locals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return params if self.local is None else [self.local(p) for p in params]
 
     def suspend(self) -> None:
         """The stability guard saw a blow-up coming: the optimizer's own momentum from here, restarted.
@@ -220,7 +259,7 @@ class QuasiGlobalMomentum:
             params, prevs = [], []
             for p in group["params"]:
                 prev = self._prev.get(p)
-                if prev is not None and prev.shape == p.shape:
+                if prev is not None and prev.shape == self._of(p).shape:
                     params.append(p)
                     prevs.append(prev)
             yield params, prevs, lr, mu
@@ -247,13 +286,15 @@ class QuasiGlobalMomentum:
         average starts from its buffer and the next change is measured from here."""
         with torch.no_grad():
             for p in self._params():
+                mine = self._of(p)
                 prev = self._prev.get(p)
-                if prev is None or prev.shape != p.shape:
-                    self._prev[p] = p.detach().clone()
+                if prev is None or prev.shape != mine.shape:
+                    self._prev[p] = mine.detach().clone()
                 else:
-                    prev.copy_(p)
+                    prev.copy_(mine)
                 buf = self.optimizer.state[p].get("momentum_buffer")
                 if buf is not None:
+                    buf = self._of(buf)
                     m = self._m.get(p)
                     if m is None or m.shape != buf.shape:
                         self._m[p] = buf.detach().clone()

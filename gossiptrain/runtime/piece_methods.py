@@ -25,10 +25,17 @@ every rank. The group agrees on each of them:
   yet the safe point's merges): one safe point later than a whole-model
   peer's, which judges at its end.
 
+- quasi-global momentum, where the swarm asks for it (``gossip.momentum_mode
+  = quasi-global``; off by default): whether it runs at a safe point is the
+  group's word (every rank ready, past its warmup and not backed off, and
+  the leader's link keeping up, as a whole-model pairwise peer's), and the
+  change it clips is the whole model's: every rank's squared norm of its
+  piece's change, summed in a second gather at the safe points where it
+  runs (``momentum_ready``, ``momentum_measure``, ``momentum_apply``).
+
 Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
 given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
 (``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
-quasi-global momentum (off by default: ``gossip.momentum_mode = auto``) and
 the guard's refusal of a partner whose model's norm is far from ours.
 Automatic compression and flow control are the group's (``SplitGroup``);
 staleness weights the exchanges' own (``piece_exchange``).
@@ -45,7 +52,15 @@ import torch
 from gossiptrain.config import GossipConfig
 from gossiptrain.protocol.drift import DriftCorrection, drift_gain
 from gossiptrain.protocol.lr_scaling import SwarmLrScaling, wants_scaling
-from gossiptrain.protocol.stability import DRIFT_CORRECTION, LR_SCALING, StabilityGuard, forget_state
+from gossiptrain.protocol.momentum import QuasiGlobalMomentum, wants_quasi_global
+from gossiptrain.protocol.stability import (
+    DRIFT_CORRECTION,
+    LR_SCALING,
+    QUASI_GLOBAL_MOMENTUM,
+    StabilityGuard,
+    forget_state,
+)
+from gossiptrain.state.local_tensors import local
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +78,9 @@ class PieceMethods:
         self.members = 1  # the live members the leader counted at the last safe point, ourselves included
         self.optimizers: list[torch.optim.Optimizer] = []
         self.scalings: list[SwarmLrScaling] = []
+        self.quasi_global = wants_quasi_global(gossip)
+        self.momenta: list[QuasiGlobalMomentum] = []  # quasi-global momentum of each optimizer, where asked for
+        self.downloaded = False  # the piece came from a running swarm (quasi-global momentum: no warm start)
         self.guard = StabilityGuard(params) if gossip.guard else None
         self.safe_points = 0  # the guard's clock: safe points, alike on every rank
         if self.guard is not None and self.drift is not None:
@@ -77,6 +95,15 @@ class PieceMethods:
         if self.drift is not None and self.drift.rate is None:
             self.drift.rate = lambda: optimizer.param_groups[0]["lr"]
             got.append(f"drift correction (gain {self.gain:g})")
+        if self.quasi_global:
+            momentum = QuasiGlobalMomentum(optimizer, local=local)
+            if momentum.enabled:
+                if self.downloaded:
+                    momentum.mid_run()
+                self.momenta.append(momentum)
+                if self.guard is not None:
+                    self.guard.add(QUASI_GLOBAL_MOMENTUM, momentum)
+                got.append("quasi-global momentum")
         if wants_scaling(self.gossip.lr_scaling, optimizer):
             scaling = SwarmLrScaling(optimizer, lambda: self.members)
             self.scalings.append(scaling)
@@ -114,6 +141,32 @@ class PieceMethods:
         the link's round trip, in local steps; None: not measured)."""
         if self.drift is not None:
             self.drift.after(round_trip_steps=round_trip_steps)
+
+    def took_download(self) -> None:
+        """The piece came from a running swarm: quasi-global momentum starts without its warmup (``mid_run``)."""
+        self.downloaded = True
+        for m in self.momenta:
+            m.mid_run()
+
+    def momentum_ready(self) -> bool:
+        """This rank's part of the group's word on quasi-global momentum at the next safe point: an optimizer that
+        runs it, every one past its warmup and not backed off (False also where none is asked for or bound yet)."""
+        return bool(self.momenta) and all(m.would_run() for m in self.momenta)
+
+    def momentum_measure(self, runs: bool) -> float | None:
+        """Quasi-global momentum's first half, at the last safe point of a local step (``runs``: the group's word,
+        alike on every rank): this piece's squared norm of the change, for the group to sum; None where it does not
+        run (every rank alike: the optimizers' own momentum ran, and our state followed it)."""
+        ticked = [m.tick(active=runs) for m in self.momenta]
+        if not any(ticked):
+            return None
+        return sum(m.measure() for m, ran in zip(self.momenta, ticked, strict=True) if ran)
+
+    def momentum_apply(self, norm: float) -> None:
+        """The second half: every optimizer's buffer from its change, clipped by the whole model's ``norm`` of it."""
+        for m in self.momenta:
+            if m._groups:
+                m.apply(norm)
 
     def no_more_steps(self) -> None:
         """The final phase: no local steps any more, so no drift to correct; the models only meet (as a whole-model

@@ -73,6 +73,7 @@ built yet: this driver is exercised by tests/test_split_group.py).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -88,6 +89,7 @@ from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
 from gossiptrain.protocol.compression import AutoCodec, Codec
 from gossiptrain.protocol.drift import keeps_running_stats
+from gossiptrain.protocol.momentum import LINK_BOUND_SHARE
 from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchanges, Status, decide, welcome_addresses
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.protocol.rtt import RttEstimator
@@ -99,6 +101,7 @@ from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 from gossiptrain.runtime.piece_methods import PieceMethods
+from gossiptrain.runtime.safepoint import WAIT_SMOOTHING
 from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
 from gossiptrain.state.snapshot import decode_state, entries_of, flatten, state_nbytes, table_layout
 
@@ -187,6 +190,11 @@ class SplitGroup:
         self.downloaded_step = 0  # the donor's step at the pieces downloaded (``download``)
         self.held = False
         self.waits, self.waited_s = 0, 0.0  # holds (of one or more safe points without a local step), and their time
+        # The share of time spent in holds lately (smoothed as a whole-model peer's ``SafePoint.wait_share``): the
+        # leader's decides whether quasi-global momentum runs (only while the link keeps up)
+        self.wait_share = 0.0
+        self._wait_sums: tuple[float, float] = (0.0, 0.0)  # smoothed (waited, elapsed)
+        self._last_wait_mark: tuple[float, float] | None = None  # (when, waited_s) at the last local step's safe point
         # leader: when each exchange of ours started, and how long they take to be decided (what makes one late)
         self._started: dict[int, float] = {}
         self._rtt = RttEstimator(0.0, timeout)
@@ -243,6 +251,8 @@ class SplitGroup:
         square = methods.piece_square() if methods is not None and local_step else None
         if square is not None:
             mine["square"] = square
+        if methods is not None and methods.quasi_global:  # quasi-global momentum: every rank ready for it?
+            mine["qgm_ready"] = methods.momentum_ready()
         if self.rank == 0:
             told = self.link.take_outcomes()
             mine["told"] = [[xid, requester, int(outcome)] for xid, (requester, outcome) in told.items()]
@@ -252,6 +262,10 @@ class SplitGroup:
                 mine["news"] = news
             if round_trip_steps is not None:
                 mine["round_trip_steps"] = round_trip_steps
+            if methods is not None and methods.quasi_global:
+                if local_step:
+                    self._measure_waits(now)
+                mine["keeps_up"] = self.wait_share < LINK_BOUND_SHARE
             if hold_bound is not None and self._may_hold(now):
                 mine["hold"] = hold_bound
             if self._auto is not None:
@@ -293,6 +307,11 @@ class SplitGroup:
             # Flow control's verdict, from what every rank holds alike (decided before any new start)
             self.held = "hold" in leader and bool(self.exchanges.in_flight) and self._since_merge >= leader["hold"]
             if methods is not None and not self.held:  # answered from the piece apply() took: merged, not corrected
+                if methods.quasi_global:  # once a local step, after its merges, before the correction (a whole model's order)
+                    runs = all(rank.get("qgm_ready", False) for rank in every) and bool(leader.get("keeps_up", True))
+                    squares = methods.momentum_measure(runs)
+                    if squares is not None:  # (alike on every rank) the clip judges the whole model's change
+                        methods.momentum_apply(math.sqrt(sum(self.group.all_json(squares))))
                 methods.after(leader.get("round_trip_steps"))
             # Requests every rank holds, answered from the piece this safe point took: one model's pieces, whenever
             # each rank's request came. (One some rank lacks waits; the requester gives up on it at its deadline.)
@@ -320,6 +339,16 @@ class SplitGroup:
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
         return told
+
+    def _measure_waits(self, now: float) -> None:
+        """Leader, at a local step's safe point: the share of time lately spent in holds (``wait_share``)."""
+        last, self._last_wait_mark = self._last_wait_mark, (now, self.waited_s)
+        if last is not None and now > last[0]:
+            waited, elapsed = self._wait_sums
+            waited = (1 - WAIT_SMOOTHING) * waited + (self.waited_s - last[1])
+            elapsed = (1 - WAIT_SMOOTHING) * elapsed + (now - last[0])
+            self._wait_sums = (waited, elapsed)
+            self.wait_share = min(1.0, waited / elapsed)
 
     def _may_hold(self, now: float) -> bool:
         """Leader: whether our exchange in flight is young enough to hold the group for (see the module docstring)."""
@@ -371,6 +400,8 @@ class SplitGroup:
             with self.lock:
                 assert result is not None
                 self.exchanges.install(result[0])
+            if self.methods is not None:
+                self.methods.took_download()
             self.downloaded_step = int(verdicts[0][0])
             return ", ".join(sorted({d for v in verdicts for d in v[1]}))
         finally:

@@ -41,9 +41,11 @@ together, ``finish()`` and ``close()`` at the end.
 
 - **Beyond plain averaging**, every rank runs the drift correction on its
   piece, the square-root rate rule on its optimizer (given on every rank,
-  or found at its first step) and the stability guard over the whole
-  model's norm, by numbers the group agrees on (``piece_methods``); and
-  flow control holds every rank alike (``SplitGroup.hold``).
+  or found at its first step), the stability guard over the whole model's
+  norm and, where the swarm asks for it, quasi-global momentum, by numbers
+  the group agrees on (``piece_methods``); flow control holds every rank
+  alike (``SplitGroup.hold``), and staleness weights weigh each exchange on
+  every rank alike (``piece_exchange``).
 
 With ``state.transfer_step`` the newcomer goes on from the donor's step
 count. In a secure swarm every rank is given the peer's keys
@@ -52,8 +54,8 @@ with them.
 
 Not built yet, and said where it matters: the optimizer's state in the
 download (``state.transfer_optimizer``), a merged model that averages
-every member's pieces, quasi-global momentum per piece, top-k compression
-(``piece_codec``) and peers behind NAT.
+every member's pieces, top-k compression (``piece_codec``) and peers
+behind NAT.
 """
 
 from __future__ import annotations
@@ -116,8 +118,6 @@ def unbuilt(gossip: GossipConfig) -> tuple[list[str], list[str]]:
                        "(push-sum, neighbor and local-sgd are not built for pieces)")
     if gossip.robust:
         refused.append("gossip.robust: robust aggregation is not built for pieces")
-    if gossip.momentum_mode == "quasi-global":
-        unrun.append("gossip.momentum_mode=quasi-global (the optimizer's own momentum runs)")
     if gossip.exchanges_in_flight > 1:
         unrun.append(f"gossip.exchanges_in_flight={gossip.exchanges_in_flight} (one at a time)")
     return refused, unrun
