@@ -213,6 +213,29 @@ def test_staleness_weights_per_piece_are_the_whole_models_bit_for_bit_and_past_t
     assert all(rank.stats.aborted == 1 and rank.stats.committed == 1 for rank in sa.ranks)
 
 
+def test_a_requester_whose_models_norm_is_far_from_ours_is_refused_on_every_rank() -> None:
+    """The guard's rule for partners, per piece: every rank carries the whole model's norm (the group's guard's), and
+    a server NORM_RATIO times from it refuses on every rank, where 50 times is served."""
+    from gossiptrain.protocol.stability import NORM_RATIO
+
+    sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
+    for xid, theirs in ((1, 1.5 * NORM_RATIO), (2, 0.5 * NORM_RATIO)):
+        for rank in sa.ranks:
+            rank.norm = theirs
+        for rank in sb.ranks:
+            rank.norm = 1.0
+        kinds = []
+        for r in range(RANKS):
+            sent = sa.ranks[r].start(xid, "B", 0.5, 0.0)
+            assert sent is not None and sent.meta["norm"] == theirs
+            kinds.append(sb.ranks[r].serve("A", xid, sent.tensors, sent.meta, 0.0).kind)
+        assert kinds == ([XPNAK] * RANKS if xid == 1 else [XPREP] * RANKS)
+        for r in range(RANKS):
+            sa.ranks[r].abort(xid)
+            sb.ranks[r].settle(xid, Outcome.ABORT, "A")
+    assert [rank.stats.norms_apart for rank in sb.ranks] == [1] * RANKS
+
+
 def test_a_reply_at_a_weight_above_the_one_asked_for_fails_the_exchange() -> None:
     sa, sb = SplitPeer("A", 1), SplitPeer("B", 2)
     sent = sa.ranks[0].start(3, "B", 0.25, 0.0)

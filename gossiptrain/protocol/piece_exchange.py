@@ -56,7 +56,13 @@ the requester's step, the server scales the weight it serves at by the
 policy's factor for the two peers' step difference (or refuses a request
 past the bound), and the reply carries that weight, which the requester
 applies. Every rank of a peer is at the same step (the group's), so every
-rank serves and applies one exchange at the same weight. With ``auto``
+rank serves and applies one exchange at the same weight.
+
+**Norms far apart** (the stability guard's rule for partners, ``gossip.guard``):
+a request carries the requester's whole model's norm (the group's guard
+judges the sum of its ranks' squares: the same number on every rank), and
+a server whose own is ``NORM_RATIO`` times from it refuses, on every rank
+alike: one of the two blew up, and averaging would hand it on. With ``auto``
 (``AutoCodec``) the group's leader sets the level every rank encodes at
 (``level``); a reply is at least as lossy as its request, as a whole-model
 peer's is, so that a requester's measure is of its own level.
@@ -69,6 +75,7 @@ the group's collective (a few hundred bytes: ``Status``, ``Outcome``;
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -80,6 +87,7 @@ from gossiptrain.net.kinds import XPEND, XPHELLO, XPNAK, XPREP, XPREQ, XPWELCOME
 from gossiptrain.protocol.compression import AutoCodec, Codec, first_non_finite
 from gossiptrain.protocol.merges import PendingMerges
 from gossiptrain.protocol.pieces import PieceEntry, PieceLayout
+from gossiptrain.protocol.stability import NORM_RATIO
 from gossiptrain.protocol.staleness import StalenessPolicy
 from gossiptrain.state.host_buffers import BufferPool
 
@@ -201,6 +209,7 @@ class _Waiting:
     deadline: float
     level: int = 0  # the request's compression level (``auto``): the answer is at least as lossy
     step: int | None = None  # the requester's step when it asked (None: not said, no staleness weight)
+    norm: float | None = None  # the requester's whole model's norm (None: not said)
 
 
 @dataclass
@@ -215,6 +224,7 @@ class PieceStats:
     dropped: int = 0  # held merges dropped (the requester aborted, or no outcome by the deadline)
     refused: int = 0  # requests refused (busy, malformed, or past the staleness bound)
     stale_dropped: int = 0  # ...of which past the staleness bound (``gossip.staleness_bound``)
+    norms_apart: int = 0  # ...of which from a requester whose model's norm is NORM_RATIO times from ours
 
 
 class RankExchanges:
@@ -241,6 +251,7 @@ class RankExchanges:
         # The weight of a served request by how many steps apart the two peers are (constant: 1, the default)
         self.staleness = staleness or StalenessPolicy()
         self.step = 0  # the group's step, set by the driver at each safe point (the same on every rank)
+        self.norm: float | None = None  # the whole model's norm as the group's guard last judged it (None: no guard)
         self.stats = PieceStats()
         self._pool = BufferPool()
         self._pending = PendingMerges(self.params, self._pool)
@@ -269,7 +280,10 @@ class RankExchanges:
             return None
         snapshot = self._as_received(sent)  # what the partner will average with
         self._asked[xid] = _Asked(partner, share, snapshot, now + self.timeout)
-        return Send(partner, XPREQ, xid, sent, {"a": share, "step": self.step})
+        meta: dict[str, float] = {"a": share, "step": self.step}
+        if self.norm is not None and self.norm > 0:  # (a model of zeros has no norm to compare)
+            meta["norm"] = self.norm
+        return Send(partner, XPREQ, xid, sent, meta)
 
     def reply(self, sender: str, xid: int, tensors: Mapping[str, Tensor], a: float | None = None) -> None:
         """The partner rank answered, at weight ``a`` (None: the one we asked for; a staleness weight makes it less):
@@ -335,9 +349,9 @@ class RankExchanges:
         if remote is None or not 0 < share <= 0.5 or xid in self._waiting or len(self._waiting) >= MAX_WAITING:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        step = meta.get("step")
+        step, norm = meta.get("step"), meta.get("norm")
         self._waiting[xid] = _Waiting(sender, addr, remote, share, now + self.timeout, self._level_of(tensors),
-                                      int(step) if step is not None else None)
+                                      int(step) if step is not None else None, float(norm) if norm is not None else None)
         return None
 
     def waiting(self, now: float) -> list[tuple[int, str]]:
@@ -351,7 +365,7 @@ class RankExchanges:
         """At a safe point, after ``apply``: answer a kept request (``serve``'s rules, from the piece just taken),
         and the address the answer goes to. Every rank of the group calls it for the same xids."""
         w = self._waiting.pop(xid)
-        return self._serve(w.requester, xid, w.remote, w.share, now, w.level, w.step), w.addr
+        return self._serve(w.requester, xid, w.remote, w.share, now, w.level, w.step, w.norm), w.addr
 
     def serve(self, sender: str, xid: int, tensors: Mapping[str, Tensor], meta: Mapping[str, float], now: float) -> Send:
         """Answer a request with our piece and hold its merge until the requester's outcome; refuse when busy
@@ -361,12 +375,16 @@ class RankExchanges:
         except ProtocolError:
             self.stats.refused += 1
             return Send(sender, XPNAK, xid)
-        step = meta.get("step")
+        step, norm = meta.get("step"), meta.get("norm")
         return self._serve(sender, xid, remote, float(meta.get("a", 0.5)), now, self._level_of(tensors),
-                           int(step) if step is not None else None)
+                           int(step) if step is not None else None, float(norm) if norm is not None else None)
 
     def _serve(self, sender: str, xid: int, remote: list[Tensor], share: float, now: float, level: int = 0,
-               step: int | None = None) -> Send:
+               step: int | None = None, norm: float | None = None) -> Send:
+        if self._norms_apart(norm):
+            self.stats.refused += 1
+            self.stats.norms_apart += 1
+            return Send(sender, XPNAK, xid)
         if step is not None:  # the staleness weight: both ends must agree, so the step difference either way
             weight = self.staleness.weight(abs(self.step - step))
             if weight is None:
@@ -392,6 +410,13 @@ class RankExchanges:
         self._held[xid] = _Held(sender, delta, share, now + HOLD_TIMEOUTS * self.timeout)
         self.stats.served += 1
         return Send(sender, XPREP, xid, sent, {"a": share})
+
+    def _norms_apart(self, theirs: float | None) -> bool:
+        """Whether the requester's model's norm and ours are ``NORM_RATIO`` apart (either unknown: not)."""
+        ours = self.norm
+        if ours is None or theirs is None or not math.isfinite(theirs) or theirs <= 0 or ours <= 0:
+            return False
+        return max(theirs, ours) > NORM_RATIO * min(theirs, ours)
 
     def settle(self, xid: int, outcome: Outcome, requester: str) -> None:
         """``requester``'s outcome, as the leader handed it to every rank: the held merge applied or dropped. The

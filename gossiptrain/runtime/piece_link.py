@@ -17,7 +17,7 @@ its piece to the same rank of newcomers in verified chunks and, on a
 newcomer, downloads its piece from the same rank of donors
 (``gossiptrain.runtime.split_group``'s ``download``).
 
-Bodies are small and checked (``xid``, ``a``, ``step``, ``outcome``); a malformed one
+Bodies are small and checked (``xid``, ``a``, ``step``, ``norm``, ``outcome``); a malformed one
 is a ``ProtocolError``, which the endpoint counts and drops. The training
 side and this network side call the rank's machine under one lock.
 """
@@ -99,8 +99,10 @@ class PieceLink(Endpoint):
         """Send a request ``RankExchanges.start`` made to the partner rank at ``addr``, from any thread (it leaves
         from the network thread). One that cannot leave gets no reply: its status turns failed at its deadline,
         and the group aborts the exchange."""
-        self._post(addr, XPREQ, {"xid": request.xid, "a": float(request.meta["a"]), "step": int(request.meta["step"])},
-                   request.tensors)
+        body: dict[str, Any] = {"xid": request.xid, "a": float(request.meta["a"]), "step": int(request.meta["step"])}
+        if "norm" in request.meta:  # the whole model's norm: a server refuses one far from its own
+            body["norm"] = float(request.meta["norm"])
+        self._post(addr, XPREQ, body, request.tensors)
 
     def answer(self, addr: str, answer: Send) -> None:
         """A request's answer (``RankExchanges.serve_waiting``: our piece, or a refusal) to the rank at ``addr``, from
@@ -166,12 +168,18 @@ class PieceLink(Endpoint):
 
     def _on_request(self, msg: Message, frames: Sequence[object]) -> None:
         xid = _xid(msg.body)
-        a, step = msg.body.get("a"), msg.body.get("step")
+        a, step, norm = msg.body.get("a"), msg.body.get("step"), msg.body.get("norm")
         if type(a) is not float:
             raise ProtocolError("a piece request's weight 'a' is a float")
         if step is not None and (type(step) is not int or not 0 <= step <= _XID_MAX):
             raise ProtocolError("a piece request's 'step' is a non-negative integer")
-        meta = {"a": a} if step is None else {"a": a, "step": step}  # (the requester's step: staleness weights)
+        if norm is not None and type(norm) is not float:
+            raise ProtocolError("a piece request's 'norm' is a float")
+        meta: dict[str, float] = {"a": a}  # (the requester's step: staleness weights; its model's norm: the guard's)
+        if step is not None:
+            meta["step"] = step
+        if norm is not None:
+            meta["norm"] = norm
         with self.lock:  # kept for the group's next safe point (every rank answers from the same one), or refused
             refusal = self.exchanges.receive(msg.sender, xid, msg.tensors, meta, self.clock(), msg.addr)
         if refusal is not None:

@@ -35,8 +35,9 @@ every rank. The group agrees on each of them:
 
 Each rank's optimizer is its own (an FSDP2 rank's holds its shard's state):
 given (``Peer(..., optimizer=opt)`` on every rank) or found at its first step
-(``optimizer_finder``), as a whole-model peer's is. Not run per piece yet:
-the guard's refusal of a partner whose model's norm is far from ours.
+(``optimizer_finder``), as a whole-model peer's is. The guard's refusal of
+a partner whose model's norm is far from ours is the exchanges'
+(``piece_exchange``: the request carries the norm the group judged).
 Automatic compression and flow control are the group's (``SplitGroup``);
 staleness weights the exchanges' own (``piece_exchange``).
 """

@@ -282,6 +282,8 @@ class SplitGroup:
         step = int(leader.get("news", {}).get("steps", self._local_steps))
         with self.lock:
             self.exchanges.step = step
+            if methods is not None and methods.guard is not None:  # the whole model's, judged: partners' compared to it
+                self.exchanges.norm = methods.guard.norm
             if "level" in leader:  # (auto) what every rank encodes at from here on
                 self.exchanges.level = leader["level"]
             if put_back:
