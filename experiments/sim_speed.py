@@ -13,7 +13,7 @@ at the end: the same up to float rounding).
     python experiments/sim_speed.py --quick      # a smoke test: 16 peers, 2 virtual s, 1 round
 
 Output: experiments/results/sim_speed/summary.md (``--quick``: a scratch
-folder); the last line printed is one JSON object, per setting the medians
+folder, ``harness.results_dir``); the last line printed is one JSON object, per setting the medians
 and ``stacked_over_one_by_one`` (wall time; below 1: stacking is faster).
 """
 
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from experiments import harness  # noqa: E402
 from experiments.zoo import code_version  # noqa: E402
 from gossiptrain.config import RunConfig  # noqa: E402
 from gossiptrain.sim.cluster import Cluster, SimConfig  # noqa: E402
@@ -72,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
     settings = QUICK if args.quick else SETTINGS
     repeats = 1 if args.quick else args.repeats
-    out = args.out or (Path("/tmp/sim-speed-quick") if args.quick else Path(__file__).parent / "results" / "sim_speed")
+    out = harness.results_dir("sim_speed", args.out, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     command = "python experiments/sim_speed.py " + " ".join(sys.argv[1:])
     version = code_version()
