@@ -17,10 +17,13 @@ between its safe points (where it answers); A's ranks write how many local
 steps they took between merges; pieces travel with ``auto`` compression,
 at the level each peer's leader sets. With ``download``, A downloads B's
 pieces (of a wider model, ``DOWNLOAD_HIDDEN``, in ``state.chunk_bytes`` of
-1 KiB: several chunks a rank), its leader naming a donor that never
-answers as well as B, and each rank of B stops answering the first session
-it serves after ``STALL_AFTER`` chunks: A's ranks must resume with another
-session, from the chunks they had.
+1 KiB: several chunks a rank) with B's SGD momentum buffers
+(``state.transfer_optimizer``: B took one step first, A binds its optimizer
+after the download), its leader naming a donor that never answers as well
+as B, and each rank of B stops answering the first session it serves after
+``STALL_AFTER`` chunks: A's ranks must resume with another session, from
+the chunks they had. Each rank writes its momentum buffers
+(``DIR/PEER-RANK.momentum.safetensors``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 
 from gossiptrain.protocol.compression import get_codec
 from gossiptrain.protocol.pieces import local_piece
+from gossiptrain.state.local_tensors import local
 from gossiptrain.protocol.step_timer import StepTimer
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.config import GossipConfig, StateConfig
@@ -48,7 +52,7 @@ from gossiptrain.runtime.split_group import Partner, SplitGroup
 
 FLOW_BOUND = 4
 DOWNLOAD_HIDDEN, STALL_AFTER = 300, 3
-DOWNLOAD_STATE = StateConfig(chunk_bytes=1024, request_timeout=1.0, max_seconds=30.0)
+DOWNLOAD_STATE = StateConfig(chunk_bytes=1024, request_timeout=1.0, max_seconds=30.0, transfer_optimizer=True)
 
 HOSTS = {("A", 0): "127.0.0.61", ("A", 1): "127.0.0.62", ("B", 0): "127.0.0.63", ("B", 1): "127.0.0.64"}
 
@@ -167,6 +171,11 @@ def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, n
     """``download``: A downloads B's pieces, its leader naming a donor that never answers (nobody listens at its
     ranks' addresses) and B, whose ranks each stall the first session they serve; B takes safe points (where it
     copies its piece for the sessions) until A is done."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    if peer == "B":  # a step: momentum buffers to give
+        net(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        opt.step()
+        group.bind_optimizer(opt)
     if peer == "A":
         candidates: list[Partner] = []
         if rank == 0:
@@ -174,7 +183,10 @@ def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, n
             gone = tuple(f"tcp://127.0.0.{65 + r}:{free_loopback_port()}" for r in range(2))
             candidates = [Partner("gone", gone, steps=1), partner]
         got = group.download((lambda: candidates.pop(0) if candidates else None) if rank == 0 else None, timeout=25.0)
-        (out / f"A-{rank}.stats.json").write_text(json.dumps({"got": got, **group.transfer.transfer.to_dict()}))
+        waiting = group.optimizer_transfer
+        group.bind_optimizer(opt)  # found after the download, as at a first step: the state that came goes in now
+        (out / f"A-{rank}.stats.json").write_text(json.dumps({
+            "got": got, "optimizer": [waiting, group.optimizer_transfer], **group.transfer.transfer.to_dict()}))
         if all(group.group.all_json(True)) and rank == 0:
             (out / "A.done").write_text("")
     else:
@@ -186,6 +198,9 @@ def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, n
                 break
             time.sleep(0.01)
     save_piece(net, out / f"{peer}-{rank}.after.safetensors")
+    save_file({n: local(opt.state[p]["momentum_buffer"]).detach().clone().contiguous()
+               for n, p in net.named_parameters() if "momentum_buffer" in opt.state[p]},
+              str(out / f"{peer}-{rank}.momentum.safetensors"))
 
 
 def stall_first_session(group: SplitGroup) -> None:

@@ -122,14 +122,19 @@ def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs,
 def test_a_newcomer_downloads_its_pieces_in_chunks_and_resumes_where_a_donor_stalled(procs: Procs, tmp_path: Path) -> None:
     """A's leader names a donor nobody answers for and B, whose ranks each stop answering the first session they serve
     after a few chunks (``tests/split_ranks.py download``): every rank of A leaves the silent donors, asks B again for
-    the chunks it lacks (none twice), and holds B's piece of its index, bit for bit."""
+    the chunks it lacks (none twice), and holds B's piece of its index, bit for bit; and B's rank's SGD momentum
+    buffers (state.transfer_optimizer), kept until A's optimizer is bound and then loaded into it."""
     run_pair(procs, tmp_path, "fsdp", 0, "download")
     for r in (0, 1):
         stats = json.loads((tmp_path / f"A-{r}.stats.json").read_text())
         a, b = (load_file(str(tmp_path / f"{peer}-{r}.after.safetensors")) for peer in "AB")
         before = load_file(str(tmp_path / f"A-{r}.before.safetensors"))
         assert all(torch.equal(a[k], b[k]) and not torch.equal(before[k], b[k]) for k in a)
-        chunks = -(-sum(t.numel() * t.element_size() for t in b.values()) // DOWNLOAD_STATE.chunk_bytes)
+        momentum_a, momentum_b = (load_file(str(tmp_path / f"{peer}-{r}.momentum.safetensors")) for peer in "AB")
+        assert set(momentum_a) == set(b) and all(torch.equal(momentum_a[k], momentum_b[k]) for k in b)  # B's, in A's SGD
+        assert stats["optimizer"] == ["waiting", "installed"], stats
+        nbytes = sum(t.numel() * t.element_size() for t in [*b.values(), *momentum_b.values()])  # piece, then buffers
+        chunks = -(-nbytes // DOWNLOAD_STATE.chunk_bytes)
         assert chunks > STALL_AFTER + 1, chunks
         assert stats["got"] == "B" and stats["state_chunks_received"] == chunks, stats  # resumed, not started over
         assert stats["state_donors_tried"] >= 2 and stats["state_timeouts"] >= 1, stats

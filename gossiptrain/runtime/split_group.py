@@ -53,7 +53,10 @@ timeout and no chunk already verified: the next donor is asked for the
 rest. The pieces of one download come from the safe points where each
 donor rank's session opened: one safe point, or a few steps apart where
 the requests crossed a step; a resumed download joins two donors'
-snapshots, as a whole-model peer's does (gossip keeps them close).
+snapshots, as a whole-model peer's does (gossip keeps them close). With
+``state.transfer_optimizer`` a rank's stream carries its optimizer's state
+after its piece (``piece_optimizer_state``: its shard's, at local shapes),
+kept on a newcomer until its optimizer is bound (``bind_optimizer``).
 
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
@@ -84,6 +87,7 @@ import torch
 
 from gossiptrain.config import GossipConfig, Limits, RunConfig, SecurityConfig, StateConfig
 from gossiptrain.errors import GossipError, ProtocolError
+from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
@@ -100,6 +104,7 @@ from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
+from gossiptrain.runtime import piece_optimizer_state
 from gossiptrain.runtime.piece_methods import PieceMethods
 from gossiptrain.runtime.safepoint import WAIT_SMOOTHING
 from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
@@ -167,6 +172,15 @@ class SplitGroup:
         self.transfer = StateEndpoint(RunConfig(limits=limits, state=state or StateConfig()), send=self._send_state,
                                       address_of=self._donor_address, clock=REAL_CLOCK)
         self._donor_addresses: dict[str, str] = {}  # while downloading: each donor's rank of our index
+        self._model = model
+        # This rank's optimizer (``bind_optimizer``), whose state newcomers get with state.transfer_optimizer, and a
+        # donor's state downloaded before it was bound (it is then loaded into it)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_aside: tuple[piece_optimizer_state.Named, piece_optimizer_state.Scalars] | None = None
+        # How this rank's download went for its optimizer state, as a whole-model peer's transfer_summary says it:
+        # none, waiting (for the optimizer to be bound), installed, refused (it did not fit the optimizer)
+        self.optimizer_transfer = "none"
+        self._warned_optimizer = False
         self._snapshot_asked = 0  # the last of the donor's ``wanted`` serials a copy of our piece was taken for
         self._local_steps = 0
         # (security: CURVE with the peer's keys, every rank alike: partners' ranks dial the addresses, keys in them,
@@ -404,22 +418,35 @@ class SplitGroup:
                 self.exchanges.install(result[0])
             if self.methods is not None:
                 self.methods.took_download()
+            if result[3] is not None:  # the donor rank's optimizer state: loaded now, or once the optimizer is bound
+                self._optimizer_aside = result[3]
+                self.optimizer_transfer = "waiting"
+                if self.optimizer is not None:
+                    self._load_optimizer_state()
             self.downloaded_step = int(verdicts[0][0])
             return ", ".join(sorted({d for v in verdicts for d in v[1]}))
         finally:
             self.transfer.mark_ready()  # our piece is worth giving from now on
 
     def _fetch(self, rng: random.Random, donors: dict[str, str], deadline: float
-               ) -> tuple[dict[str, torch.Tensor], int, list[str]] | None:
+               ) -> tuple[dict[str, torch.Tensor], int, list[str], tuple[Any, Any] | None] | None:
         """This rank's piece downloaded from the same rank of ``donors`` (id -> that rank's address) before
-        ``deadline``: (the piece by name, the donor's step, who gave its chunks), or None (logged)."""
+        ``deadline``: (the piece by name, the donor's step, who gave its chunks, the donor rank's optimizer state
+        where state.transfer_optimizer asked for it and it came: named tensors and scalars), or None (logged)."""
         with self.lock:
             piece = self.exchanges.snapshot()
         like = list(piece.values())
         table = entries_of(piece.items())
         seconds = max(0.001, deadline - time.monotonic())
+        asked = self.transfer.config.transfer_optimizer
+        made = piece_optimizer_state.template(self._model, self.optimizer) if asked and self.optimizer else None
+        if isinstance(made, str):
+            log.warning("state download: rank %d takes no optimizer state (%s)", self.rank, made)
+            made = None
         fetcher = Fetcher(replace(self.transfer.config, max_seconds=seconds), me=self.me, size=state_nbytes(like),
-                          layout=table_layout(table), rng=rng, now=REAL_CLOCK.now(), tensors=table)
+                          layout=table_layout(table), rng=rng, now=REAL_CLOCK.now(), tensors=table,
+                          optimizer=made.entries if made is not None else None,
+                          any_optimizer=asked and self.optimizer is None)
         self._donor_addresses = donors
         try:
             while True:
@@ -428,14 +455,22 @@ class SplitGroup:
                     log.warning("state download: rank %d's piece: %s", self.rank, result.reason)
                     return None
                 assert result.data is not None
-                values = decode_state(like, result.data)
+                # The optimizer's tensors, after the piece's: as the template says, or as the donor listed them
+                theirs = list(result.tensors[len(like):]) if result.optimizer and result.tensors is not None else []
+                extra: list[torch.Tensor] = []
+                if result.optimizer:
+                    extra = list(made.like) if made is not None else [
+                        torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in theirs]
+                values = decode_state(like + extra, result.data)
                 if isinstance(values, str):
                     fetcher.reject(values)  # fetched again from other donors, within the same bounds
                     continue
                 with self.lock:
                     got = dict(zip(piece, values))
                     self.exchanges.fits(got)
-                return got, result.step, list(result.donors)
+                names = [name for name, _, _ in (made.entries if made is not None else theirs)]
+                state = (list(zip(names, values[len(like):], strict=True)), result.scalars) if result.optimizer else None
+                return got, result.step, list(result.donors), state
         except (ProtocolError, ValueError, TimeoutError) as e:
             log.warning("state download: rank %d's piece does not go in: %s", self.rank, e)
             return None
@@ -463,9 +498,40 @@ class SplitGroup:
         self._snapshot_asked = wanted
         with self.lock:
             piece = self.exchanges.snapshot()
-            data = flatten(list(piece.values()))
-        table = entries_of(piece.items())
-        self.link.offer(StateCopy(data, step, wanted, table, len(table), data.numel()))
+        tensors, table, scalars = list(piece.values()), entries_of(piece.items()), ()
+        model_bytes = state_nbytes(tensors)
+        if self.transfer.config.transfer_optimizer and self.optimizer is not None:  # its state after the piece's
+            listed = piece_optimizer_state.listed(self._model, self.optimizer)
+            if isinstance(listed, str):
+                if not self._warned_optimizer:
+                    log.warning("state transfer: rank %d cannot give its optimizer state: %s", self.rank, listed)
+                    self._warned_optimizer = True
+            else:
+                tensors += [t for _, t in listed[0]]
+                table, scalars = table + entries_of(listed[0]), listed[1]
+        with self.lock:
+            data = flatten(tensors)
+        self.link.offer(StateCopy(data, step, wanted, table, len(piece), model_bytes, scalars=scalars))
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """This rank's optimizer (given, or found at its first step): newcomers get its state (state.transfer_optimizer),
+        and a donor's state downloaded before it was known is loaded into it now."""
+        self.optimizer = optimizer
+        if self._optimizer_aside is not None:
+            self._load_optimizer_state()
+
+    def _load_optimizer_state(self) -> None:
+        assert self.optimizer is not None and self._optimizer_aside is not None
+        named, scalars = self._optimizer_aside
+        self._optimizer_aside = None
+        problem = piece_optimizer_state.load(self._model, self.optimizer, named, scalars)
+        if problem is None:
+            self.optimizer_transfer = "installed"
+            log.info("state transfer: rank %d took the donor rank's optimizer state", self.rank)
+        else:
+            self.optimizer_transfer = "refused"
+            log.warning("state transfer: rank %d's optimizer does not take the donor's state (%s): it starts afresh",
+                        self.rank, problem)
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""

@@ -52,8 +52,10 @@ count. In a secure swarm every rank is given the peer's keys
 (``security=``, the same on every rank) and its own link is CURVE-secured
 with them.
 
-Not built yet, and said where it matters: the optimizer's state in the
-download (``state.transfer_optimizer``), a merged model that averages
+With ``state.transfer_optimizer`` each rank's download carries the donor
+rank's optimizer state too (``piece_optimizer_state``).
+
+Not built yet, and said where it matters: a merged model that averages
 every member's pieces, top-k compression (``piece_codec``) and peers
 behind NAT.
 """
@@ -258,7 +260,9 @@ class SplitLeaderRank:
 
     def transfer_summary(self) -> dict[str, Any]:
         status, donors = self._piece_transfer
-        return {"state_transfer": status, "state_donors": donors, "state_optimizer": "none"}
+        pieces = self._pieces
+        return {"state_transfer": status, "state_donors": donors,
+                "state_optimizer": pieces.optimizer_transfer if pieces is not None else "none"}
 
     def _found(self, optimizer: torch.optim.Optimizer, given: bool = False) -> None:
         if self.optimizer is None:
@@ -509,6 +513,8 @@ def piece_counts(pieces: SplitGroup) -> dict[str, Any]:
 
 
 def bind_piece_optimizer(pieces: SplitGroup, optimizer: torch.optim.Optimizer) -> str:
-    """Give a rank's optimizer what the swarm runs with it (``PieceMethods.bind``); what it got, in words."""
+    """Give a rank's optimizer what the swarm runs with it (``PieceMethods.bind``) and its state to newcomers (and a
+    donor's downloaded state to it: ``SplitGroup.bind_optimizer``); what it got, in words."""
+    pieces.bind_optimizer(optimizer)
     got = pieces.methods.bind(optimizer) if pieces.methods is not None else []
     return " and ".join(got) or "nothing extra"

@@ -14,7 +14,7 @@ argument. Nothing here unpickles anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -22,13 +22,15 @@ from gossiptrain.state.snapshot import OPTIMIZER_PREFIX, Entry, entries_of
 
 
 def optimizer_tensors(
-    names: Mapping[int, str], optimizer: torch.optim.Optimizer
+    names: Mapping[int, str], optimizer: torch.optim.Optimizer, local: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, int | float]]] | str:
     """The optimizer's state as named tensors and scalars (``optimizer/<param>/<key>``), or why it cannot be sent.
 
     ``names`` maps ``id(parameter)`` to its name in the model. In the
     optimizer's parameter order, keys sorted: every member with the same
-    model and optimizer lists the same names in the same order.
+    model and optimizer lists the same names in the same order. ``local``:
+    each tensor as a rank of a split model holds it (an FSDP2 shard's local
+    tensor, ``gossiptrain.state.local_tensors.local``; never gathered).
     """
     tensors: list[tuple[str, torch.Tensor]] = []
     scalars: list[tuple[str, int | float]] = []
@@ -43,7 +45,7 @@ def optimizer_tensors(
                 if not isinstance(key, str):
                     return f"its state of {names[id(p)]!r} has a key of type {type(key).__name__}"
                 if isinstance(value, torch.Tensor):
-                    tensors.append((name, value))
+                    tensors.append((name, value if local is None else local(value)))
                 elif type(value) in (int, float):
                     scalars.append((name, value))
                 else:
@@ -87,12 +89,17 @@ class OptimizerTemplate:
         return {"state": state, "param_groups": [dict(g) for g in self.param_groups]}
 
 
-def optimizer_template(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTemplate | str:
+def optimizer_template(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, local: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> OptimizerTemplate | str:
     """What ``optimizer``'s state looks like once it has stepped, or why that cannot be told.
 
     An optimizer creates its state at its first step, so a newcomer's is
     empty: a throwaway copy of it, over copies of the parameters, steps once
     on zero gradients and shows the names, dtypes and shapes to expect.
+    ``local``: as ``optimizer_tensors``'s, the shapes a rank of a split model
+    holds (its ``state_dict`` then needs each value made the parameter's kind
+    again: ``local_tensors.like_param``).
     """
     names = parameter_names(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -111,7 +118,7 @@ def optimizer_template(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         probe.step()
     except Exception as e:  # an optimizer that needs a closure, or takes other arguments: no state transfer
         return f"a copy of {type(optimizer).__name__} could not step ({e!r:.200})"
-    listed = optimizer_tensors({id(clones[id(p)]): names[id(p)] for p in params}, probe)
+    listed = optimizer_tensors({id(clones[id(p)]): names[id(p)] for p in params}, probe, local)
     if isinstance(listed, str):
         return listed
     tensors, scalars = listed
