@@ -100,11 +100,11 @@ from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.protocol.staleness import StalenessPolicy
 from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.protocol.step_timer import StepTimer
+from gossiptrain.runtime import piece_optimizer_state
 from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
-from gossiptrain.runtime import piece_optimizer_state
 from gossiptrain.runtime.piece_methods import PieceMethods
 from gossiptrain.runtime.safepoint import WAIT_SMOOTHING
 from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
