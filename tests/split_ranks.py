@@ -186,7 +186,7 @@ def newcomer(peer: str, rank: int, group: SplitGroup, partner: Partner | None, n
         waiting = group.optimizer_transfer
         group.bind_optimizer(opt)  # found after the download, as at a first step: the state that came goes in now
         (out / f"A-{rank}.stats.json").write_text(json.dumps({
-            "got": got, "optimizer": [waiting, group.optimizer_transfer], **group.transfer.transfer.to_dict()}))
+            "got": got, "optimizer": [waiting, group.optimizer_transfer], **group.transfer.endpoint.transfer.to_dict()}))
         if all(group.group.all_json(True)) and rank == 0:
             (out / "A.done").write_text("")
     else:
@@ -207,7 +207,7 @@ def stall_first_session(group: SplitGroup) -> None:
     """A donor rank that stops answering mid-download: the first session's requests past ``STALL_AFTER`` dropped."""
     first: list[int] = []
     answered = [0]
-    on_message = group.transfer.on_message
+    on_message = group.transfer.endpoint.on_message
 
     def stalling(msg: Any) -> None:
         if msg.kind == SREQ and isinstance(msg.body, dict):
@@ -219,7 +219,7 @@ def stall_first_session(group: SplitGroup) -> None:
                     return
         on_message(msg)
 
-    group.transfer.on_message = stalling  # type: ignore[method-assign]
+    group.transfer.endpoint.on_message = stalling  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

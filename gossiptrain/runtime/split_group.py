@@ -42,21 +42,7 @@ correction measures every merge of a step's safe points and corrects once,
 at the last; the guard judges once a step.
 
 **State transfer** runs rank by rank with the protocol whole-model peers
-use (``gossiptrain.protocol.state_transfer``) over each rank's own socket:
-every rank is a donor of its piece (a copy taken at the safe point after
-a newcomer's session opened, hashed on the network thread, served in
-``state.chunk_bytes`` chunks), and a newcomer's rank downloads its piece
-from the same rank of the donors its leader met (``download``). So a
-piece of any size travels in bounded messages, every chunk is checked
-against the donor's manifest, and a donor that stops answering costs its
-timeout and no chunk already verified: the next donor is asked for the
-rest. The pieces of one download come from the safe points where each
-donor rank's session opened: one safe point, or a few steps apart where
-the requests crossed a step; a resumed download joins two donors'
-snapshots, as a whole-model peer's does (gossip keeps them close). With
-``state.transfer_optimizer`` a rank's stream carries its optimizer's state
-after its piece (``piece_optimizer_state``: its shard's, at local shapes),
-kept on a newcomer until its optimizer is bound (``bind_optimizer``).
+use, over each rank's own socket (``PieceTransfer``).
 
 One gather per safe point, of a few hundred bytes: the bytes of the model
 go over the ranks' own sockets, never through rank 0. A rank that dies
@@ -80,14 +66,13 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from gossiptrain.config import GossipConfig, Limits, RunConfig, SecurityConfig, StateConfig
+from gossiptrain.config import GossipConfig, Limits, SecurityConfig, StateConfig
 from gossiptrain.errors import GossipError, ProtocolError
-from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.net.transport import listen
 from gossiptrain.protocol.auto_compression import AutoCompression
 from gossiptrain.protocol.averaging import AUTO_STEPS_AHEAD
@@ -98,24 +83,18 @@ from gossiptrain.protocol.piece_exchange import Outcome, PieceStats, RankExchang
 from gossiptrain.protocol.pieces import PieceLayout, local_piece, piece_entries
 from gossiptrain.protocol.rtt import RttEstimator
 from gossiptrain.protocol.staleness import StalenessPolicy
-from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.protocol.step_timer import StepTimer
-from gossiptrain.runtime import piece_optimizer_state
-from gossiptrain.runtime.clock import REAL_CLOCK
 from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 from gossiptrain.runtime.piece_methods import PieceMethods
+from gossiptrain.runtime.piece_transfer import PieceTransfer
 from gossiptrain.runtime.safepoint import WAIT_SMOOTHING
-from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
-from gossiptrain.state.snapshot import decode_state, entries_of, flatten, state_nbytes, table_layout
 
 log = logging.getLogger(__name__)
 
 #: The weight of a piece exchange (one in flight at a time: pairwise averaging's 1/2).
 SHARE = 0.5
-#: Donors a newcomer's leader meets (and every rank may download from), at most.
-DONORS = 3
 #: Flow control: how long the group holds for an exchange before any reply was measured (seconds).
 FIRST_HOLD = 2.0
 
@@ -167,26 +146,17 @@ class SplitGroup:
         self.exchanges = RankExchanges(local_piece(model), piece_entries(model), timeout=timeout, codec=codec,
                                        staleness=staleness)
         limits = limits or Limits()
-        # State transfer, rank by rank and in real time: this rank serves its piece to the same rank of newcomers,
-        # and as a newcomer downloads it from the same rank of donors (``download``)
-        self.transfer = StateEndpoint(RunConfig(limits=limits, state=state or StateConfig()), send=self._send_state,
-                                      address_of=self._donor_address, clock=REAL_CLOCK)
-        self._donor_addresses: dict[str, str] = {}  # while downloading: each donor's rank of our index
-        self._model = model
-        # This rank's optimizer (``bind_optimizer``), whose state newcomers get with state.transfer_optimizer, and a
-        # donor's state downloaded before it was bound (it is then loaded into it)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_aside: tuple[piece_optimizer_state.Named, piece_optimizer_state.Scalars] | None = None
-        # How this rank's download went for its optimizer state, as a whole-model peer's transfer_summary says it:
-        # none, waiting (for the optimizer to be bound), installed, refused (it did not fit the optimizer)
-        self.optimizer_transfer = "none"
-        self._warned_optimizer = False
-        self._snapshot_asked = 0  # the last of the donor's ``wanted`` serials a copy of our piece was taken for
         self._local_steps = 0
+        self._rng = random.Random(f"{me}/{seed}")
+        # State transfer, rank by rank: this rank serves its piece to the same rank of newcomers, and as a newcomer
+        # downloads it from the same rank of donors (``download``)
+        self.transfer = PieceTransfer(self.group, self.exchanges, model, me=me, loop=loop, lock=self.lock,
+                                      limits=limits, state=state, rng=self._rng)
         # (security: CURVE with the peer's keys, every rank alike: partners' ranks dial the addresses, keys in them,
         # that the leaders swap)
         self.link = PieceLink(listen(f"tcp://{host}:0", limits, security=security), limits, self.exchanges, sender=me,
-                              fingerprint=fingerprint, clock=clock, transfer=self.transfer, lock=self.lock)
+                              fingerprint=fingerprint, clock=clock, transfer=self.transfer.endpoint, lock=self.lock)
+        self.transfer.link = self.link
         loop.run(self.link.start(timeout=10), timeout=15)
         # Every rank's address, and whether its piece of the model keeps running statistics (one rank's BatchNorm
         # turns the drift correction off on every rank: the gain is the model's)
@@ -197,11 +167,9 @@ class SplitGroup:
                         if gossip is not None else None)
         if self.rank == 0:  # the leader answers hellos: who we are, and where each of our ranks listens
             self.link.introduction = (self.layout, self.addresses)
-        self._rng = random.Random(f"{me}/{seed}")
         self._partners: dict[int, Partner] = {}  # leader: the partner of each exchange we asked for, to tell it
         # Flow control, alike on every rank: local steps since a merge last landed, and the last safe point's verdict
         self._since_merge, self._merges_seen = 0, 0
-        self.downloaded_step = 0  # the donor's step at the pieces downloaded (``download``)
         self.held = False
         self.waits, self.waited_s = 0, 0.0  # holds (of one or more safe points without a local step), and their time
         # The share of time spent in holds lately (smoothed as a whole-model peer's ``SafePoint.wait_share``): the
@@ -350,7 +318,7 @@ class SplitGroup:
         if request is not None:
             self.link.ask(request, addresses[self.rank])
         if local_step:  # (the leader's step count: a newcomer's with state.transfer_step)
-            self._donate(step)
+            self.transfer.donate(step, self._local_steps)
         told = dict(leader.get("news", {}))
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
@@ -388,150 +356,21 @@ class SplitGroup:
         return news
 
     def download(self, next_donor: Callable[[], Partner | None] | None, timeout: float) -> str | None:
-        """A newcomer's state download, on every rank (a collective; only the leader's ``next_donor`` counts: the
-        next member to download from, None when there is none). The leader meets up to ``DONORS`` donors; every
-        rank then downloads its piece from the same rank of one of them, in verified chunks, as a whole-model peer
-        downloads its state (``Fetcher``: a donor that stops answering or refuses is left for another, and the
-        download resumes from the chunks already verified; all ranks start with the same donor). Installed on every
-        rank or on none, within ``timeout`` seconds in all. Before the first exchange. Who gave the chunks (",
-        "-joined; ``downloaded_step``: the leader's donor's step then), or None (each rank keeps its own piece)."""
-        deadline = time.monotonic() + timeout
-        donors: list[list[Any]] = []
-        while self.rank == 0 and next_donor is not None and len(donors) < DONORS and time.monotonic() < deadline:
-            donor = next_donor()
-            if donor is None:
-                break
-            donors.append([donor.id, list(donor.addresses)])
-        plan = self.group.all_json([self._rng.getrandbits(62), donors] if donors else None)[0]
-        try:
-            if plan is None:
-                return None
-            seed, donors = int(plan[0]), plan[1]
-            result = self._fetch(random.Random(seed), {str(d): str(where[self.rank]) for d, where in donors}, deadline)
-            verdicts = self.group.all_json(None if result is None else [result[1], result[2]])
-            if not all(verdicts):
-                if self.rank == 0:
-                    log.warning("state download: not every rank's piece came, or fits: each keeps its own")
-                return None
-            with self.lock:
-                assert result is not None
-                self.exchanges.install(result[0])
-            if self.methods is not None:
-                self.methods.took_download()
-            if result[3] is not None:  # the donor rank's optimizer state: loaded now, or once the optimizer is bound
-                self._optimizer_aside = result[3]
-                self.optimizer_transfer = "waiting"
-                if self.optimizer is not None:
-                    self._load_optimizer_state()
-            self.downloaded_step = int(verdicts[0][0])
-            return ", ".join(sorted({d for v in verdicts for d in v[1]}))
-        finally:
-            self.transfer.mark_ready()  # our piece is worth giving from now on
-
-    def _fetch(self, rng: random.Random, donors: dict[str, str], deadline: float
-               ) -> tuple[dict[str, torch.Tensor], int, list[str], tuple[Any, Any] | None] | None:
-        """This rank's piece downloaded from the same rank of ``donors`` (id -> that rank's address) before
-        ``deadline``: (the piece by name, the donor's step, who gave its chunks, the donor rank's optimizer state
-        where state.transfer_optimizer asked for it and it came: named tensors and scalars), or None (logged)."""
-        with self.lock:
-            piece = self.exchanges.snapshot()
-        like = list(piece.values())
-        table = entries_of(piece.items())
-        seconds = max(0.001, deadline - time.monotonic())
-        asked = self.transfer.config.transfer_optimizer
-        made = piece_optimizer_state.template(self._model, self.optimizer) if asked and self.optimizer else None
-        if isinstance(made, str):
-            log.warning("state download: rank %d takes no optimizer state (%s)", self.rank, made)
-            made = None
-        fetcher = Fetcher(replace(self.transfer.config, max_seconds=seconds), me=self.me, size=state_nbytes(like),
-                          layout=table_layout(table), rng=rng, now=REAL_CLOCK.now(), tensors=table,
-                          optimizer=made.entries if made is not None else None,
-                          any_optimizer=asked and self.optimizer is None)
-        self._donor_addresses = donors
-        try:
-            while True:
-                result = self.loop.run(self.transfer.download(fetcher, lambda: list(donors)), timeout=seconds + 10)
-                if not result.ok:
-                    log.warning("state download: rank %d's piece: %s", self.rank, result.reason)
-                    return None
-                assert result.data is not None
-                # The optimizer's tensors, after the piece's: as the template says, or as the donor listed them
-                theirs = list(result.tensors[len(like):]) if result.optimizer and result.tensors is not None else []
-                extra: list[torch.Tensor] = []
-                if result.optimizer:
-                    extra = list(made.like) if made is not None else [
-                        torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in theirs]
-                values = decode_state(like + extra, result.data)
-                if isinstance(values, str):
-                    fetcher.reject(values)  # fetched again from other donors, within the same bounds
-                    continue
-                with self.lock:
-                    got = dict(zip(piece, values))
-                    self.exchanges.fits(got)
-                names = [name for name, _, _ in (made.entries if made is not None else theirs)]
-                state = (list(zip(names, values[len(like):], strict=True)), result.scalars) if result.optimizer else None
-                return got, result.step, list(result.donors), state
-        except (ProtocolError, ValueError, TimeoutError) as e:
-            log.warning("state download: rank %d's piece does not go in: %s", self.rank, e)
-            return None
-        finally:
-            self._donor_addresses = {}
-
-    def _donor_address(self, member: str) -> str | None:
-        """Where a donor's rank of our index listens, while we download (the transfer's ``address_of``)."""
-        return self._donor_addresses.get(member)
-
-    def _send_state(self, addr: str, kind: str, body: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return self.link.send(addr, kind, body, tensors)
-
-    def _donate(self, step: int) -> None:
-        """Donor, at every local step's safe point: our piece as it now is, copied for the newcomers' sessions that
-        wait for one (``Donor.wanted``; hashed and served on the network thread). ``step``: the leader's count."""
-        donor = self.transfer.donor
-        now = REAL_CLOCK.now()
-        donor.stepped(self._local_steps, now)
-        if donor.sessions:
-            self.link.expire(now)
-        wanted = donor.wanted
-        if wanted == self._snapshot_asked:
-            return
-        self._snapshot_asked = wanted
-        with self.lock:
-            piece = self.exchanges.snapshot()
-        tensors, table, scalars = list(piece.values()), entries_of(piece.items()), ()
-        model_bytes = state_nbytes(tensors)
-        if self.transfer.config.transfer_optimizer and self.optimizer is not None:  # its state after the piece's
-            listed = piece_optimizer_state.listed(self._model, self.optimizer)
-            if isinstance(listed, str):
-                if not self._warned_optimizer:
-                    log.warning("state transfer: rank %d cannot give its optimizer state: %s", self.rank, listed)
-                    self._warned_optimizer = True
-            else:
-                tensors += [t for _, t in listed[0]]
-                table, scalars = table + entries_of(listed[0]), listed[1]
-        with self.lock:
-            data = flatten(tensors)
-        self.link.offer(StateCopy(data, step, wanted, table, len(piece), model_bytes, scalars=scalars))
+        """A newcomer's state download, on every rank alike (``PieceTransfer.download``: a collective)."""
+        return self.transfer.download(next_donor, timeout, self.methods.took_download if self.methods else None)
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """This rank's optimizer (given, or found at its first step): newcomers get its state (state.transfer_optimizer),
-        and a donor's state downloaded before it was known is loaded into it now."""
-        self.optimizer = optimizer
-        if self._optimizer_aside is not None:
-            self._load_optimizer_state()
+        """This rank's optimizer (given, or found at its first step): newcomers get its state, a donor's state
+        downloaded before it was known goes into it now (``PieceTransfer.bind_optimizer``)."""
+        self.transfer.bind_optimizer(optimizer)
 
-    def _load_optimizer_state(self) -> None:
-        assert self.optimizer is not None and self._optimizer_aside is not None
-        named, scalars = self._optimizer_aside
-        self._optimizer_aside = None
-        problem = piece_optimizer_state.load(self._model, self.optimizer, named, scalars)
-        if problem is None:
-            self.optimizer_transfer = "installed"
-            log.info("state transfer: rank %d took the donor rank's optimizer state", self.rank)
-        else:
-            self.optimizer_transfer = "refused"
-            log.warning("state transfer: rank %d's optimizer does not take the donor's state (%s): it starts afresh",
-                        self.rank, problem)
+    @property
+    def downloaded_step(self) -> int:
+        return self.transfer.downloaded_step
+
+    @property
+    def optimizer_transfer(self) -> str:
+        return self.transfer.optimizer_transfer
 
     def _decide(self, every: Sequence[dict[str, Any]]) -> None:
         """Our exchanges that every rank can settle now: committed or aborted on all, the partner told (leader)."""
