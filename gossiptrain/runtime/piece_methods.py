@@ -81,6 +81,7 @@ class PieceMethods:
         self.scalings: list[SwarmLrScaling] = []
         self.quasi_global = wants_quasi_global(gossip)
         self.momenta: list[QuasiGlobalMomentum] = []  # quasi-global momentum of each optimizer, where asked for
+        self._running: list[QuasiGlobalMomentum] = []  # those that measured at this safe point, to apply
         self.downloaded = False  # the piece came from a running swarm (quasi-global momentum: no warm start)
         self.guard = StabilityGuard(params) if gossip.guard else None
         self.safe_points = 0  # the guard's clock: safe points, alike on every rank
@@ -158,16 +159,17 @@ class PieceMethods:
         """Quasi-global momentum's first half, at the last safe point of a local step (``runs``: the group's word,
         alike on every rank): this piece's squared norm of the change, for the group to sum; None where it does not
         run (every rank alike: the optimizers' own momentum ran, and our state followed it)."""
-        ticked = [m.tick(active=runs) for m in self.momenta]
-        if not any(ticked):
+        self._running = [m for m in self.momenta if m.tick(active=runs)]
+        if not self._running:
             return None
-        return sum(m.measure() for m, ran in zip(self.momenta, ticked, strict=True) if ran)
+        return sum(m.measure() for m in self._running)
 
     def momentum_apply(self, norm: float) -> None:
-        """The second half: every optimizer's buffer from its change, clipped by the whole model's ``norm`` of it."""
-        for m in self.momenta:
-            if m._groups:
-                m.apply(norm)
+        """The second half: the buffers of the optimizers that ran it, from their changes, clipped by the whole
+        model's ``norm`` of the change."""
+        running, self._running = self._running, []
+        for m in running:
+            m.apply(norm)
 
     def no_more_steps(self) -> None:
         """The final phase: no local steps any more, so no drift to correct; the models only meet (as a whole-model
