@@ -4,11 +4,11 @@ Every simulated peer takes real torch steps, one small model at a time; at
 a thousand peers the per-call overhead of those small steps adds up. A
 peer's step depends only on its parameters as its last safe point left
 them and on its next batch, and nothing else reads or writes the live
-parameters between the step's start and the peer's next safe point:
-partners are answered from the averaging's frozen copy of the model
-(``gossiptrain.protocol.pairwise``: requests are answered against ``view``,
-never the live parameters), and the cluster's sampler settles every step
-under way before it reads a model (``flush``). So a peer's step may be
+parameters between the step's start and the peer's next safe point: every
+algorithm touches them only at safe points (what arrives meanwhile waits
+for the next; pairwise answers partners from its frozen copy of the model,
+``view``), and the cluster's sampler settles every step under way before
+it reads a model (``flush``). So a peer's step may be
 computed at any moment between the two, and ``StepBatcher`` computes the
 steps of every peer that started one in a single call: the peers' parameters
 stacked, each peer's batch beside them, and ``torch.func.vmap`` over
@@ -53,7 +53,7 @@ __all__ = ["BatchStats", "StepBatcher", "batchable"]
 
 @dataclass
 class BatchStats:
-    """What the batcher did (the simulation's summary reports it)."""
+    """What the batcher did (``Cluster.batcher.stats``; experiments/sim_speed.py reports it)."""
 
     stacked_calls: int = 0  # vmapped calls
     stacked_steps: int = 0  # steps computed in them
@@ -66,7 +66,6 @@ class _Pending:
     x: Tensor
     y: Tensor
     key: Hashable
-    loss: float | None = None
 
 
 def batchable(trainer: LocalTrainer) -> str | None:
