@@ -48,7 +48,10 @@ values that travelled, decoded (its own piece as the partner reads it), so
 what one side's merge adds the other's removes: nothing is made or lost. A
 piece that does not encode (non-finite) fails its exchange on every rank;
 one that arrives non-finite is refused.
-Downloads (``snapshot``, ``install``) travel as they are.
+Downloads (``snapshot``, ``install``) travel as they are. With ``auto``
+(``AutoCodec``) the group's leader sets the level every rank encodes at
+(``level``); a reply is at least as lossy as its request, as a whole-model
+peer's is, so that a requester's measure is of its own level.
 
 **Staleness weights** (``gossip.staleness_weighting``, ``staleness_bound``),
 as a whole-model peer's pairwise averaging runs them: a request carries
@@ -62,10 +65,7 @@ rank serves and applies one exchange at the same weight.
 a request carries the requester's whole model's norm (the group's guard
 judges the sum of its ranks' squares: the same number on every rank), and
 a server whose own is ``NORM_RATIO`` times from it refuses, on every rank
-alike: one of the two blew up, and averaging would hand it on. With ``auto``
-(``AutoCodec``) the group's leader sets the level every rank encodes at
-(``level``); a reply is at least as lossy as its request, as a whole-model
-peer's is, so that a requester's measure is of its own level.
+alike: one of the two blew up, and averaging would hand it on.
 
 Sans-IO: tensors in, actions out; the driver sends the messages and runs
 the group's collective (a few hundred bytes: ``Status``, ``Outcome``;
@@ -222,7 +222,7 @@ class PieceStats:
     served: int = 0  # requests answered and held
     applied: int = 0  # held merges applied (the requester committed)
     dropped: int = 0  # held merges dropped (the requester aborted, or no outcome by the deadline)
-    refused: int = 0  # requests refused (busy, malformed, or past the staleness bound)
+    refused: int = 0  # requests refused (busy, malformed, past the staleness bound, or a norm far from ours)
     stale_dropped: int = 0  # ...of which past the staleness bound (``gossip.staleness_bound``)
     norms_apart: int = 0  # ...of which from a requester whose model's norm is NORM_RATIO times from ours
 

@@ -15,7 +15,7 @@ State transfer runs rank by rank over the same sockets: the messages of
 ``SNAK``) go to the rank's ``StateEndpoint`` (``transfer``), which serves
 its piece to the same rank of newcomers in verified chunks and, on a
 newcomer, downloads its piece from the same rank of donors
-(``gossiptrain.runtime.split_group``'s ``download``).
+(``gossiptrain.runtime.piece_transfer``).
 
 Bodies are small and checked (``xid``, ``a``, ``step``, ``norm``, ``outcome``); a malformed one
 is a ``ProtocolError``, which the endpoint counts and drops. The training
