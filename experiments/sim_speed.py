@@ -10,7 +10,7 @@ runs' results side by side (the mean test accuracy and consensus distance
 at the end: the same up to float rounding).
 
     python experiments/sim_speed.py              # logreg 256 peers x 5 virtual s, digits-small 128 x 3 s; minutes
-    python experiments/sim_speed.py --quick      # a smoke test: 16 peers, 2 virtual s, 1 round
+    python experiments/sim_speed.py --quick      # a smoke test: 8 peers, 2 virtual s, 1 round
 
 Output: experiments/results/sim_speed/summary.md (``--quick``: a scratch
 folder, ``harness.results_dir``); the last line printed is one JSON object, per setting the medians
@@ -40,7 +40,7 @@ from gossiptrain.sim.vtime import run_virtual  # noqa: E402
 
 #: (workload, peers, virtual seconds) of the default run.
 SETTINGS = (("logreg", 256, 5.0), ("digits-small", 128, 3.0))
-QUICK = (("logreg", 16, 2.0),)
+QUICK = (("logreg", 8, 2.0),)
 STEP_TIME = 0.05  # virtual seconds per step, as experiments/scale.py
 
 
@@ -68,7 +68,7 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="rounds of both modes, alternating (default 2)")
-    ap.add_argument("--quick", action="store_true", help="16 logreg peers, 2 virtual s, 1 round (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="8 logreg peers, 2 virtual s, 1 round (smoke test)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default experiments/results/sim_speed)")
     args = ap.parse_args()
     settings = QUICK if args.quick else SETTINGS

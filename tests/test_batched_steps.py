@@ -76,7 +76,7 @@ def test_a_simulated_swarm_gives_the_same_accuracy_curve_batched_or_not() -> Non
     stacked, cluster = curve(True)
     assert cluster.batcher is not None and cluster.batcher.stats.stacked_calls > 10, cluster.batcher.stats
     assert [k[:2] for k in plain] == [k[:2] for k in stacked] and len(plain) >= 24  # the same samples of the same peers
-    assert [k[2] for k in stacked] == pytest.approx([k[2] for k in plain], abs=0.01)  # one test image of 360, at most
+    assert [k[2] for k in stacked] == pytest.approx([k[2] for k in plain], abs=0.01)  # float noise at most (in fact equal)
 
 
 class _Tiny:

@@ -326,15 +326,15 @@ def test_scale_defaults_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
 def test_sim_speed_quick(tmp_path: Path) -> None:
-    """The simulator's speed, stacked steps against one by one, in miniature (16 simulated peers, about 3 s; forked from
+    """The simulator's speed, stacked steps against one by one, in miniature (8 simulated peers, about 2 s; forked from
     the test fork server): both ways end on the same accuracy."""
     out = tmp_path / "out"
     done = run_forked(["--quick", "--out", str(out)], SCRIPT_TIMEOUT, "sim_speed.py --quick", tmp_path,
                       module=str(ROOT / "experiments" / "sim_speed.py"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     head = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(head) == {"logreg_16"} and head["logreg_16"]["stacked_over_one_by_one"] > 0
+    assert set(head) == {"logreg_8"} and head["logreg_8"]["stacked_over_one_by_one"] > 0
     runs = json.loads((out / "runs.json").read_text())
     assert [r["stacked"] for r in runs] == [False, True] and runs[1]["stacked_steps"] > 0
     assert runs[0]["mean_test_acc"] == pytest.approx(runs[1]["mean_test_acc"], abs=0.01)
-    assert "| logreg | 16 |" in (out / "summary.md").read_text()
+    assert "| logreg | 8 |" in (out / "summary.md").read_text()
