@@ -87,7 +87,8 @@ class StepBatcher:
 
     def __init__(self) -> None:
         self._pending: dict[int, _Pending] = {}  # id(trainer) -> its step under way
-        self._eligible: weakref.WeakKeyDictionary[LocalTrainer, bool] = weakref.WeakKeyDictionary()  # stackable?
+        # Per trainer: its parameters' names, shapes and dtypes where its steps may be stacked, else None (asked once)
+        self._signatures: weakref.WeakKeyDictionary[LocalTrainer, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
         self._failed: set[Hashable] = set()  # groups whose stacked call raised: one by one from then on
         self.stats = BatchStats()
 
@@ -97,27 +98,24 @@ class StepBatcher:
         chunk to claim (as ``LocalTrainer.step`` returning None)."""
         if id(trainer) in self._pending:
             raise RuntimeError("a peer began a step while its last one is still under way")
-        eligible = self._eligible.get(trainer)
-        if eligible is None:
-            eligible = self._eligible[trainer] = batchable(trainer) is None
-        if not eligible:
+        if trainer not in self._signatures:
+            self._signatures[trainer] = _signature(trainer) if batchable(trainer) is None else None
+        signature = self._signatures[trainer]
+        if signature is None:
             self.stats.single_steps += 1
             return trainer.step() is not None
         batch = trainer.next_batch()
         if batch is None:
             return False
         x, y = batch
-        self._pending[id(trainer)] = _Pending(trainer, x, y, _group_key(trainer, x, y))
+        key = (signature, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)  # alike peers, batches of one shape
+        self._pending[id(trainer)] = _Pending(trainer, x, y, key)
         return True
 
     def finish(self, trainer: LocalTrainer) -> None:
         """``trainer``'s step is in its parameters once this returns (every step under way computed, if it was not)."""
         if id(trainer) in self._pending:
             self.flush()
-
-    def cancel(self, trainer: LocalTrainer) -> None:
-        """A peer that crashed mid-step: its step is never taken."""
-        self._pending.pop(id(trainer), None)
 
     def flush(self) -> None:
         """Compute every step under way: one stacked call per group of alike peers, one by one otherwise."""
@@ -126,15 +124,25 @@ class StepBatcher:
         for p in pending.values():
             groups.setdefault(p.key, []).append(p)
         for key, items in groups.items():
+            computed = None
             if len(items) > 1 and key not in self._failed:
                 try:
-                    self._stacked(items)
-                    continue
+                    computed = self._stacked(items)
                 except Exception as e:  # an op without a batching rule, say: correct, only slower, from now on
                     self._failed.add(key)
                     log.warning("batched steps: a stacked call failed (%s): these peers step one by one", e)
-            for p in items:
-                self._single(p)
+            if computed is None:
+                for p in items:
+                    self._single(p)
+                continue
+            grads, losses = computed  # applied apart from the call: an optimizer's error is not a stacking failure
+            for k, p in enumerate(items):
+                p.trainer.opt.zero_grad(set_to_none=True)
+                for param, grad in zip(p.trainer.model.parameters(), grads, strict=True):
+                    param.grad = grad[k]
+                p.trainer.apply_gradients(losses[k], len(p.y))
+            self.stats.stacked_calls += 1
+            self.stats.stacked_steps += len(items)
 
     def _single(self, p: _Pending) -> None:
         t = p.trainer
@@ -144,7 +152,9 @@ class StepBatcher:
         t.apply_gradients(loss.item(), len(p.y))
         self.stats.single_steps += 1
 
-    def _stacked(self, items: list[_Pending]) -> None:
+    def _stacked(self, items: list[_Pending]) -> tuple[list[Tensor], list[float]]:
+        """The gradients of every item's batch at its peer's parameters, in one call: per parameter (in the
+        models' order) a (K, ...) tensor, and the K losses."""
         first = items[0].trainer
         module, workload = first.model, first.workload
         named = [dict(p.trainer.model.named_parameters()) for p in items]
@@ -158,14 +168,7 @@ class StepBatcher:
             return workload.loss(_Applied(module, params), x, y)  # type: ignore[arg-type]
 
         grads, losses = vmap(grad_and_value(loss_of))(stacked, xs, ys)  # {name: (K, ...)}, (K,)
-        values = losses.tolist()
-        for k, (p, params) in enumerate(zip(items, named, strict=True)):
-            p.trainer.opt.zero_grad(set_to_none=True)
-            for n in names:
-                params[n].grad = grads[n][k]
-            p.trainer.apply_gradients(float(values[k]), len(p.y))
-        self.stats.stacked_calls += 1
-        self.stats.stacked_steps += len(items)
+        return [grads[n] for n in names], [float(v) for v in losses.tolist()]
 
 
 class _Applied:
@@ -179,8 +182,8 @@ class _Applied:
         return functional_call(self.module, self.params, args)
 
 
-def _group_key(trainer: LocalTrainer, x: Tensor, y: Tensor) -> Hashable:
-    """Peers whose steps one stacked call can compute: the same parameters (names, shapes, dtypes), the same
-    workload type, batches of the same shapes and dtypes."""
+def _signature(trainer: LocalTrainer) -> tuple[Any, ...]:
+    """What peers whose steps one stacked call computes share (besides their batches' shapes): the model's and
+    the workload's types, and the parameters' names, shapes and dtypes."""
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in trainer.model.named_parameters())
-    return (type(trainer.model), type(trainer.workload), params, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+    return (type(trainer.model), type(trainer.workload), params)
