@@ -21,8 +21,13 @@ from typing import Any, Sequence
 import torch
 
 from gossiptrain.state.local_tensors import like_param, local
-from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
-from gossiptrain.state.snapshot import Entry, entries_of, first_difference
+from gossiptrain.state.optimizer_state import (
+    OptimizerTemplate,
+    fitted_state_dict,
+    optimizer_template,
+    optimizer_tensors,
+    parameter_names,
+)
 
 Named = list[tuple[str, torch.Tensor]]
 Scalars = tuple[tuple[str, int | float], ...]
@@ -44,13 +49,7 @@ def template(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optimi
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
          scalars: Scalars) -> str | None:
     """Load a donor rank's optimizer state into ``optimizer``; why not (nothing loaded), or None."""
-    made = template(model, optimizer)
-    if isinstance(made, str):
-        return made
-    got: tuple[Entry, ...] = entries_of(named)
-    if got != made.entries:
-        return first_difference(made.entries, got)
-    state = made.state_dict([t for _, t in named], scalars)
+    state = fitted_state_dict(model, optimizer, named, scalars, local)
     if isinstance(state, str):
         return state
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -37,7 +37,6 @@ import torch
 
 from gossiptrain.config import Limits, RunConfig, StateConfig
 from gossiptrain.errors import ProtocolError
-from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.protocol.piece_exchange import RankExchanges
 from gossiptrain.protocol.state_transfer.fetcher import Fetcher
 from gossiptrain.runtime import piece_optimizer_state
@@ -46,7 +45,7 @@ from gossiptrain.runtime.loop_thread import LoopThread
 from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 from gossiptrain.runtime.state_endpoint import StateCopy, StateEndpoint
-from gossiptrain.state.snapshot import decode_state, entries_of, flatten, state_nbytes, table_layout
+from gossiptrain.state.snapshot import decode_state, entries_of, flatten, meta_like, state_nbytes, table_layout
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +158,7 @@ class PieceTransfer:
                 theirs = list(result.tensors[len(like):]) if result.optimizer and result.tensors is not None else []
                 extra: list[torch.Tensor] = []
                 if result.optimizer:
-                    extra = list(made.like) if made is not None else [
-                        torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in theirs]
+                    extra = list(made.like) if made is not None else meta_like(theirs)
                 values = decode_state(like + extra, result.data)
                 if isinstance(values, str):
                     fetcher.reject(values)  # fetched again from other donors, within the same bounds

@@ -42,6 +42,24 @@ log = logging.getLogger(__name__)
 WAIT_SMOOTHING = 0.05
 
 
+class WaitShare:
+    """The share of time lately spent waiting for the link (flow control), smoothed over time, not safe points."""
+
+    def __init__(self) -> None:
+        self.share = 0.0
+        self._last: tuple[float, float] | None = None  # (when, seconds waited in all) at the last observation
+        self._waited_sum = self._time_sum = 0.0
+
+    def observe(self, now: float, waited: float) -> float:
+        """At a safe point, ``now``, having waited ``waited`` seconds in all so far: the share, updated."""
+        last, self._last = self._last, (now, waited)
+        if last is not None and now > last[0]:
+            self._waited_sum = (1 - WAIT_SMOOTHING) * self._waited_sum + (waited - last[1])
+            self._time_sum = (1 - WAIT_SMOOTHING) * self._time_sum + (now - last[0])
+            self.share = min(1.0, self._waited_sum / self._time_sum)
+        return self.share
+
+
 class SafePoint:
     """Feeds one peer's averaging state machine at each local step."""
 
@@ -75,9 +93,7 @@ class SafePoint:
         # (gossiptrain.protocol.stability); None: off (``gossip.guard = false``).
         self.guard: StabilityGuard | None = None
         # The share of time spent waiting for the link (flow control) lately, smoothed over about 20 safe points.
-        self.wait_share = 0.0
-        self._last_call: tuple[float, float] | None = None  # (when, seconds waited in all) at the last safe point
-        self._waited_sum = self._time_sum = 0.0
+        self._waits = WaitShare()
         node.take_on_network(averaging.network_kinds, self.on_network)
         averaging.receipts.enabled = True  # our node acknowledges every push it takes, so pushers may wait for receipts
 
@@ -153,14 +169,13 @@ class SafePoint:
 
     # -- flow control ----------------------------------------------------------------------------
 
+    @property
+    def wait_share(self) -> float:
+        """The share of time lately spent waiting for the link (``WaitShare``)."""
+        return self._waits.share
+
     def _measure_waits(self, now: float) -> None:
-        waited = self.averaging.stats.waited_s
-        last = self._last_call
-        self._last_call = (now, waited)
-        if last is not None and now > last[0]:  # smoothed sums, so that the share is one of time, not of safe points
-            self._waited_sum = (1 - WAIT_SMOOTHING) * self._waited_sum + (waited - last[1])
-            self._time_sum = (1 - WAIT_SMOOTHING) * self._time_sum + (now - last[0])
-            self.wait_share = min(1.0, self._waited_sum / self._time_sum)
+        self._waits.observe(now, self.averaging.stats.waited_s)
 
     def hold(self) -> float:
         """Seconds the training loop should wait now for the exchange in flight (0: go on); see ``Averaging.hold_until``."""

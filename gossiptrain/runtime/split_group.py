@@ -89,7 +89,7 @@ from gossiptrain.runtime.peer_group import PeerGroup
 from gossiptrain.runtime.piece_link import PieceLink
 from gossiptrain.runtime.piece_methods import PieceMethods
 from gossiptrain.runtime.piece_transfer import PieceTransfer
-from gossiptrain.runtime.safepoint import WAIT_SMOOTHING
+from gossiptrain.runtime.safepoint import WaitShare
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +174,7 @@ class SplitGroup:
         self.waits, self.waited_s = 0, 0.0  # holds (of one or more safe points without a local step), and their time
         # The share of time spent in holds lately (smoothed as a whole-model peer's ``SafePoint.wait_share``): the
         # leader's decides whether quasi-global momentum runs (only while the link keeps up)
-        self.wait_share = 0.0
-        self._wait_sums: tuple[float, float] = (0.0, 0.0)  # smoothed (waited, elapsed)
-        self._last_wait_mark: tuple[float, float] | None = None  # (when, waited_s) at the last local step's safe point
+        self._waits = WaitShare()
         # leader: when each exchange of ours started, and how long they take to be decided (what makes one late)
         self._started: dict[int, float] = {}
         self._rtt = RttEstimator(0.0, timeout)
@@ -245,9 +243,8 @@ class SplitGroup:
             if round_trip_steps is not None:
                 mine["round_trip_steps"] = round_trip_steps
             if methods is not None and methods.quasi_global:
-                if local_step:
-                    self._measure_waits(now)
-                mine["keeps_up"] = self.wait_share < LINK_BOUND_SHARE
+                share = self._waits.observe(now, self.waited_s) if local_step else self._waits.share
+                mine["keeps_up"] = share < LINK_BOUND_SHARE
             if hold_bound is not None and self._may_hold(now):
                 mine["hold"] = hold_bound
             if self._auto is not None:
@@ -323,16 +320,6 @@ class SplitGroup:
         if methods is not None and "members" in told:
             methods.members = max(1, int(told["members"]))
         return told
-
-    def _measure_waits(self, now: float) -> None:
-        """Leader, at a local step's safe point: the share of time lately spent in holds (``wait_share``)."""
-        last, self._last_wait_mark = self._last_wait_mark, (now, self.waited_s)
-        if last is not None and now > last[0]:
-            waited, elapsed = self._wait_sums
-            waited = (1 - WAIT_SMOOTHING) * waited + (self.waited_s - last[1])
-            elapsed = (1 - WAIT_SMOOTHING) * elapsed + (now - last[0])
-            self._wait_sums = (waited, elapsed)
-            self.wait_share = min(1.0, waited / elapsed)
 
     def _may_hold(self, now: float) -> bool:
         """Leader: whether our exchange in flight is young enough to hold the group for (see the module docstring)."""

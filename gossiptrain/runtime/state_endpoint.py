@@ -28,7 +28,6 @@ import torch
 
 from gossiptrain.config import RunConfig
 from gossiptrain.errors import GossipError
-from gossiptrain.net.dtypes import DTYPES
 from gossiptrain.net.kinds import SACK, SREP, SREQ
 from gossiptrain.net.wire import Message
 from gossiptrain.protocol.state_transfer import TransferResult
@@ -44,15 +43,21 @@ from gossiptrain.protocol.state_transfer.messages import (
     RequestChunk,
 )
 from gossiptrain.runtime.clock import Clock
-from gossiptrain.state.optimizer_state import OptimizerTemplate, optimizer_template, optimizer_tensors, parameter_names
+from gossiptrain.state.optimizer_state import (
+    OptimizerTemplate,
+    fitted_state_dict,
+    optimizer_template,
+    optimizer_tensors,
+    parameter_names,
+)
 from gossiptrain.state.snapshot import (
     Entry,
     Snapshot,
     decode_state,
     entries_of,
-    first_difference,
     flatten,
     layout_of,
+    meta_like,
     state_nbytes,
     state_tensors,
     table_layout,
@@ -272,7 +277,7 @@ async def catch_up(
         # Kept aside: the optimizer tensors the donor listed (the fetcher took its table), checked at binding.
         kept = result.tensors[len(live):] if result.optimizer and aside and result.tensors is not None else ()
         like = live + (list(template.like) if result.optimizer and template is not None else [])
-        like += [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in kept]
+        like += meta_like(kept)
         decoded = decode_state(like, result.data)
         problem = decoded if isinstance(decoded, str) else None
         optim_state: dict[str, Any] | None = None
@@ -304,13 +309,7 @@ def aside_state_dict(
     so it is checked now as a download for it would have been: against its
     template, name, dtype and shape of every tensor, and type of every scalar.
     """
-    template = optimizer_template(model, optimizer)
-    if isinstance(template, str):
-        return template
-    got = entries_of(result.optimizer_aside)
-    if got != template.entries:
-        return first_difference(template.entries, got)
-    return template.state_dict([t for _, t in result.optimizer_aside], result.scalars)
+    return fitted_state_dict(model, optimizer, result.optimizer_aside, result.scalars)
 
 
 # -- the donor's safe point --------------------------------------------------------------

@@ -145,11 +145,7 @@ class StepBatcher:
             self.stats.stacked_steps += len(items)
 
     def _single(self, p: _Pending) -> None:
-        t = p.trainer
-        loss = t.workload.loss(t.forward, p.x, p.y)
-        t.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t.apply_gradients(loss.item(), len(p.y))
+        p.trainer.train_on(p.x, p.y)
         self.stats.single_steps += 1
 
     def _stacked(self, items: list[_Pending]) -> tuple[list[Tensor], list[float]]:

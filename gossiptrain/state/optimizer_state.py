@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from gossiptrain.state.snapshot import OPTIMIZER_PREFIX, Entry, entries_of
+from gossiptrain.state.snapshot import OPTIMIZER_PREFIX, Entry, entries_of, first_difference
 
 
 def optimizer_tensors(
@@ -131,3 +131,19 @@ def optimizer_template(
     return OptimizerTemplate(
         entries_of(tensors), like, tuple((n, type(v)) for n, v in scalars), index, optimizer.state_dict()["param_groups"]
     )
+
+
+def fitted_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, torch.Tensor]],
+    scalars: Sequence[tuple[str, int | float]], local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, Any] | str:
+    """``optimizer.load_state_dict``'s argument from a donor's optimizer state (named tensors and scalars), or why it
+    does not fit ``optimizer``: checked against its template (``local``: at a split model's rank's shapes), name,
+    dtype and shape of every tensor, and type of every scalar."""
+    template = optimizer_template(model, optimizer, local)
+    if isinstance(template, str):
+        return template
+    got = entries_of(named)
+    if got != template.entries:
+        return first_difference(template.entries, got)
+    return template.state_dict([t for _, t in named], scalars)

@@ -89,10 +89,14 @@ def first_difference(ours: Sequence[Entry], theirs: Sequence[Entry]) -> str:
     return "the tensors come in another order"
 
 
+def meta_like(entries: Sequence[Entry]) -> list[torch.Tensor]:
+    """Meta tensors of the dtypes and shapes ``entries`` list: what ``decode_state`` needs of a table."""
+    return [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in entries]
+
+
 def tensors_from(entries: Sequence[Entry], data: torch.Tensor) -> dict[str, torch.Tensor] | str:
     """``data`` cut into the named tensors ``entries`` describe (copies), or why not (see ``decode_state``)."""
-    like = [torch.empty(shape, dtype=DTYPES[dtype], device="meta") for _, dtype, shape in entries]
-    values = decode_state(like, data)
+    values = decode_state(meta_like(entries), data)
     if isinstance(values, str):
         return values
     return {name: v for (name, _, _), v in zip(entries, values, strict=True)}

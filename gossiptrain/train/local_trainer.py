@@ -153,9 +153,10 @@ class LocalTrainer:
         """One optimizer step on the next mini-batch (clipped, then scheduled, where the workload says); returns its
         loss, or None where the data is leased and no chunk can be claimed now (wait a little, then step again)."""
         batch = self.next_batch()
-        if batch is None:
-            return None
-        x, y = batch
+        return None if batch is None else self.train_on(*batch)
+
+    def train_on(self, x: Tensor, y: Tensor) -> float:
+        """One optimizer step on the batch ``x`` (B, ...), ``y`` (B,): the gradient, then ``apply_gradients``."""
         if self.pipeline is not None:
             self.opt.zero_grad(set_to_none=True)
             loss = self.pipeline(x, y)  # the stages' forward and backward (gossiptrain.train.split_loop)
