@@ -203,7 +203,7 @@ def test_a_swarm_too_big_for_memory_is_refused_up_front_with_the_estimate(capsys
     assert main(["simulate", "--peers", "5000", "--max-memory", "2G"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert "simulating 5000 peers of digits needs about 77.1 GB" in err and "above --max-memory 2 GB" in err, err
+    assert "simulating 5000 peers of digits needs about 25.9 GB" in err and "above --max-memory 2 GB" in err, err
     assert "use fewer --peers" in err and "--max-memory SIZE (or none)" in err, err
 
 
@@ -214,5 +214,5 @@ def test_the_estimate_is_printed_before_the_peers_start(capsys: pytest.CaptureFi
                "--max-memory", "1G"])
     assert rc == 0
     first = capsys.readouterr().err.splitlines()[0]
-    # 2 peers: 2 x (64 KB + 16 model copies) + 4 views entries of 3 KB + 4 model copies, the model 264 bytes
-    assert first == "simulating 2 peers of logreg (264 B model): about 153 KB of memory at most, estimated (1 GB --max-memory); starting"
+    # 2 peers: 2 x (64 KB + 16 model copies) + 4 views entries of 1 KB + 4 model copies, the model 264 bytes
+    assert first == "simulating 2 peers of logreg (264 B model): about 145 KB of memory at most, estimated (1 GB --max-memory); starting"

@@ -149,7 +149,7 @@ class Merger:
         else:
             return
         if e.by == self._view.me.id or self._live_sender(e.by):  # a made-up suspector confirms nothing
-            rec.suspectors.add(e.by)
+            rec.suspectors = rec.suspectors | {e.by}
         self._broadcasts.broadcast(e)
 
     def _down(self, rec: Record, e: Member, now: float, actions: list[Action]) -> None:

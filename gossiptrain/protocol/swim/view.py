@@ -24,19 +24,23 @@ never drift from them:
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, SUSPECT, Member
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
-    """What we hold of one member other than ourselves."""
+    """What we hold of one member other than ourselves.
+
+    A view holds one for every member (n^2 in a swarm): slots, and no set of its own until someone suspects it
+    (``suspectors`` is replaced, never changed in place).
+    """
 
     member: Member
     changed_at: float  # local time of the last state change (tombstones are forgotten from it)
-    suspectors: set[str] = field(default_factory=set)  # independent members that suspect it (this incarnation)
+    suspectors: frozenset[str] = frozenset()  # independent members that suspect it (this incarnation)
     rtt: tuple[float, float] | None = None  # smoothed round trip of our direct probes of it, and its variation
 
 
@@ -181,7 +185,7 @@ class View:
     def set(self, rec: Record, member: Member, now: float) -> None:
         """Record a new claim about a member, keeping the suspect index in step."""
         if member.state != SUSPECT or member.incarnation != rec.member.incarnation or rec.member.state != SUSPECT:
-            rec.suspectors = set()
+            rec.suspectors = frozenset()
         self._index(member, rec.member)
         rec.member = member
         rec.changed_at = now
