@@ -70,16 +70,24 @@ class Member:
         no value that merely compares equal (True for 1, 1.0 for 1) can
         pass for a checked one.
         """
-        if type(raw) is list and list(map(type, raw)) in (_ENTRY_TYPES, _RELAY_ENTRY_TYPES):
+        if type(raw) is not list:
+            return cls._checked(raw)
+        try:
             key = tuple(raw)
             known = _VALIDATED.get(key)
-            if known is None:
-                known = cls._checked(raw)
-                if len(_VALIDATED) >= _VALIDATED_MAX:
-                    _VALIDATED.clear()
-                _VALIDATED[key] = known
+        except TypeError:  # an unhashable field: malformed
+            return cls._checked(raw)
+        # A hit equals a valid entry field by field. Strings equal only strings, so only the numbers can be
+        # something else that compares equal (True or 1.0 for 1): their types are checked, not the strings'.
+        if known is not None and type(raw[2]) is int and type(raw[3]) is int and (len(raw) == 6 or raw[6] is True):
             return known
-        return cls._checked(raw)
+        if list(map(type, raw)) not in (_ENTRY_TYPES, _RELAY_ENTRY_TYPES):
+            return cls._checked(raw)
+        known = cls._checked(raw)
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[key] = known
+        return known
 
     @classmethod
     def _checked(cls, raw: Any) -> "Member":

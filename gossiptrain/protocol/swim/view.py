@@ -56,6 +56,7 @@ class View:
         self._live_version = 0  # one more whenever a record becomes live or stops being live (for alive_ids)
         self._live_sorted: list[str] = []  # the ids of the live records (alive or suspect), sorted
         self._dead_ids: dict[str, None] = {}  # the ids of the records held dead (kept by _index), in order
+        self._gone: dict[str, None] = {}  # the ids of the records held dead or left (kept by _index): the tombstones
         self._alive_ids_cache: tuple[tuple[int, str | None], tuple[str, ...]] | None = None
         self._hearsay: set[str] = set()  # tombstones of members we never knew (bounded by the merge)
         self._suspects: set[str] = set()  # whose suspicion timers run
@@ -206,10 +207,12 @@ class View:
     def forget_tombstones(self, now: float, forget_after: float) -> list[str]:
         """Drop the dead and departed whose verdict is older than ``forget_after`` seconds; returns their ids."""
         forgotten = []
-        for mid, rec in list(self._records.items()):
-            if rec.member.state in (DEAD, LEFT) and now - rec.changed_at > forget_after:
+        for mid in list(self._gone):  # not every record: a sweep of a view of n members was n^2 a swarm's period
+            rec = self._records[mid]
+            if now - rec.changed_at > forget_after:
                 del self._records[mid]
                 self._dead_ids.pop(mid, None)
+                del self._gone[mid]
                 self._version += 1  # (a dead or left record: who is live is unchanged)
                 self._by_addr.get(rec.member.addr, {}).pop(mid, None)
                 if not self._by_addr.get(rec.member.addr, True):
@@ -229,6 +232,10 @@ class View:
             self._dead_ids[member.id] = None
         elif old is not None and old.state == DEAD:
             self._dead_ids.pop(member.id, None)
+        if member.state in (DEAD, LEFT):
+            self._gone[member.id] = None
+        elif old is not None and old.state in (DEAD, LEFT):
+            del self._gone[member.id]
         live = member.state in (ALIVE, SUSPECT)
         if live != (old is not None and old.state in (ALIVE, SUSPECT)):
             self._live_version += 1
