@@ -199,6 +199,10 @@ class Membership:
     def suspects(self) -> list[str]:
         return self._view.suspect_ids()
 
+    def has_suspects(self) -> bool:
+        """Whether any member is held suspect now (cheaper than ``suspects()``; safe to ask from another thread)."""
+        return self._view.has_suspects()
+
     def sample(self, k: int) -> list[Member]:
         """Up to ``k`` live members, ourselves always included (a newcomer's seed list)."""
         others = [m for m in self.alive() if m.id != self.me.id]

@@ -171,6 +171,9 @@ class PeerNode(JoinAnsweringEndpoint):
         # A split peer's leader (issue 48): our layout and every rank's piece-link address, for a partner's hello.
         self.piece_introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
         self._clients_looked_at: tuple[tuple[str, ...] | None, bool] = (None, False)  # (view, it holds a client)
+        # (view, our neighbours in it): asked at every step, the same until the view changes where the topology
+        # does not vary with the round and every member can be sent to (no clients behind NAT)
+        self._neighbours_of_view: tuple[tuple[str, ...] | None, list[str]] = (None, [])
         self._relays_wanted = False  # a client that reaches other clients through a relay (``use_relays``)
         self._relay_looked_at = -math.inf  # when _pick_relay last ran
         self.handlers = {
@@ -217,7 +220,10 @@ class PeerNode(JoinAnsweringEndpoint):
         """
         reachable = self._graph_neighbours(round)
         now = self.clock.now()
-        usable = [m for m in reachable if self._usable(m, now)]
+        if self._unsendable_until or self.membership.has_suspects():
+            usable = [m for m in reachable if self._usable(m, now)]
+        else:
+            usable = reachable  # every neighbour is usable: no pass over all of them at every step
         if usable or len(reachable) + 1 >= len(self._view):
             return usable or reachable
         me = self.me.id
@@ -237,6 +243,9 @@ class PeerNode(JoinAnsweringEndpoint):
     def _graph_neighbours(self, round: int) -> list[str]:
         """Our topology neighbours at ``round`` that we can send to (directly, or through our relay)."""
         view = self._view
+        static = not self.topology.time_varying
+        if static and self._neighbours_of_view[0] is view:
+            return list(self._neighbours_of_view[1])
         try:
             i = view.index(self.me.id)
         except ValueError:
@@ -253,6 +262,10 @@ class PeerNode(JoinAnsweringEndpoint):
         # A client-mode member (behind NAT) that has not opened a connection to us yet cannot be sent to; two
         # clients only through a relay. It reaches us when its own turn comes, or its probes and exchanges open
         # the way.
+        if static and not self._holds_clients(view):
+            neighbours = [view[j] for j in chosen]  # every member can be sent to: the same at every step of this view
+            self._neighbours_of_view = (view, neighbours)
+            return list(neighbours)
         return [view[j] for j in chosen if self._can_reach_id(view[j], relayed=True)]
 
     def _sendable(self) -> tuple[str, ...]:
@@ -262,11 +275,17 @@ class PeerNode(JoinAnsweringEndpoint):
         holds a client at all is looked at once per view.
         """
         view = self._view
-        if view is not self._clients_looked_at[0]:
-            self._clients_looked_at = (view, any(is_client_address(self._address_of(m) or "") for m in view))
-        if not self._clients_looked_at[1]:
+        if not self._holds_clients(view):
             return view
         return tuple(m for m in view if self._can_reach_id(m))
+
+    def _holds_clients(self, view: tuple[str, ...]) -> bool:
+        """Whether ``view`` holds a client-mode member (behind NAT), which not everyone can send to: looked at once
+        per view."""
+        looked = self._clients_looked_at
+        if view is not looked[0]:
+            looked = self._clients_looked_at = (view, any(is_client_address(self._address_of(m) or "") for m in view))
+        return looked[1]
 
     def _can_reach_id(self, member_id: str, *, relayed: bool = False) -> bool:
         """Whether we can send to ``member_id``: directly, or (``relayed``: exchanges) through our relay."""

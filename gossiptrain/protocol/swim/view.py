@@ -130,6 +130,9 @@ class View:
     def suspect_ids(self) -> list[str]:
         return sorted(self._suspects)
 
+    def has_suspects(self) -> bool:
+        return bool(self._suspects)
+
     def placeholders(self) -> list[Record]:
         """The records of a welcome's placeholders (incarnation 0) whose members have not started yet: their grace runs."""
         return [self._records[mid] for mid in self._newcomers]
