@@ -42,6 +42,7 @@ import random
 from typing import Callable
 
 from gossiptrain.config import MembershipConfig
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.net.kinds import ACK, GOSSIP, LEAVE, SYNC
 from gossiptrain.protocol.candidates import Candidates
 from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, SUSPECT, Member, least_loaded_shard
@@ -202,6 +203,11 @@ class Membership:
     def has_suspects(self) -> bool:
         """Whether any member is held suspect now (cheaper than ``suspects()``; safe to ask from another thread)."""
         return self._view.has_suspects()
+
+    def holds_clients(self) -> bool:
+        """Whether a live member, ourselves included, is a client-mode member (behind NAT): not everyone can send to
+        it. Kept as members change, so asking costs nothing (another thread may ask)."""
+        return self._view.live_clients() > 0 or (self.me.state == ALIVE and is_client_address(self.me.addr))
 
     def sample(self, k: int) -> list[Member]:
         """Up to ``k`` live members, ourselves always included (a newcomer's seed list)."""

@@ -170,7 +170,6 @@ class PeerNode(JoinAnsweringEndpoint):
         self.ready_count = 0  # live members known ready, for the trainer thread to read
         # A split peer's leader (issue 48): our layout and every rank's piece-link address, for a partner's hello.
         self.piece_introduction: tuple[PieceLayout, tuple[str, ...]] | None = None
-        self._clients_looked_at: tuple[tuple[str, ...] | None, bool] = (None, False)  # (view, it holds a client)
         # (view, our neighbours in it): asked at every step, the same until the view changes where the topology
         # does not vary with the round and every member can be sent to (no clients behind NAT)
         self._neighbours_of_view: tuple[tuple[str, ...] | None, list[str]] = (None, [])
@@ -262,7 +261,7 @@ class PeerNode(JoinAnsweringEndpoint):
         # A client-mode member (behind NAT) that has not opened a connection to us yet cannot be sent to; two
         # clients only through a relay. It reaches us when its own turn comes, or its probes and exchanges open
         # the way.
-        if static and not self._holds_clients(view):
+        if static and not self.membership.holds_clients():
             neighbours = [view[j] for j in chosen]  # every member can be sent to: the same at every step of this view
             self._neighbours_of_view = (view, neighbours)
             return list(neighbours)
@@ -275,17 +274,9 @@ class PeerNode(JoinAnsweringEndpoint):
         holds a client at all is looked at once per view.
         """
         view = self._view
-        if not self._holds_clients(view):
+        if not self.membership.holds_clients():
             return view
         return tuple(m for m in view if self._can_reach_id(m))
-
-    def _holds_clients(self, view: tuple[str, ...]) -> bool:
-        """Whether ``view`` holds a client-mode member (behind NAT), which not everyone can send to: looked at once
-        per view."""
-        looked = self._clients_looked_at
-        if view is not looked[0]:
-            looked = self._clients_looked_at = (view, any(is_client_address(self._address_of(m) or "") for m in view))
-        return looked[1]
 
     def _can_reach_id(self, member_id: str, *, relayed: bool = False) -> bool:
         """Whether we can send to ``member_id``: directly, or (``relayed``: exchanges) through our relay."""

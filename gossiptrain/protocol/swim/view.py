@@ -27,6 +27,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable
 
+from gossiptrain.net.address_forms import is_client_address
 from gossiptrain.protocol.member import ALIVE, DEAD, LEFT, SUSPECT, Member
 
 
@@ -62,6 +63,7 @@ class View:
         self._suspects: set[str] = set()  # whose suspicion timers run
         self._newcomers: set[str] = set()  # a welcome's placeholders (incarnation 0) not started yet
         self._started = 0  # live records at an incarnation > 0 (kept by _index): who could confirm a suspicion
+        self._live_clients = 0  # live records at a client-mode address (behind NAT; kept by _index)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -132,6 +134,10 @@ class View:
 
     def has_suspects(self) -> bool:
         return bool(self._suspects)
+
+    def live_clients(self) -> int:
+        """How many live members (not counting ourselves) are client-mode members, which not everyone can send to."""
+        return self._live_clients
 
     def placeholders(self) -> list[Record]:
         """The records of a welcome's placeholders (incarnation 0) whose members have not started yet: their grace runs."""
@@ -231,6 +237,7 @@ class View:
         self._by_addr.setdefault(member.addr, {})[member.id] = None
         self._version += 1
         self._started += _is_started(member) - (old is not None and _is_started(old))
+        self._live_clients += _is_live_client(member) - (old is not None and _is_live_client(old))
         if member.state == DEAD:
             self._dead_ids[member.id] = None
         elif old is not None and old.state == DEAD:
@@ -251,6 +258,10 @@ class View:
 def _is_started(m: Member) -> bool:
     """A live member past its welcome's placeholder: one that probes and could confirm a suspicion."""
     return m.state in (ALIVE, SUSPECT) and m.incarnation > 0
+
+
+def _is_live_client(m: Member) -> bool:
+    return m.state in (ALIVE, SUSPECT) and is_client_address(m.addr)
 
 
 def _insert_sorted(ids: list[str], mid: str) -> None:
