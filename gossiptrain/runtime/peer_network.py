@@ -242,8 +242,10 @@ class PeerNode(JoinAnsweringEndpoint):
     def _graph_neighbours(self, round: int) -> list[str]:
         """Our topology neighbours at ``round`` that we can send to (directly, or through our relay)."""
         view = self._view
-        static = not self.topology.time_varying
-        if static and self._neighbours_of_view[0] is view:
+        # Every member can be sent to (nobody is behind NAT, counted as members change) and the graph does not
+        # change with the round: the neighbours are those of the view
+        fixed = not self.topology.time_varying and not self.membership.holds_clients()
+        if fixed and self._neighbours_of_view[0] is view:
             return list(self._neighbours_of_view[1])
         try:
             i = view.index(self.me.id)
@@ -261,8 +263,8 @@ class PeerNode(JoinAnsweringEndpoint):
         # A client-mode member (behind NAT) that has not opened a connection to us yet cannot be sent to; two
         # clients only through a relay. It reaches us when its own turn comes, or its probes and exchanges open
         # the way.
-        if static and not self.membership.holds_clients():
-            neighbours = [view[j] for j in chosen]  # every member can be sent to: the same at every step of this view
+        if fixed:
+            neighbours = [view[j] for j in chosen]
             self._neighbours_of_view = (view, neighbours)
             return list(neighbours)
         return [view[j] for j in chosen if self._can_reach_id(view[j], relayed=True)]
