@@ -12,7 +12,7 @@ rank takes an SGD step before each safe point, and at the end both ranks
 run the model on one probe batch (``DIR/PEER-probe.safetensors``): what
 FSDP2 computes from the shards the exchanges wrote. With ``flow``, every
 rank of A takes an SGD step before each safe point and A's leader asks for
-flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 100 ms
+flow control with a bound of ``FLOW_BOUND`` steps, while B pauses 200 ms
 between its safe points (where it answers); A's ranks write how many local
 steps they took between merges; pieces travel with ``auto`` compression,
 at the level each peer's leader sets. With ``download``, A downloads B's
@@ -139,7 +139,7 @@ def main(peer: str, rank: int, port: int, kind: str, out: Path, exchanges: int, 
             if group.stats.committed > merges:
                 merges, between, steps = group.stats.committed, between + [steps], 0
         elif flow:
-            time.sleep(0.1)  # a slow server: A's requests wait for B's next safe point
+            time.sleep(0.2)  # a slow server: A's requests wait for B's next safe point (A, even loaded, gets ahead)
         if peer == "A" and kill:
             finished = group.stats.aborted >= 1 and not group.busy
         elif peer == "A":  # (B refuses a request while A's word on the last one has not come: A asks again)

@@ -102,7 +102,7 @@ def test_fsdp2_computes_with_the_shards_the_exchanges_wrote_while_both_peers_tra
 
 
 def test_flow_control_holds_every_rank_of_a_peer_ahead_of_its_link(procs: Procs, tmp_path: Path) -> None:
-    """A steps as fast as it can while B answers only every 100 ms (``tests/split_ranks.py flow``): A's leader's bound
+    """A steps as fast as it can while B answers only every 200 ms (``tests/split_ranks.py flow``): A's leader's bound
     of FLOW_BOUND local steps past the last merge holds both of A's ranks alike (the same holds, the same steps
     between merges), and most merges come within the bound (a reply later than two typical round trips is not held
     for: under load a few may)."""
