@@ -213,7 +213,7 @@ def test_a_closed_transports_links_are_forgotten_and_what_was_on_them_still_coun
     """Simulated churn opens new addresses for ever: the network keeps state only for links of open transports."""
 
     async def main() -> None:
-        network = SimNetwork(LinkProfile(latency=0.02))
+        network = SimNetwork(LinkProfile(latency=0.5))  # (real time: long enough for b to close first, even loaded)
         async with node(network, "a") as a, node(network, "c") as c:
             for generation in range(5):  # b crashes and comes back under a new address, as a rejoin does
                 b = await node(network, f"b{generation}").start()
@@ -224,6 +224,7 @@ def test_a_closed_transports_links_are_forgotten_and_what_was_on_them_still_coun
             await until(lambda: network.in_flight == 0, "the messages to arrive")
             assert network.stats.unreachable == 5 and a.stats.send_dropped == 5  # a's to each b, counted
             assert len(c.inbox) + len(a.inbox) == 11  # the b's 10 to a and c, and a's to c, arrived
+            assert network.links_held == 0  # idle links are not kept: the next message starts a fresh one
 
     asyncio.run(main())
 

@@ -137,11 +137,12 @@ class _InFlight:
 class _Link:
     """The state of one directed link: when its transmitter is free, and what is on the wire.
 
-    A swarm keeps a link for every pair that has talked (n^2 once every view is full), and most are idle: the
-    two queues exist only while they hold something (two empty deques were 1.7 KB of the 2.7 KB a view entry
-    cost, membership only).
+    Held only while a message is on it or leaving its transmitter: an idle link behaves as a fresh one (it is
+    free now and its last message has arrived), and a swarm's members all end up talking to each other (n^2
+    links; two empty queues each were 1.7 KB of the 2.7 KB a view entry cost, membership only).
     """
 
+    key: tuple[str, str]  # (source address, destination address)
     free_at: float = 0.0
     last_arrival: float = 0.0
     sending_until: deque[float] | None = None  # end of transmission, per queued message
@@ -161,10 +162,7 @@ class SimNetwork:
         self.stats = NetworkStats()
         self._rng = random.Random(seed)
         self._profiles: dict[tuple[str, str], LinkProfile] = {}
-        self._links: dict[tuple[str, str], _Link] = {}
-        # address -> the addresses it has a link with, either way: a closed transport's links go with it
-        # (simulated churn opens new addresses for ever; 32 members, 200 crashes: 12,890 links kept, 0 live)
-        self._linked: dict[str, set[str]] = {}
+        self._links: dict[tuple[str, str], _Link] = {}  # the links with a message on them (see _Link)
         self._transports: dict[str, SimTransport] = {}
         self._routes: set[tuple[str, str]] = set()  # (address, client address): the client has sent to address
         self._groups: dict[str, int] = {}
@@ -225,7 +223,7 @@ class SimNetwork:
 
     @property
     def links_held(self) -> int:
-        """Directed links whose state is kept: only between addresses that are, or were until they closed, talking."""
+        """Directed links whose state is kept: those with a message on them, between open transports."""
         return len(self._links)
 
     @property
@@ -260,9 +258,7 @@ class SimNetwork:
             self._routes.add((dst, src))
         link = self._links.get(key)
         if link is None:
-            link = self._links[key] = _Link(free_at=now, last_arrival=now)
-            self._linked.setdefault(src, set()).add(dst)
-            self._linked.setdefault(dst, set()).add(src)
+            link = self._links[key] = _Link(key, free_at=now, last_arrival=now)
         queued = link.sending_until
         if queued is not None:
             while queued and queued[0] <= now:
@@ -309,8 +305,8 @@ class SimNetwork:
         item = wire.popleft()
         if not wire:  # nothing on the wire: every message sent on it has left the transmitter, unless one was lost
             link.wire = None
-            if self._loop is not None and link.free_at <= self._loop.time():
-                link.sending_until = None
+            if self._loop is not None and link.free_at <= self._loop.time() and self._links.get(link.key) is link:
+                del self._links[link.key]  # idle: the next message starts a fresh link, which behaves the same
         target = item.target
         if self._transports.get(target.address) is not target:
             self.stats.unreachable += 1
@@ -337,7 +333,6 @@ class SimNetwork:
         # what was on the wire is lost, and their addresses are free again.
         self.stats.unreachable += sum(len(link.wire) for link in self._links.values() if link.wire)
         self._links.clear()
-        self._linked.clear()
         self._routes.clear()
         self._transports.clear()
         self._loop = loop
@@ -370,16 +365,12 @@ class SimNetwork:
     def _forget_links(self, address: str) -> None:
         """Drop the links to and from ``address``, whose transport closed (what is on their wire still arrives, or
         is counted unreachable: its timers hold the link), and the routes a client there had opened."""
-        for other in self._linked.pop(address, ()):
-            self._links.pop((address, other), None)
-            self._links.pop((other, address), None)
-            self._routes.discard((other, address))
-            self._routes.discard((address, other))
-            peers = self._linked.get(other)
-            if peers is not None:
-                peers.discard(address)
-                if not peers:
-                    del self._linked[other]
+        # (simulated churn opens new addresses for ever: nothing of a closed one may stay.) Only the links with a
+        # message on them are held, and only clients open routes: both are few.
+        for key in [key for key in self._links if address in key]:
+            del self._links[key]
+        if self._routes:
+            self._routes = {route for route in self._routes if address not in route}
 
     def _move(self, transport: SimTransport, address: str) -> None:
         """``transport`` is known at ``address`` from now on (it became a client); its old address is free."""
