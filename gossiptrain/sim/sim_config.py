@@ -19,8 +19,8 @@ from gossiptrain.sim.collectives import ALLREDUCE
 from gossiptrain.sim.faults import ChurnEvent, PartitionSpec
 
 #: The simulator's memory, fitted on runs measured with ``/usr/bin/time -v`` (docs/how-to/simulator.md, "How fast it
-#: runs"): once the swarm has gossiped, every view holds every member, about 1 KB an entry with the simulated link
-#: between the two (n^2 in all: 1.14 GB at 1,000 members, membership only); each peer's own runtime about 64 KB; each
+#: runs"): once the swarm has gossiped, every view holds every member, under 1 KB an entry (n^2 in all: 0.82 GB at
+#: 1,000 members, membership only, 40 virtual s; 1 KB leaves room); each peer's own runtime about 64 KB; each
 #: training peer some 16 copies of the model's parameters and buffers (its model, gradients, optimizer state, averaging
 #: buffers: digits' 4.5 MB model, 68 MB a peer).
 VIEW_ENTRY_BYTES = 1 << 10
